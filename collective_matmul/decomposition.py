@@ -1,0 +1,111 @@
+"""`Decomposition`: one candidate way to run a collective matmul."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Method = Literal["baseline", "ring"]
+Direction = Literal["unidirectional", "bidirectional"]
+Unroll = Literal["full", 1, 2]
+# All-gather side: how output blocks are assembled.  Reduce-scatter side: the dtype of the
+# accumulator that travels round the ring.
+Accumulate = Literal["update_slice", "concat", "input_dtype", "float32"]
+
+ALLGATHER_ACCUMULATE: tuple[str, ...] = ("update_slice", "concat")
+REDUCE_SCATTER_ACCUMULATE: tuple[str, ...] = ("input_dtype", "float32")
+CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
+UNROLL_CHOICES: tuple[Unroll, ...] = ("full", 1, 2)
+
+_SHORT = {
+    "unidirectional": "uni",
+    "bidirectional": "bi",
+    "update_slice": "dus",
+    "concat": "cat",
+    "input_dtype": "in",
+    "float32": "f32",
+}
+
+
+class Decomposition(BaseModel):
+    """One candidate decomposition of a collective matmul.
+
+    Fields are independent knobs; each value gives a distinct program.  ``accumulate=None``
+    means the collective's default (``update_slice`` for the all-gather side, ``float32`` for
+    the reduce-scatter side).  Fields other than ``method`` must keep their defaults when
+    ``method="baseline"`` so that there is exactly one baseline.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Method = "ring"
+    direction: Direction = "unidirectional"
+    chunks: int = Field(default=1, ge=1, le=64)
+    unroll: Unroll = "full"
+    accumulate: Accumulate | None = None
+
+    @field_validator("chunks")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"chunks must be a power of two (1, 2, 4, ...), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _baseline_has_no_ring_fields(self) -> Decomposition:
+        if self.method == "baseline":
+            ring_fields = {
+                name: getattr(self, name)
+                for name in ("direction", "chunks", "unroll", "accumulate")
+                if getattr(self, name) != type(self).model_fields[name].default
+            }
+            if ring_fields:
+                raise ValueError(
+                    f"method='baseline' takes no ring fields; remove {sorted(ring_fields)}"
+                )
+        return self
+
+    @classmethod
+    def baseline(cls) -> Decomposition:
+        """The collective followed by the einsum, as XLA would run it."""
+        return cls(method="baseline")
+
+    @property
+    def id(self) -> str:
+        """Short stable id for display, e.g. ``ring-bi-c4-u2-f32``."""
+        if self.method == "baseline":
+            return "baseline"
+        unroll = "full" if self.unroll == "full" else f"u{self.unroll}"
+        acc = _SHORT[self.accumulate] if self.accumulate else "auto"
+        return f"ring-{_SHORT[self.direction]}-c{self.chunks}-{unroll}-{acc}"
+
+    @classmethod
+    def from_id(cls, text: str) -> Decomposition:
+        """Parse the short id written by `id`."""
+        if text == "baseline":
+            return cls.baseline()
+        parts = text.split("-")
+        if len(parts) != 5 or parts[0] != "ring":
+            raise ValueError(f"not a decomposition id: {text!r} (expected e.g. 'ring-uni-c2-full-dus')")
+        long = {v: k for k, v in _SHORT.items()}
+        try:
+            direction = long[parts[1]]
+            chunks = int(parts[2].removeprefix("c"))
+            unroll: Unroll = "full" if parts[3] == "full" else int(parts[3].removeprefix("u"))  # type: ignore[assignment]
+            accumulate = None if parts[4] == "auto" else long[parts[4]]
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"not a decomposition id: {text!r}") from exc
+        return cls(direction=direction, chunks=chunks, unroll=unroll, accumulate=accumulate)
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no spaces)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Decomposition:
+        return cls.model_validate_json(text)
+
+    def __str__(self) -> str:
+        return self.id

@@ -1,0 +1,183 @@
+"""Model shapes → the collective-matmul problems of one training step.
+
+Megatron-style tensor parallelism with sequence parallelism: between blocks the activations
+``[tokens, d_model]`` are sharded over the tensor axis on the token (sequence) dimension.  Per
+layer and step:
+
+- QKV projection and MLP up: all-gather matmul (gather tokens, multiply by column-sharded w).
+- Attention output and MLP down: matmul reduce-scatter (row-sharded w, scatter tokens).
+- Backward, input gradients: the gradient of an all-gather matmul is a matmul reduce-scatter
+  with k and n swapped, and the reverse.  (Weight gradients contract over tokens, a layout these
+  ops do not cover; they are not listed.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from collective_matmul.problem import DType, Problem
+
+
+class TransformerBlock(BaseModel):
+    """The shapes of one transformer block and of the global batch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "model"
+    d_model: int = Field(gt=0, le=1 << 20)
+    d_ff: int = Field(gt=0, le=1 << 22)
+    heads: int = Field(gt=0, le=4096)
+    head_dim: int = Field(gt=0, le=4096)
+    kv_heads: int | None = Field(default=None, gt=0, le=4096)
+    gated_mlp: bool = False
+    seq_len: int = Field(gt=0, le=1 << 22)
+    global_batch: int = Field(gt=0, le=1 << 22)
+    dtype: DType = "bfloat16"
+    layers: int = Field(default=1, gt=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _kv_heads_divide(self) -> TransformerBlock:
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        return self
+
+    @property
+    def qkv_dim(self) -> int:
+        return (self.heads + 2 * (self.kv_heads or self.heads)) * self.head_dim
+
+    @property
+    def attn_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def mlp_up_dim(self) -> int:
+        return self.d_ff * (2 if self.gated_mlp else 1)
+
+    @classmethod
+    def load(cls, name_or_path: str) -> TransformerBlock:
+        """A preset name (see `PRESETS`) or a JSON file with these fields."""
+        if name_or_path in PRESETS:
+            return PRESETS[name_or_path]
+        path = Path(name_or_path)
+        if not path.exists():
+            raise ValueError(f"unknown model {name_or_path!r}: not a preset {sorted(PRESETS)} nor a file")
+        return cls.model_validate(json.loads(path.read_text()))
+
+
+class MeshSpec(BaseModel):
+    """Mesh axis names and sizes (in order) and which axis is tensor-parallel."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    axes: dict[str, int]
+    tensor_axis: str = "model"
+
+    @model_validator(mode="after")
+    def _valid(self) -> MeshSpec:
+        if not self.axes:
+            raise ValueError("mesh has no axes")
+        for name, size in self.axes.items():
+            if size < 1:
+                raise ValueError(f"mesh axis {name!r} has size {size}; sizes must be >= 1")
+        if self.tensor_axis not in self.axes:
+            raise ValueError(f"tensor_axis {self.tensor_axis!r} is not a mesh axis {list(self.axes)}")
+        return self
+
+    @property
+    def tensor_size(self) -> int:
+        return self.axes[self.tensor_axis]
+
+    @property
+    def batch_shards(self) -> int:
+        """Product of the axes other than the tensor axis (they shard the batch)."""
+        return math.prod(s for a, s in self.axes.items() if a != self.tensor_axis)
+
+    @property
+    def device_count(self) -> int:
+        return math.prod(self.axes.values())
+
+    @classmethod
+    def parse(cls, text: str, tensor_axis: str | None = None) -> MeshSpec:
+        """``data=2,model=4``; the tensor axis defaults to ``model`` (or the last axis)."""
+        axes: dict[str, int] = {}
+        for part in text.replace(" ", "").split(","):
+            name, sep, size = part.partition("=")
+            if not sep or not name or not size.isdigit():
+                raise ValueError(f"cannot parse mesh {text!r}: expected name=size pairs like 'data=1,model=8'")
+            axes[name] = int(size)
+        if tensor_axis is None:
+            tensor_axis = "model" if "model" in axes else list(axes)[-1]
+        return cls(axes=axes, tensor_axis=tensor_axis)
+
+
+class ModelProblem(BaseModel):
+    """One unique problem of a model step, with how often and where it occurs per layer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    problem: Problem
+    count: int
+    roles: tuple[str, ...]
+
+
+Role = Literal["qkv", "attn_out", "mlp_up", "mlp_down"]
+
+
+def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem]:
+    """The deduplicated collective-matmul problems of one training step, per layer.
+
+    Raises:
+        ValueError: if the batch or a dimension does not divide over the mesh.
+    """
+    if model.global_batch % mesh.batch_shards:
+        raise ValueError(
+            f"global_batch={model.global_batch} is not divisible by the {mesh.batch_shards} "
+            "data-parallel shards of the mesh"
+        )
+    tokens = model.global_batch // mesh.batch_shards * model.seq_len
+    p = mesh.tensor_size
+    # (role, collective, k, n) of the forward pass; backward swaps the collective and k/n.
+    forward = [
+        ("qkv", "allgather_matmul", model.d_model, model.qkv_dim),
+        ("attn_out", "matmul_reduce_scatter", model.attn_dim, model.d_model),
+        ("mlp_up", "allgather_matmul", model.d_model, model.mlp_up_dim),
+        ("mlp_down", "matmul_reduce_scatter", model.d_ff, model.d_model),
+    ]
+    swap = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
+    found: dict[str, tuple[Problem, list[str]]] = {}
+    for role, collective, k, n in forward:
+        for name, coll, kk, nn in ((role, collective, k, n), (f"{role}.grad_input", swap[collective], n, k)):
+            try:
+                problem = Problem(collective=coll, m=tokens, k=kk, n=nn, dtype=model.dtype, axis_size=p)
+            except ValueError as exc:
+                raise ValueError(f"{model.name} {name}: {exc}") from None
+            found.setdefault(problem.key, (problem, []))[1].append(name)
+    return [ModelProblem(problem=prob, count=len(roles), roles=tuple(roles)) for prob, roles in found.values()]
+
+
+PRESETS: dict[str, TransformerBlock] = {
+    # Small enough to tune on 8 virtual CPU devices in minutes.
+    "tiny": TransformerBlock(
+        name="tiny", d_model=256, d_ff=1024, heads=4, head_dim=64, seq_len=128, global_batch=4,
+        dtype="float32", layers=2,
+    ),
+    # Brown et al. 2020, Table 2.1; batch in sequences (3.2M tokens / 2048).
+    "gpt3-175b": TransformerBlock(
+        name="gpt3-175b", d_model=12288, d_ff=49152, heads=96, head_dim=128, seq_len=2048,
+        global_batch=1536, dtype="bfloat16", layers=96,
+    ),
+    # Touvron et al. 2023 (Llama 2): GQA with 8 KV heads, SwiGLU MLP, 4M-token batches.
+    "llama2-70b": TransformerBlock(
+        name="llama2-70b", d_model=8192, d_ff=28672, heads=64, head_dim=128, kv_heads=8,
+        gated_mlp=True, seq_len=4096, global_batch=1024, dtype="bfloat16", layers=80,
+    ),
+    "llama2-7b": TransformerBlock(
+        name="llama2-7b", d_model=4096, d_ff=11008, heads=32, head_dim=128, gated_mlp=True,
+        seq_len=4096, global_batch=1024, dtype="bfloat16", layers=32,
+    ),
+}

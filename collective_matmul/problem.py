@@ -1,0 +1,247 @@
+"""`Problem` and `Hardware`: the keys under which decompositions are tuned and stored."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from collective_matmul.decomposition import (
+    ALLGATHER_ACCUMULATE,
+    REDUCE_SCATTER_ACCUMULATE,
+    Decomposition,
+)
+
+Collective = Literal["allgather_matmul", "matmul_reduce_scatter"]
+DType = Literal["float32", "bfloat16", "float16"]
+COLLECTIVES: tuple[str, ...] = ("allgather_matmul", "matmul_reduce_scatter")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+# Largest single dimension accepted: 2**24 rows of tokens is far beyond any one ring today,
+# and anything larger is almost surely a unit mistake (bytes for elements, say).
+MAX_DIM = 1 << 24
+
+_ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter"}
+
+
+def _canonical(model: BaseModel) -> str:
+    return json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+class Problem(BaseModel):
+    """One collective matmul to tune, with global sizes within one ring.
+
+    ``allgather_matmul``: x ``[m, k]`` sharded on m, w ``[k, n]`` sharded on n.
+    ``matmul_reduce_scatter``: x ``[m, k]`` sharded on k, w ``[k, n]`` sharded on k,
+    result summed over the ring and sharded on m.  Leading batch dimensions fold into ``m``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    collective: Collective
+    m: int = Field(gt=0, le=MAX_DIM)
+    k: int = Field(gt=0, le=MAX_DIM)
+    n: int = Field(gt=0, le=MAX_DIM)
+    dtype: DType
+    axis_size: int = Field(gt=0, le=4096)
+
+    @model_validator(mode="after")
+    def _divisible_by_ring(self) -> Problem:
+        sharded = {"m": self.m}
+        sharded["n" if self.collective == "allgather_matmul" else "k"] = getattr(
+            self, "n" if self.collective == "allgather_matmul" else "k"
+        )
+        for name, size in sharded.items():
+            if size % self.axis_size:
+                raise ValueError(
+                    f"{self.collective}: {name}={size} is not divisible by axis_size="
+                    f"{self.axis_size}; pad {name} to a multiple of {self.axis_size}"
+                )
+        return self
+
+    @property
+    def key(self) -> str:
+        """Stable one-line key, e.g. ``allgather_matmul:1024x256x1024:float32:8``."""
+        return f"{self.collective}:{self.m}x{self.k}x{self.n}:{self.dtype}:{self.axis_size}"
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of one ring block (m split over the ring)."""
+        return self.m // self.axis_size
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+    def canonical_json(self) -> str:
+        return _canonical(self)
+
+    @classmethod
+    def parse(cls, spec: str) -> Problem:
+        """Parse a key (``ag:1024x256x1024:float32:8``) or ``key=value`` words.
+
+        Examples: ``allgather_matmul:1024x256x1024:float32:8``,
+        ``rs m=1024 k=1024 n=256 dtype=bfloat16 axis_size=8``.
+        """
+        spec = spec.strip()
+        match = re.fullmatch(r"(\w+):(\d+)x(\d+)x(\d+):(\w+):(\d+)", spec)
+        if match:
+            coll, m, k, n, dtype, p = match.groups()
+            fields = dict(collective=coll, m=m, k=k, n=n, dtype=dtype, axis_size=p)
+        else:
+            words = spec.replace(",", " ").split()
+            if not words or "=" in words[0]:
+                raise ValueError(
+                    f"cannot parse problem {spec!r}: start with the collective, e.g. "
+                    "'allgather_matmul m=1024 k=256 n=1024 dtype=float32 axis_size=8'"
+                )
+            fields = {"collective": words[0]}
+            for word in words[1:]:
+                name, sep, value = word.partition("=")
+                if not sep:
+                    raise ValueError(f"cannot parse {word!r} in problem {spec!r}: expected name=value")
+                fields[{"p": "axis_size", "ring": "axis_size"}.get(name, name)] = value
+        fields["collective"] = _ALIASES.get(fields["collective"], fields["collective"])
+        return cls.model_validate(fields)
+
+    def check(self, config: Decomposition) -> None:
+        """Raise `ValueError` naming the field and reason if ``config`` cannot run this problem."""
+        check_decomposition(
+            config,
+            collective=self.collective,
+            block_rows=self.block_rows,
+            axis_size=self.axis_size,
+            dtype=self.dtype,
+        )
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def ring_hops(direction: str, axis_size: int) -> tuple[int, int]:
+    """Hops made by the two streams of a ring: (first stream, second stream).
+
+    A unidirectional ring makes ``P-1`` hops one way.  A bidirectional ring sends blocks both
+    ways at once: ``P//2`` hops one way and ``(P-1)//2`` the other, so every device sees every
+    block after about half the steps.
+    """
+    if direction == "unidirectional":
+        return axis_size - 1, 0
+    return axis_size // 2, (axis_size - 1) // 2
+
+
+def loop_trips(config: Decomposition, axis_size: int) -> int:
+    """Iterations of the ``fori_loop`` that runs the homogeneous middle of the ring."""
+    first, second = ring_hops(config.direction, axis_size)
+    return first if config.direction == "unidirectional" else second - 1
+
+
+def resolved_accumulate(config: Decomposition, *, collective: str, dtype: str) -> str:
+    """The accumulate mode a ring actually uses (fills in the collective's default)."""
+    if config.accumulate is not None:
+        return config.accumulate
+    if collective == "allgather_matmul":
+        return "update_slice"
+    return "input_dtype" if dtype == "float32" else "float32"
+
+
+def check_decomposition(
+    config: Decomposition, *, collective: str, block_rows: int, axis_size: int, dtype: str
+) -> None:
+    """Raise `ValueError` if ``config`` is not a valid program for this ring.
+
+    Args:
+        config: the candidate.
+        collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
+        block_rows: rows of the m dimension in one ring block (m / axis_size).
+        axis_size: devices in the ring.
+        dtype: the input dtype name (``float32``, ``bfloat16``, ...).
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    if config.method == "baseline":
+        return
+    allowed = ALLGATHER_ACCUMULATE if collective == "allgather_matmul" else REDUCE_SCATTER_ACCUMULATE
+    if config.accumulate is not None and config.accumulate not in allowed:
+        raise ValueError(f"accumulate={config.accumulate!r} is not for {collective}; use one of {allowed}")
+    if config.accumulate == "float32" and dtype == "float32":
+        raise ValueError(
+            "accumulate='float32' is the same program as 'input_dtype' for float32 inputs; "
+            "use 'input_dtype'"
+        )
+    if axis_size < 2:
+        raise ValueError(f"method='ring' needs axis_size >= 2, got {axis_size}; use the baseline")
+    if config.direction == "bidirectional" and axis_size < 3:
+        raise ValueError(
+            f"direction='bidirectional' needs axis_size >= 3 (got {axis_size}): "
+            "with two devices it is the unidirectional ring"
+        )
+    if block_rows % config.chunks:
+        raise ValueError(
+            f"chunks={config.chunks} does not divide a block of {block_rows} rows "
+            f"(m / axis_size); choose chunks dividing {block_rows}"
+        )
+    if config.unroll != "full":
+        trips = loop_trips(config, axis_size)
+        if trips < config.unroll:
+            raise ValueError(
+                f"unroll={config.unroll} needs a loop of at least {config.unroll} steps, but a "
+                f"{config.direction} ring of {axis_size} devices loops {trips} times; use unroll='full'"
+            )
+
+
+class Hardware(BaseModel):
+    """Where a decomposition runs: the key half that is not the problem.
+
+    ``jax_version``/``jaxlib_version`` travel with results but are not part of `key`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    platform: str = Field(min_length=1, max_length=64)
+    device_kind: str = Field(min_length=1, max_length=128)
+    device_count: int = Field(gt=0, le=1 << 20)
+    process_count: int = Field(default=1, gt=0, le=1 << 16)
+    jax_version: str = ""
+    jaxlib_version: str = ""
+
+    @property
+    def key(self) -> str:
+        """Stable key without versions, e.g. ``cpu:cpu:8:1``."""
+        return f"{self.platform}:{self.device_kind}:{self.device_count}:{self.process_count}"
+
+    def identity(self) -> Hardware:
+        """This hardware without software versions (what configs are keyed by)."""
+        return self.model_copy(update={"jax_version": "", "jaxlib_version": ""})
+
+    def canonical_json(self) -> str:
+        return _canonical(self.identity())
+
+    @classmethod
+    def detect(cls, devices=None) -> Hardware:
+        """Describe the running JAX runtime (or the given devices).
+
+        Initialises the JAX backend; call it after `jax.distributed.initialize` on multi-host.
+        """
+        import jax
+        import jaxlib
+
+        devices = list(devices) if devices is not None else jax.devices()
+        if not devices:
+            raise ValueError("no devices to describe")
+        kinds = {d.device_kind for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(f"mixed device kinds {sorted(kinds)}: tune each kind separately")
+        return cls(
+            platform=devices[0].platform,
+            device_kind=devices[0].device_kind,
+            device_count=len(devices),
+            process_count=len({d.process_index for d in devices}),
+            jax_version=jax.__version__,
+            jaxlib_version=jaxlib.__version__,
+        )
+
+    def __str__(self) -> str:
+        return self.key

@@ -1,0 +1,32 @@
+"""The decomposition space of a problem: every valid candidate, baseline first."""
+
+from __future__ import annotations
+
+import itertools
+
+from collective_matmul.decomposition import (
+    ALLGATHER_ACCUMULATE,
+    CHUNK_CHOICES,
+    REDUCE_SCATTER_ACCUMULATE,
+    UNROLL_CHOICES,
+    Decomposition,
+)
+from collective_matmul.problem import Problem
+
+
+def candidates(problem: Problem, *, include_baseline: bool = True) -> list[Decomposition]:
+    """Every valid decomposition of ``problem`` (explicit fields, no duplicates)."""
+    accumulates = (
+        ALLGATHER_ACCUMULATE if problem.collective == "allgather_matmul" else REDUCE_SCATTER_ACCUMULATE
+    )
+    found = [Decomposition.baseline()] if include_baseline else []
+    for direction, chunks, unroll, accumulate in itertools.product(
+        ("unidirectional", "bidirectional"), CHUNK_CHOICES, UNROLL_CHOICES, accumulates
+    ):
+        config = Decomposition(direction=direction, chunks=chunks, unroll=unroll, accumulate=accumulate)
+        try:
+            problem.check(config)
+        except ValueError:
+            continue
+        found.append(config)
+    return found

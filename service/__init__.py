@@ -1,0 +1,1 @@
+"""cmtune service side and the `cmtune` command line."""

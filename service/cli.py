@@ -1,0 +1,138 @@
+"""The `cmtune` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True)
+# A pipe gets rich's 80 columns by default; tables of decompositions need more.
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+DEVICES_HELP = "virtual:N (N virtual CPU devices in this process) or processes:N (N local gloo processes)"
+
+
+def parse_devices(spec: str) -> tuple[str, int]:
+    kind, _, count = spec.partition(":")
+    if kind not in ("virtual", "processes", "auto") or (kind != "auto" and not count.isdigit()):
+        raise typer.BadParameter(f"{spec!r}: expected {DEVICES_HELP}, or auto")
+    return kind, int(count) if count else 0
+
+
+def setup_devices(spec: str) -> bool:
+    """Configure JAX for ``spec`` before any device is touched; True in a child of a group."""
+    from workers.cluster import ClusterSpec, join
+
+    cluster = ClusterSpec.from_env()
+    if cluster is not None:
+        join(cluster)
+        return True
+    kind, count = parse_devices(spec)
+    if kind == "virtual":
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", count)
+    return False
+
+
+def relaunch_as_group(count: int, local_devices: int = 4) -> None:
+    """Re-run this very command as ``count`` processes of a gloo cluster; print process 0."""
+    from workers.cluster import launch
+
+    results = launch(count, ["-m", "service.cli", *sys.argv[1:]], local_devices=local_devices, timeout_s=3600)
+    sys.stdout.write(results[0].stdout)
+    sys.stderr.write(results[0].stderr)
+
+
+@app.command()
+def bench(
+    problem: Annotated[str, typer.Option(help="e.g. 'allgather_matmul:512x256x1024:float32:8'")],
+    devices: Annotated[str, typer.Option(help=DEVICES_HELP)] = "virtual:8",
+    repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per candidate")] = 7,
+    warmup: Annotated[int, typer.Option(min=0)] = 2,
+    out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines")] = None,
+) -> None:
+    """Time every valid decomposition of one problem against the baseline."""
+    from collective_matmul import Problem, candidates
+
+    try:
+        parsed = Problem.parse(problem)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--problem") from None
+    kind, count = parse_devices(devices)
+    if kind == "processes" and "CMTUNE_COORDINATOR" not in os.environ:
+        return relaunch_as_group(count, local_devices=parsed.axis_size // count)
+    in_group = setup_devices(devices)
+    _run_sweep(parsed, repeats=repeats, warmup=warmup, out=out, quiet=in_group, total=len(candidates(parsed)))
+
+
+def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None, quiet: bool, total: int) -> None:
+    import jax
+    from rich.progress import Progress
+
+    from tuner.measure import Protocol
+    from tuner.report import sweep_table
+    from tuner.sweep import sweep
+
+    leader = jax.process_index() == 0
+    protocol = Protocol(repeats=repeats, warmup=warmup)
+    with Progress(console=console, transient=True, disable=not leader) as progress:
+        task = progress.add_task(f"timing {problem.key}", total=total)
+        results = sweep(problem, protocol=protocol, on_result=lambda m: progress.advance(task))
+    if not leader:
+        return
+    console.print(sweep_table(results, title=f"{problem.key} on {results[0].hardware.key}"))
+    if out is not None:
+        out.write_text("".join(m.model_dump_json() + "\n" for m in results))
+        console.print(f"wrote {len(results)} measurements to {out}")
+
+
+@app.command()
+def demo(
+    devices: Annotated[str, typer.Option(help=DEVICES_HELP)] = "virtual:8",
+) -> None:
+    """Time every decomposition of the tiny preset's MLP-up problem on 8 virtual CPU devices."""
+    from collective_matmul import PRESETS, MeshSpec, candidates, model_problems
+
+    setup_devices(devices)
+    problems = model_problems(PRESETS["tiny"], MeshSpec.parse("data=1,model=8"))
+    mlp_up = next(mp.problem for mp in problems if "mlp_up" in mp.roles)
+    console.print(f"tiny preset, mesh data=1,model=8: {len(problems)} problems; timing {mlp_up.key}")
+    _run_sweep(mlp_up, repeats=7, warmup=2, out=None, quiet=False, total=len(candidates(mlp_up)))
+
+
+@app.command()
+def problems(
+    model: Annotated[str, typer.Option(help="preset name or JSON file")] = "tiny",
+    mesh: Annotated[str, typer.Option(help="mesh axes, e.g. data=1,model=8")] = "data=1,model=8",
+    tensor_axis: Annotated[str | None, typer.Option(help="tensor-parallel axis (default: model)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """List the collective-matmul problems of one training step of a model on a mesh."""
+    from rich.table import Table
+
+    from collective_matmul import MeshSpec, TransformerBlock, model_problems
+
+    try:
+        found = model_problems(TransformerBlock.load(model), MeshSpec.parse(mesh, tensor_axis))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if as_json:
+        print(json.dumps([mp.model_dump(mode="json") for mp in found], indent=2))
+        return
+    table = Table(title=f"{model} on {mesh}")
+    for col in ("problem", "per layer", "roles"):
+        table.add_column(col)
+    for mp in found:
+        table.add_row(mp.problem.key, str(mp.count), ", ".join(mp.roles))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    app()

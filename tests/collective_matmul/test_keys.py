@@ -1,0 +1,132 @@
+"""Decomposition, Problem and Hardware: validation, JSON round trips, stable keys."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from collective_matmul import Decomposition, Hardware, Problem, candidates, check_decomposition
+
+AG = Problem(collective="allgather_matmul", m=1024, k=256, n=512, dtype="bfloat16", axis_size=8)
+RS = Problem(collective="matmul_reduce_scatter", m=1024, k=512, n=256, dtype="bfloat16", axis_size=8)
+
+
+def test_decomposition_is_immutable_and_hashable():
+    d = Decomposition(direction="bidirectional", chunks=4, unroll=2, accumulate="float32")
+    with pytest.raises(ValidationError):
+        d.chunks = 2
+    assert len({d, Decomposition.from_json(d.to_json())}) == 1
+
+
+@pytest.mark.parametrize("problem", [AG, RS])
+def test_json_and_id_round_trip_every_candidate(problem):
+    for config in candidates(problem):
+        assert Decomposition.from_json(config.to_json()) == config
+        assert Decomposition.from_id(config.id) == config
+        assert Decomposition.model_validate(json.loads(config.to_json())) == config
+
+
+def test_stable_ids_and_canonical_json():
+    d = Decomposition(direction="bidirectional", chunks=4, unroll=2, accumulate="float32")
+    assert d.id == "ring-bi-c4-u2-f32"
+    assert Decomposition().id == "ring-uni-c1-full-auto"
+    assert Decomposition.baseline().id == "baseline"
+    assert d.to_json() == (
+        '{"accumulate":"float32","chunks":4,"direction":"bidirectional","method":"ring","unroll":2}'
+    )
+
+
+def test_problem_key_parse_and_json():
+    assert AG.key == "allgather_matmul:1024x256x512:bfloat16:8"
+    assert Problem.parse(AG.key) == AG
+    assert Problem.parse("ag m=1024 k=256 n=512 dtype=bfloat16 axis_size=8") == AG
+    assert Problem.parse("rs:1024x512x256:bfloat16:8") == RS
+    assert AG.canonical_json() == (
+        '{"axis_size":8,"collective":"allgather_matmul","dtype":"bfloat16","k":256,"m":1024,"n":512}'
+    )
+    assert Problem.model_validate_json(AG.canonical_json()) == AG
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(m=1004), "m=1004 is not divisible by axis_size=8"),
+        (dict(n=100), "n=100 is not divisible by axis_size=8"),
+        (dict(m=-8), "greater than 0"),
+        (dict(m=1 << 30), "less than or equal"),
+        (dict(dtype="int8"), "float32"),
+        (dict(collective="allreduce_matmul"), "allgather_matmul"),
+    ],
+)
+def test_problem_rejects_bad_input_with_reason(fields, message):
+    base = AG.model_dump() | fields
+    with pytest.raises(ValidationError, match=message):
+        Problem.model_validate(base)
+
+
+def test_problem_parse_errors_say_what_to_write():
+    with pytest.raises(ValueError, match="start with the collective"):
+        Problem.parse("m=1 k=2")
+    with pytest.raises(ValueError, match="expected name=value"):
+        Problem.parse("ag m=8 k")
+
+
+@pytest.mark.parametrize(
+    "config, problem, reason",
+    [
+        (dict(chunks=3), AG, "power of two"),
+        (dict(chunks=256), AG, "less than or equal"),
+        (dict(method="baseline", chunks=2), AG, "takes no ring fields"),
+        (dict(unroll=3), AG, "unroll"),
+        (dict(direction="sideways"), AG, "direction"),
+    ],
+)
+def test_decomposition_field_errors(config, problem, reason):
+    with pytest.raises(ValidationError, match=reason):
+        Decomposition(**config)
+
+
+@pytest.mark.parametrize(
+    "config, problem, reason",
+    [
+        (Decomposition(chunks=64), Problem.parse("ag:256x8x8:float32:8"), "chunks=64 does not divide a block of 32"),
+        (Decomposition(accumulate="float32"), AG, "accumulate='float32' is not for allgather_matmul"),
+        (Decomposition(accumulate="concat"), RS, "accumulate='concat' is not for matmul_reduce_scatter"),
+        (Decomposition(accumulate="float32"), RS.model_copy(update={"dtype": "float32"}), "same program"),
+        (Decomposition(direction="bidirectional"), Problem.parse("ag:64x8x8:float32:2"), "axis_size >= 3"),
+        (Decomposition(direction="bidirectional", unroll=1), Problem.parse("ag:64x8x8:float32:4"), "loops 0 times"),
+        (Decomposition(unroll=2), Problem.parse("ag:64x8x8:float32:2"), "unroll=2 needs a loop"),
+        (Decomposition(), Problem.parse("ag:64x8x8:float32:1"), "axis_size >= 2"),
+    ],
+)
+def test_invalid_combinations_name_the_reason(config, problem, reason):
+    with pytest.raises(ValueError, match=reason):
+        problem.check(config)
+    assert config not in candidates(problem)
+
+
+def test_check_rejects_unknown_collective():
+    with pytest.raises(ValueError, match="unknown collective"):
+        check_decomposition(Decomposition(), collective="x", block_rows=8, axis_size=8, dtype="float32")
+
+
+def test_space_sizes():
+    # 2 directions x 4 chunks x 3 unrolls x 2 accumulates + baseline
+    assert len(candidates(AG)) == 49
+    assert len(candidates(RS)) == 49
+    # float32 reduce-scatter: the float32 accumulator is the input dtype
+    assert len(candidates(RS.model_copy(update={"dtype": "float32"}))) == 25
+    # 4 devices: the bidirectional ring has no loop middle, so only unroll='full' remains
+    small = Problem.parse("ag:64x8x8:float32:4")
+    assert {c.unroll for c in candidates(small) if c.direction == "bidirectional"} == {"full"}
+    assert len(candidates(small)) == 1 + 24 + 8
+
+
+def test_hardware_detect_and_key():
+    hw = Hardware.detect()
+    assert (hw.platform, hw.device_count, hw.process_count) == ("cpu", 8, 1)
+    assert hw.jax_version and hw.jaxlib_version
+    assert hw.key == f"cpu:{hw.device_kind}:8:1"
+    assert hw.identity().jax_version == ""
+    assert Hardware.model_validate_json(hw.canonical_json()) == hw.identity()
+    assert json.loads(hw.canonical_json())["device_count"] == 8

@@ -1,0 +1,71 @@
+"""Model shapes → problems, checked against a small hand-computed model."""
+
+import pytest
+from pydantic import ValidationError
+
+from collective_matmul import PRESETS, MeshSpec, Problem, TransformerBlock, model_problems
+
+
+def by_key(problems):
+    return {mp.problem.key: (mp.count, mp.roles) for mp in problems}
+
+
+def test_hand_computed_small_model():
+    # d_model 64, 2 heads of 16 (attention width 32), d_ff 128, gated; batch 8 over data=2
+    model = TransformerBlock(d_model=64, d_ff=128, heads=2, head_dim=16, gated_mlp=True,
+                             seq_len=16, global_batch=8, dtype="float32")
+    mesh = MeshSpec.parse("data=2,model=4")
+    # tokens per ring = 8 / 2 * 16 = 64; qkv width = 3 * 32 = 96; gated up width = 256
+    assert by_key(model_problems(model, mesh)) == {
+        "allgather_matmul:64x64x96:float32:4": (1, ("qkv",)),
+        "matmul_reduce_scatter:64x96x64:float32:4": (1, ("qkv.grad_input",)),
+        "matmul_reduce_scatter:64x32x64:float32:4": (1, ("attn_out",)),
+        "allgather_matmul:64x64x32:float32:4": (1, ("attn_out.grad_input",)),
+        "allgather_matmul:64x64x256:float32:4": (1, ("mlp_up",)),
+        "matmul_reduce_scatter:64x256x64:float32:4": (1, ("mlp_up.grad_input",)),
+        "matmul_reduce_scatter:64x128x64:float32:4": (1, ("mlp_down",)),
+        "allgather_matmul:64x64x128:float32:4": (1, ("mlp_down.grad_input",)),
+    }
+
+
+def test_ungated_mlp_dedups_up_and_down_gradient():
+    model = TransformerBlock(d_model=64, d_ff=128, heads=4, head_dim=16, kv_heads=2,
+                             seq_len=8, global_batch=4, dtype="bfloat16")
+    found = by_key(model_problems(model, MeshSpec.parse("model=8")))
+    # qkv with grouped KV heads: (4 + 2*2) * 16 = 128 = d_ff, so qkv and mlp_up coincide too
+    assert found["allgather_matmul:32x64x128:bfloat16:8"] == (3, ("qkv", "mlp_up", "mlp_down.grad_input"))
+    assert found["matmul_reduce_scatter:32x128x64:bfloat16:8"] == (3, ("qkv.grad_input", "mlp_up.grad_input", "mlp_down"))
+    assert sum(count for count, _ in found.values()) == 8
+
+
+def test_presets_give_valid_problems():
+    problems = model_problems(PRESETS["llama2-70b"], MeshSpec.parse("data=16,model=8"))
+    keys = by_key(problems)
+    # 1024 sequences / 16 * 4096 tokens; GQA qkv = (64 + 16) * 128 = 10240; SwiGLU up = 2 * 28672
+    assert "allgather_matmul:262144x8192x10240:bfloat16:8" in keys
+    assert "allgather_matmul:262144x8192x57344:bfloat16:8" in keys
+    assert sum(mp.count for mp in problems) == 8
+    tiny = model_problems(PRESETS["tiny"], MeshSpec.parse("data=1,model=8"))
+    assert all(mp.problem.m == 512 for mp in tiny)
+
+
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        ("data=3,model=8", "global_batch=4 is not divisible by the 3 data-parallel shards"),
+        ("data=1,model=3", "not divisible by axis_size=3"),
+    ],
+)
+def test_indivisible_model_raises(mesh, message):
+    with pytest.raises(ValueError, match=message):
+        model_problems(PRESETS["tiny"], MeshSpec.parse(mesh))
+
+
+def test_mesh_parse():
+    assert MeshSpec.parse("data=2,model=4").axes == {"data": 2, "model": 4}
+    assert MeshSpec.parse("x=2,y=4").tensor_axis == "y"
+    with pytest.raises(ValueError, match="name=size"):
+        MeshSpec.parse("data:2")
+    with pytest.raises(ValidationError, match="tensor_axis 'tp' is not a mesh axis"):
+        MeshSpec.parse("data=2", tensor_axis="tp")
+    assert Problem.parse("ag:64x64x96:float32:4").m == 64

@@ -1,0 +1,1 @@
+"""Tuner: the measurement protocol and the search over decompositions."""

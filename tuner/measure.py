@@ -1,0 +1,296 @@
+"""The measurement protocol: time one candidate decomposition against the baseline, honestly.
+
+1. Inputs from a seeded normal distribution, laid out as the problem says.
+2. Ahead-of-time compile; compile seconds and the compiled memory estimate are recorded.
+3. Validation against the baseline's result (relative error bound by dtype); a wrong candidate
+   is ``invalid`` and can never win.
+4. Warm-up, then candidate and baseline alternately (ABAB...), each run synchronised with
+   `block_until_ready`; with several processes a barrier precedes each run and the slowest
+   process's time counts.  Every sample is kept; median, spread and the median paired ratio to
+   the baseline are derived from them.
+5. Failures are results: ``compile_error``, ``oom``, ``invalid``, ``timeout``, ``error``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from pydantic import BaseModel, ConfigDict, Field
+
+from collective_matmul import (
+    Decomposition,
+    Hardware,
+    Problem,
+    allgather_matmul,
+    input_shardings,
+    matmul_reduce_scatter,
+)
+
+Status = Literal["ok", "invalid", "compile_error", "oom", "timeout", "error"]
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
+RING_AXIS = "ring"
+
+# Builds the program for a candidate: (x, w) -> out, over the given mesh and axis.
+Program = Callable[[jax.Array, jax.Array], jax.Array]
+ProgramBuilder = Callable[[Problem, Decomposition, Mesh, str], Program]
+
+
+class Protocol(BaseModel):
+    """How one trial is measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    warmup: int = Field(default=2, ge=0, le=100)
+    repeats: int = Field(default=7, ge=1, le=1000)
+    seed: int = 0
+    timeout_s: float = Field(default=300.0, gt=0)
+
+
+class Timing(BaseModel):
+    """Samples of one program and their summary (seconds)."""
+
+    samples_s: list[float]
+    median_s: float
+    iqr_s: float
+    min_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Timing:
+        q1, _, q3 = _quartiles(samples)
+        return cls(
+            samples_s=samples,
+            median_s=statistics.median(samples),
+            iqr_s=q3 - q1,
+            min_s=min(samples),
+            max_s=max(samples),
+        )
+
+
+class Measurement(BaseModel):
+    """The record of one trial; serialises to JSON and is stored as is."""
+
+    problem: Problem
+    decomposition: Decomposition
+    hardware: Hardware
+    status: Status
+    message: str = ""
+    compile_s: float | None = None
+    memory_bytes: int | None = None
+    rel_error: float | None = None
+    candidate: Timing | None = None
+    baseline: Timing | None = None
+    ratio: float | None = Field(default=None, description="median of candidate/baseline paired ratios")
+    ratio_iqr: float | None = None
+    protocol: Protocol = Protocol()
+
+    @property
+    def speedup(self) -> float | None:
+        """Baseline time over candidate time (> 1 is faster than the baseline)."""
+        return 1.0 / self.ratio if self.ratio else None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def default_program(problem: Problem, config: Decomposition, mesh: Mesh, axis: str) -> Program:
+    op = allgather_matmul if problem.collective == "allgather_matmul" else matmul_reduce_scatter
+    return lambda x, w: op(x, w, mesh=mesh, axis=axis, config=config)
+
+
+def ring_mesh(devices=None) -> Mesh:
+    """A 1-D mesh over every (global) device, axis named ``ring``."""
+    devices = list(devices) if devices is not None else jax.devices()
+    return jax.make_mesh((len(devices),), (RING_AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
+
+
+def classify_failure(exc: BaseException) -> Status:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if "resource_exhausted" in text or "out of memory" in text or "oom" in text.split():
+        return "oom"
+    return "error"
+
+
+class Session:
+    """Inputs, the compiled baseline and its result for one problem: measure many candidates.
+
+    Works in one process or across a `jax.distributed` cluster (every process must call the
+    same methods in the same order, as in any SPMD program).
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        *,
+        protocol: Protocol = Protocol(),
+        mesh: Mesh | None = None,
+        build: ProgramBuilder = default_program,
+    ):
+        self.problem = problem
+        self.protocol = protocol
+        self.mesh = mesh or ring_mesh()
+        self.axis = self.mesh.axis_names[0]
+        if self.mesh.shape[self.axis] != problem.axis_size:
+            raise ValueError(
+                f"problem needs a ring of {problem.axis_size} devices but the mesh has "
+                f"{self.mesh.shape[self.axis]}"
+            )
+        self.build = build
+        self.hardware = Hardware.detect(self.mesh.devices.flat)
+        self.x, self.w = self._inputs()
+        self._baseline_program, _, _ = self._compile(Decomposition.baseline())
+        self.reference = self._baseline_program(self.x, self.w).block_until_ready()
+
+    def _inputs(self) -> tuple[jax.Array, jax.Array]:
+        p = self.problem
+        sx, sw = input_shardings(p.collective, self.mesh, self.axis)
+        kx, kw = jax.random.split(jax.random.key(self.protocol.seed))
+        dtype = jnp.dtype(p.dtype)
+        x = jax.jit(lambda k: jax.random.normal(k, (p.m, p.k), dtype), out_shardings=sx)(kx)
+        w = jax.jit(lambda k: jax.random.normal(k, (p.k, p.n), dtype), out_shardings=sw)(kw)
+        return x, w
+
+    def _compile(self, config: Decomposition):
+        program = self.build(self.problem, config, self.mesh, self.axis)
+        start = time.perf_counter()
+        compiled = jax.jit(program).lower(self.x, self.w).compile()
+        seconds = time.perf_counter() - start
+        return compiled, seconds, _memory_bytes(compiled)
+
+    def measure(self, config: Decomposition) -> Measurement:
+        """Run the protocol for ``config``; failures come back as a `Measurement` status."""
+        started = time.monotonic()
+        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware, protocol=self.protocol)
+        try:
+            self.problem.check(config)
+        except ValueError as exc:
+            return Measurement(**record, status="compile_error", message=f"invalid decomposition: {exc}")
+        try:
+            compiled, compile_s, memory = self._compile(config)
+        except Exception as exc:  # noqa: BLE001 - any compile failure is a result
+            status = classify_failure(exc)
+            return Measurement(**record, status="oom" if status == "oom" else "compile_error",
+                               message=_message(exc))
+        record |= dict(compile_s=compile_s, memory_bytes=memory)
+        try:
+            out = compiled(self.x, self.w).block_until_ready()
+            rel_error = _relative_error(out, self.reference)
+            del out
+        except Exception as exc:  # noqa: BLE001
+            return Measurement(**record, status=classify_failure(exc), message=_message(exc))
+        record["rel_error"] = rel_error
+        tolerance = TOLERANCE[self.problem.dtype]
+        if not np.isfinite(rel_error) or rel_error > tolerance:
+            return Measurement(
+                **record, status="invalid",
+                message=f"relative error {rel_error:.3g} against the baseline exceeds {tolerance:g}",
+            )
+        try:
+            cand, base, timed_out = self._time_pair(compiled, started)
+        except Exception as exc:  # noqa: BLE001
+            return Measurement(**record, status=classify_failure(exc), message=_message(exc))
+        ratios = [c / b for c, b in zip(cand, base, strict=True)]
+        q1, ratio, q3 = _quartiles(ratios)
+        return Measurement(
+            **record,
+            status="timeout" if timed_out else "ok",
+            message=f"stopped after {len(cand)} of {self.protocol.repeats} runs: over "
+            f"{self.protocol.timeout_s:g}s" if timed_out else "",
+            candidate=Timing.of(cand),
+            baseline=Timing.of(base),
+            ratio=ratio,
+            ratio_iqr=q3 - q1,
+        )
+
+    def _time_pair(self, compiled, started: float) -> tuple[list[float], list[float], bool]:
+        programs = (compiled, self._baseline_program)
+        for _ in range(self.protocol.warmup):
+            for program in programs:
+                program(self.x, self.w).block_until_ready()
+        samples: tuple[list[float], list[float]] = ([], [])
+        timed_out = False
+        for _ in range(self.protocol.repeats):
+            for program, out in zip(programs, samples, strict=True):
+                _barrier()
+                t0 = time.perf_counter()
+                program(self.x, self.w).block_until_ready()
+                out.append(time.perf_counter() - t0)
+            # every process must agree to stop, or the SPMD programs would diverge
+            if _any_process(time.monotonic() - started > self.protocol.timeout_s):
+                timed_out = True
+                break
+        return _slowest_process(samples[0]), _slowest_process(samples[1]), timed_out
+
+
+def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:
+    """Measure one candidate on all devices (a one-off `Session`)."""
+    return Session(problem, protocol=protocol).measure(config)
+
+
+def _memory_bytes(compiled) -> int | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        return None
+    if stats is None:
+        return None
+    return int(
+        stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+@jax.jit
+def _error_terms(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(a - b), jnp.linalg.norm(b)
+
+
+def _relative_error(a: jax.Array, b: jax.Array) -> float:
+    diff, norm = (float(v) for v in _error_terms(a, b))
+    return diff / norm if norm else diff
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _message(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 2000 else text[:2000] + " ..."
+
+
+def _barrier() -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("cmtune-run")
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _slowest_process(samples: list[float]) -> list[float]:
+    """Per run, the time of the slowest process (the run is done when all are)."""
+    if jax.process_count() == 1:
+        return samples
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(samples)))
+    return [float(v) for v in every.reshape(jax.process_count(), -1).max(axis=0)]

@@ -1,0 +1,26 @@
+"""Exhaustive sweep: measure every valid candidate of a problem against the baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from collective_matmul import Decomposition, Problem, candidates
+from tuner.measure import Measurement, Protocol, Session
+
+
+def sweep(
+    problem: Problem,
+    *,
+    protocol: Protocol = Protocol(),
+    configs: Iterable[Decomposition] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
+) -> list[Measurement]:
+    """Measure ``configs`` (default: the whole space) of ``problem`` in one `Session`."""
+    session = Session(problem, protocol=protocol)
+    results = []
+    for config in configs if configs is not None else candidates(problem):
+        result = session.measure(config)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results

@@ -1,0 +1,1 @@
+"""Worker side of cmtune: hardware detection and multi-process (multi-host) execution."""
