@@ -93,6 +93,114 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None, quiet: b
         console.print(f"wrote {len(results)} measurements to {out}")
 
 
+def _problems_from_options(problem: list[str] | None, model: str | None, mesh: str | None,
+                           tensor_axis: str | None):
+    from collective_matmul import MeshSpec, Problem, TransformerBlock, model_problems
+
+    if bool(problem) == bool(model):
+        raise typer.BadParameter("give either --problem (one or more) or --model with --mesh")
+    try:
+        if problem:
+            return [Problem.parse(spec) for spec in problem]
+        if not mesh:
+            raise typer.BadParameter("--model needs --mesh, e.g. --mesh data=1,model=8")
+        return [mp.problem for mp in model_problems(TransformerBlock.load(model), MeshSpec.parse(mesh, tensor_axis))]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command()
+def tune(
+    problem: Annotated[
+        list[str] | None, typer.Option(help="problem spec, e.g. 'ag:1024x256x1024:float32:8' (repeatable)")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="model preset or JSON file (with --mesh)")] = None,
+    mesh: Annotated[str | None, typer.Option(help="mesh axes, e.g. data=1,model=8")] = None,
+    tensor_axis: Annotated[str | None, typer.Option(help="tensor-parallel mesh axis (default: model)")] = None,
+    devices: Annotated[
+        str, typer.Option(help=DEVICES_HELP + "; auto = virtual CPU devices, one per ring member")
+    ] = "auto",
+    trials: Annotated[
+        int | None, typer.Option(min=1, help="trial budget per problem (default: a quarter of the space)")
+    ] = None,
+    minutes: Annotated[float | None, typer.Option(min=0.01, help="time budget per problem")] = None,
+    patience: Annotated[int | None, typer.Option(min=1, help="stop after this many trials without a new best")] = None,
+    sampler: Annotated[str, typer.Option(help="auto, enumerate, tpe or random")] = "auto",
+    seed: Annotated[int, typer.Option()] = 0,
+    repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per trial")] = 7,
+    out: Annotated[Path | None, typer.Option(help="write the tuned configs as a bundle file")] = None,
+) -> None:
+    """Tune the decompositions of one or more problems on local devices."""
+    problems = _problems_from_options(problem, model, mesh, tensor_axis)
+    if sampler not in ("auto", "enumerate", "tpe", "random"):
+        raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
+    sizes = {p.axis_size for p in problems}
+    if len(sizes) > 1:
+        raise typer.BadParameter(f"problems have different ring sizes {sorted(sizes)}: tune them separately")
+    ring = sizes.pop()
+    kind, count = parse_devices(devices)
+    if kind == "processes" and "CMTUNE_COORDINATOR" not in os.environ:
+        if ring % count:
+            raise typer.BadParameter(f"a ring of {ring} devices does not split over {count} processes")
+        return relaunch_as_group(count, local_devices=ring // count)
+    setup_devices(f"virtual:{ring}" if kind == "auto" else devices)
+    _tune(problems, ring=ring, trials=trials, minutes=minutes, patience=patience, sampler=sampler,
+          seed=seed, repeats=repeats, out=out)
+
+
+def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, out) -> None:
+    import jax
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from collective_matmul import Hardware, candidates
+    from collective_matmul.bundle import Bundle, TunedConfig
+    from collective_matmul.costmodel import calibrate_cpu, profile_for
+    from tuner.local import LocalRunner
+    from tuner.measure import Protocol
+    from tuner.report import tune_table
+    from tuner.search import SearchSettings, tune
+
+    if jax.device_count() != ring:
+        raise typer.BadParameter(
+            f"the problems need a ring of {ring} devices but {jax.device_count()} are present; "
+            f"use --devices virtual:{ring} (or processes:N with N dividing {ring})"
+        )
+    hardware = Hardware.detect()
+    profile = calibrate_cpu() if hardware.platform == "cpu" else profile_for(hardware)
+    leader = jax.process_index() == 0
+    runner = LocalRunner()
+    results = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not leader) as progress:
+        for problem in problems:
+            space = len(candidates(problem))
+            budget = trials or max(4, -(-space // 4))
+            settings = SearchSettings(sampler=sampler, seed=seed, max_trials=budget, patience=patience,
+                                      max_seconds=minutes * 60 if minutes else None)
+            task = progress.add_task(problem.key, total=min(budget, space))
+            result = tune(problem, runner, profile, settings=settings,
+                          protocol=Protocol(repeats=repeats, seed=seed),
+                          on_trial=lambda m, task=task: progress.advance(task))
+            progress.update(task, completed=min(budget, space))
+            results.append(result)
+    if not leader:
+        return
+    console.print(tune_table(results, title=f"tuned on {hardware.key} (jax {hardware.jax_version})"))
+    if out is not None:
+        bundle = Bundle.load(out) if out.exists() else Bundle()
+        for r in results:
+            w = r.winner
+            bundle.add(TunedConfig(
+                problem=r.problem, hardware=hardware.identity(), decomposition=w.decomposition,
+                time_s=w.candidate.median_s, baseline_s=w.baseline.median_s, speedup=w.speedup,
+                speedup_iqr=(w.ratio_iqr or 0.0) / w.ratio**2, trials=len(r.trials), invalid=r.invalid,
+                failed=r.failed, space_size=r.space_size, jax_version=hardware.jax_version,
+                jaxlib_version=hardware.jaxlib_version,
+            ))
+        bundle.save(out)
+        console.print(f"wrote {len(results)} tuned configs to {out}")
+
+
 @app.command()
 def demo(
     devices: Annotated[str, typer.Option(help=DEVICES_HELP)] = "virtual:8",

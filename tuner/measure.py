@@ -165,10 +165,15 @@ class Session:
         seconds = time.perf_counter() - start
         return compiled, seconds, _memory_bytes(compiled)
 
-    def measure(self, config: Decomposition) -> Measurement:
-        """Run the protocol for ``config``; failures come back as a `Measurement` status."""
+    def measure(self, config: Decomposition, protocol: Protocol | None = None) -> Measurement:
+        """Run the protocol for ``config``; failures come back as a `Measurement` status.
+
+        ``protocol`` may change the warm-up, repeats and timeout (not the seed: the inputs are
+        this session's).
+        """
+        protocol = protocol or self.protocol
         started = time.monotonic()
-        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware, protocol=self.protocol)
+        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware, protocol=protocol)
         try:
             self.problem.check(config)
         except ValueError as exc:
@@ -194,7 +199,7 @@ class Session:
                 message=f"relative error {rel_error:.3g} against the baseline exceeds {tolerance:g}",
             )
         try:
-            cand, base, timed_out = self._time_pair(compiled, started)
+            cand, base, timed_out = self._time_pair(compiled, started, protocol)
         except Exception as exc:  # noqa: BLE001
             return Measurement(**record, status=classify_failure(exc), message=_message(exc))
         ratios = [c / b for c, b in zip(cand, base, strict=True)]
@@ -202,29 +207,29 @@ class Session:
         return Measurement(
             **record,
             status="timeout" if timed_out else "ok",
-            message=f"stopped after {len(cand)} of {self.protocol.repeats} runs: over "
-            f"{self.protocol.timeout_s:g}s" if timed_out else "",
+            message=f"stopped after {len(cand)} of {protocol.repeats} runs: over "
+            f"{protocol.timeout_s:g}s" if timed_out else "",
             candidate=Timing.of(cand),
             baseline=Timing.of(base),
             ratio=ratio,
             ratio_iqr=q3 - q1,
         )
 
-    def _time_pair(self, compiled, started: float) -> tuple[list[float], list[float], bool]:
+    def _time_pair(self, compiled, started: float, protocol: Protocol) -> tuple[list[float], list[float], bool]:
         programs = (compiled, self._baseline_program)
-        for _ in range(self.protocol.warmup):
+        for _ in range(protocol.warmup):
             for program in programs:
                 program(self.x, self.w).block_until_ready()
         samples: tuple[list[float], list[float]] = ([], [])
         timed_out = False
-        for _ in range(self.protocol.repeats):
+        for _ in range(protocol.repeats):
             for program, out in zip(programs, samples, strict=True):
                 _barrier()
                 t0 = time.perf_counter()
                 program(self.x, self.w).block_until_ready()
                 out.append(time.perf_counter() - t0)
             # every process must agree to stop, or the SPMD programs would diverge
-            if _any_process(time.monotonic() - started > self.protocol.timeout_s):
+            if any_process(time.monotonic() - started > protocol.timeout_s):
                 timed_out = True
                 break
         return _slowest_process(samples[0]), _slowest_process(samples[1]), timed_out
@@ -278,7 +283,8 @@ def _barrier() -> None:
         multihost_utils.sync_global_devices("cmtune-run")
 
 
-def _any_process(flag: bool) -> bool:
+def any_process(flag: bool) -> bool:
+    """True if ``flag`` is true on any process (every process must call this together)."""
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils

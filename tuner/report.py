@@ -45,3 +45,21 @@ def sweep_table(results: list[Measurement], *, title: str) -> Table:
             f"{m.memory_bytes / 2**20:.1f} MiB" if m.memory_bytes else "-",
         )
     return table
+
+
+def tune_table(results, *, title: str) -> Table:
+    """One row per problem: the tuned decomposition and its evidence."""
+    table = Table(title=title)
+    for name, justify in [
+        ("problem", "left"), ("best decomposition", "left"), ("time", "right"), ("baseline", "right"),
+        ("speedup (IQR)", "right"), ("trials", "right"), ("invalid/failed", "right"), ("stopped by", "left"),
+    ]:
+        table.add_column(name, justify=justify)
+    for r in results:
+        w = r.winner
+        table.add_row(
+            r.problem.key, w.decomposition.id, fmt_seconds(w.candidate.median_s),
+            fmt_seconds(w.baseline.median_s), speedup_text(w), f"{len(r.trials)} of {r.space_size}",
+            f"{r.invalid}/{r.failed}", r.stop_reason,
+        )
+    return table

@@ -24,8 +24,8 @@ for collective, (m, k, n) in [("allgather_matmul", (64, 32, 48)), ("matmul_reduc
     w_np = rng.standard_normal((k, n)).astype(np.float32)
     expected = x_np.astype(np.float64) @ w_np.astype(np.float64)
     sx, sw = input_shardings(collective, mesh, "ring")
-    x = jax.make_array_from_callback(x_np.shape, sx, lambda idx: x_np[idx])
-    w = jax.make_array_from_callback(w_np.shape, sw, lambda idx: w_np[idx])
+    x = jax.make_array_from_callback(x_np.shape, sx, lambda idx, a=x_np: a[idx])
+    w = jax.make_array_from_callback(w_np.shape, sw, lambda idx, a=w_np: a[idx])
     for config in (Decomposition.baseline(), Decomposition(direction="bidirectional", chunks=2, unroll=1)):
         out = jax.jit(default_program(problem, config, mesh, "ring"))(x, w)
         worst = max(

@@ -34,7 +34,8 @@ def test_ungated_mlp_dedups_up_and_down_gradient():
     found = by_key(model_problems(model, MeshSpec.parse("model=8")))
     # qkv with grouped KV heads: (4 + 2*2) * 16 = 128 = d_ff, so qkv and mlp_up coincide too
     assert found["allgather_matmul:32x64x128:bfloat16:8"] == (3, ("qkv", "mlp_up", "mlp_down.grad_input"))
-    assert found["matmul_reduce_scatter:32x128x64:bfloat16:8"] == (3, ("qkv.grad_input", "mlp_up.grad_input", "mlp_down"))
+    assert found["matmul_reduce_scatter:32x128x64:bfloat16:8"] == (
+        3, ("qkv.grad_input", "mlp_up.grad_input", "mlp_down"))
     assert sum(count for count, _ in found.values()) == 8
 
 

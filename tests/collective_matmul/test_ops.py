@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -209,9 +210,9 @@ def test_ring_has_the_expected_number_of_permutes():
     x, w, _ = operands("allgather_matmul", (64, 32), 32, "float32")
     x, w = place("allgather_matmul", mesh, x, w)
     for config_id, permutes in [("ring-uni-c1-full-dus", 7), ("ring-uni-c2-full-dus", 14), ("ring-bi-c1-full-dus", 7)]:
-        text = jax.jit(
-            lambda a, b, c=Decomposition.from_id(config_id): allgather_matmul(a, b, mesh=mesh, axis="model", config=c)
-        ).lower(x, w).as_text()
+        config = Decomposition.from_id(config_id)
+        op = partial(allgather_matmul, mesh=mesh, axis="model", config=config)
+        text = jax.jit(op).lower(x, w).as_text()
         assert text.count("collective_permute") == permutes, config_id
 
 

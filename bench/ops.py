@@ -1,0 +1,137 @@
+"""Benchmark: the baseline against every candidate decomposition, on real (virtual) devices.
+
+    python bench/ops.py                       # 8 virtual devices, then a 2-process gloo cluster
+    python bench/ops.py --devices virtual:8   # one mode only
+    python bench/ops.py --repeats 9 --problems 'ag:512x256x1024:float32:8'
+
+Per problem: every valid decomposition is timed against the baseline with the tuner's protocol
+(warm-up, then candidate and baseline alternately, ``--repeats`` runs each; the speedup is the
+median of the paired baseline/candidate ratios, with its interquartile range).  Writes every
+measurement as JSON lines under bench/results/ and prints a Markdown summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROBLEMS = [
+    "allgather_matmul:512x256x1024:float32:8",
+    "allgather_matmul:2048x1024x2048:float32:8",
+    "allgather_matmul:1024x512x2048:bfloat16:8",
+    "matmul_reduce_scatter:512x1024x256:float32:8",
+    "matmul_reduce_scatter:2048x2048x1024:float32:8",
+    "matmul_reduce_scatter:1024x2048x512:bfloat16:8",
+]
+
+
+def run_mode(args) -> None:
+    """Run the sweep in this process (or as one process of a launched group)."""
+    from workers.cluster import ClusterSpec, join
+
+    cluster = ClusterSpec.from_env()
+    if cluster is not None:
+        join(cluster)
+    else:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 8)
+    import jax
+
+    from collective_matmul import Problem
+    from tuner.measure import Protocol
+    from tuner.sweep import sweep
+
+    protocol = Protocol(repeats=args.repeats, warmup=args.warmup)
+    lines = []
+    for spec in args.problems:
+        problem = Problem.parse(spec)
+        started = time.perf_counter()
+        results = sweep(problem, protocol=protocol)
+        lines.extend(m.model_dump_json() for m in results)
+        if jax.process_index() == 0:
+            print(f"{problem.key}: {len(results)} candidates in {time.perf_counter() - started:.0f}s",
+                  file=sys.stderr, flush=True)
+    if jax.process_index() == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+def summarize(path: Path, mode: str) -> str:
+    from tuner.measure import Measurement
+
+    rows = [Measurement.model_validate_json(line) for line in path.read_text().splitlines() if line]
+    by_problem: dict[str, list[Measurement]] = {}
+    for m in rows:
+        by_problem.setdefault(m.problem.key, []).append(m)
+    out = [
+        f"\n### {mode}: {rows[0].hardware.key} (jax {rows[0].hardware.jax_version}), "
+        f"{rows[0].protocol.repeats} interleaved runs per candidate\n",
+        "| problem | baseline median (IQR) | baseline vs itself | best candidate | best speedup (IQR) "
+        "| worst speedup | faster than baseline | candidates |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, results in by_problem.items():
+        ok = [m for m in results if m.ok and m.decomposition.method == "ring"]
+        base = next(m for m in results if m.decomposition.method == "baseline")
+        best = min(ok, key=lambda m: m.ratio)
+        worst = max(ok, key=lambda m: m.ratio)
+        faster = sum(1 for m in ok if m.ratio < 1 and (1 / m.ratio - 1) > _half_spread(m))
+        medians = [m.baseline.median_s for m in results if m.baseline]
+        out.append(
+            f"| `{key}` | {statistics.median(medians) * 1e3:.2f} ms ({base.baseline.iqr_s * 1e3:.2f}) "
+            f"| {1 / base.ratio:.2f}x | `{best.decomposition.id}` | {1 / best.ratio:.2f}x "
+            f"(±{_half_spread(best):.2f}) | {1 / worst.ratio:.2f}x | {faster} of {len(ok)} "
+            f"| {len(results)} ({len(results) - len(ok) - 1} failed) |"
+        )
+    return "\n".join(out)
+
+
+def _half_spread(m) -> float:
+    """Half the IQR of the speedup, to first order from the ratio's IQR."""
+    return (m.ratio_iqr or 0.0) / (m.ratio**2) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="both", choices=["both", "virtual:8", "processes:2"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--problems", nargs="+", default=PROBLEMS)
+    parser.add_argument("--out", default=None, help="JSON lines file (one mode only)")
+    parser.add_argument("--run-here", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_here:
+        return run_mode(args)
+    from workers.cluster import launch
+
+    modes = ["virtual:8", "processes:2"] if args.devices == "both" else [args.devices]
+    summary = []
+    for mode in modes:
+        out = Path(args.out or ROOT / "bench" / "results" / f"ops-{mode.replace(':', '')}.jsonl")
+        argv = [str(Path(__file__).resolve()), "--run-here", "--repeats", str(args.repeats),
+                "--warmup", str(args.warmup), "--out", str(out), "--problems", *args.problems]
+        started = time.perf_counter()
+        if mode == "virtual:8":
+            subprocess.run([sys.executable, *argv], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        else:
+            results = launch(2, argv, local_devices=4, timeout_s=7200)
+            sys.stderr.write(results[0].stderr)
+        print(f"{mode}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
+        summary.append(summarize(out, "8 virtual devices, 1 process" if mode == "virtual:8"
+                                 else "2 processes x 4 devices, gloo on loopback"))
+    print("\n".join(summary))
+    print(json.dumps({"modes": modes, "problems": args.problems}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Bundles: tuned configs exported to one JSON file, for training code without a server."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.problem import Hardware, Problem
+
+BUNDLE_FORMAT = "cmtune.bundle"
+BUNDLE_VERSION = 1
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+class TunedConfig(BaseModel):
+    """The best decomposition measured for one (problem, hardware), with its evidence."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    problem: Problem
+    hardware: Hardware = Field(description="identity only: versions are in jax_version/jaxlib_version")
+    decomposition: Decomposition
+    time_s: float = Field(gt=0, description="median time of the decomposition in the confirmation round")
+    baseline_s: float = Field(gt=0, description="median time of the baseline in the same round")
+    speedup: float = Field(gt=0, description="median paired baseline/candidate ratio")
+    speedup_iqr: float = Field(default=0.0, ge=0)
+    trials: int = Field(default=0, ge=0)
+    invalid: int = Field(default=0, ge=0)
+    failed: int = Field(default=0, ge=0)
+    space_size: int = Field(default=0, ge=0)
+    jax_version: str = ""
+    jaxlib_version: str = ""
+    tuned_at: str = Field(default_factory=utc_now)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.problem.key, self.hardware.key
+
+
+class Bundle(BaseModel):
+    """A versioned list of tuned configs; see docs/bundle.md."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["cmtune.bundle"] = BUNDLE_FORMAT
+    version: Literal[1] = BUNDLE_VERSION
+    created_at: str = Field(default_factory=utc_now)
+    configs: list[TunedConfig] = Field(default_factory=list)
+
+    def add(self, config: TunedConfig) -> None:
+        """Add or replace the entry for the same (problem, hardware)."""
+        self.configs = [c for c in self.configs if c.key != config.key] + [config]
+
+    def lookup(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
+        key = (problem.key, hardware.key)
+        return next((c for c in self.configs if c.key == key), None)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Bundle:
+        """Read a bundle file.
+
+        Raises:
+            ValueError: if the file is not a cmtune bundle of a supported version.
+        """
+        text = Path(path).read_text()
+        try:
+            return cls.model_validate_json(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a cmtune bundle (format {BUNDLE_FORMAT!r}, version "
+                             f"{BUNDLE_VERSION}): {exc}") from None

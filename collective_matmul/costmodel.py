@@ -1,0 +1,197 @@
+"""Analytic cost model of the decompositions: orders candidates and answers when untuned.
+
+The model, per problem on a ring of P devices:
+
+1. A matmul of ``r`` rows runs at ``peak * r / (r + half_rows)``: small pieces waste the unit.
+2. A message of ``b`` bytes over one link takes ``latency + b / link_bandwidth``; every
+   collective op costs ``op_s`` to issue and synchronise.
+3. Baseline: the whole collective (one op, P-1 hops), then the whole matmul; nothing overlaps.
+4. Ring: one step per hop; within a step, the permutes of the next step run while the current
+   block's pieces are multiplied, so a step costs ``max(compute, transfer)`` where the hardware
+   overlaps them (``compute + transfer`` where it does not), plus a per-op launch overhead.
+   Bidirectional rings make ``P//2`` steps with two blocks of compute each; the two directions
+   share the links only if the links are not full duplex.  Fill and drain: the first block's
+   matmul (all-gather) or the first partial product (reduce-scatter) has nothing to hide behind.
+5. ``fori_loop`` rings pay a loop overhead per iteration (halved by unroll 2); ``concat`` pays
+   one extra pass over the output; a float32 accumulator doubles the bytes moved for 16-bit
+   inputs.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.problem import Hardware, Problem, resolved_accumulate, ring_hops
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class HardwareProfile(BaseModel):
+    """Rates of one accelerator and its ring links (peak figures, or calibrated)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    flops_per_s: dict[str, float] = Field(description="matmul peak by dtype name")
+    link_bytes_per_s: float = Field(gt=0, description="one direction of one ring link")
+    latency_s: float = Field(ge=0, description="per-hop latency of a transfer")
+    op_s: float = Field(default=5e-6, ge=0, description="fixed cost of issuing one collective op "
+                        "(a ring pays it per permute, the baseline once)")
+    memory_bytes_per_s: float = Field(gt=0)
+    duplex: bool = True
+    overlap: bool = True
+    half_rows: float = Field(default=64.0, ge=0, description="rows at which a matmul runs at half peak")
+    launch_s: float = Field(default=2e-6, ge=0, description="per-op launch/schedule overhead")
+    loop_s: float = Field(default=5e-6, ge=0, description="per fori_loop iteration overhead")
+    source: str = ""
+
+
+# Published peak figures (dense, per chip); link = one direction of one neighbour link.
+PROFILES: dict[str, HardwareProfile] = {
+    "tpu-v4": HardwareProfile(
+        name="tpu-v4", flops_per_s={"bfloat16": 275e12, "float32": 275e12 / 4},
+        link_bytes_per_s=50e9, latency_s=5e-6, memory_bytes_per_s=1.2e12,
+        source="Google Cloud TPU v4 docs: 275 TFLOPS bf16, 1.2 TB/s HBM, 6 ICI links",
+    ),
+    "tpu-v5e": HardwareProfile(
+        name="tpu-v5e", flops_per_s={"bfloat16": 197e12, "float32": 197e12 / 4},
+        link_bytes_per_s=50e9, latency_s=5e-6, memory_bytes_per_s=0.82e12,
+        source="Google Cloud TPU v5e docs: 197 TFLOPS bf16, 819 GB/s HBM, 1600 Gbps ICI",
+    ),
+    "tpu-v5p": HardwareProfile(
+        name="tpu-v5p", flops_per_s={"bfloat16": 459e12, "float32": 459e12 / 4},
+        link_bytes_per_s=100e9, latency_s=5e-6, memory_bytes_per_s=2.76e12,
+        source="Google Cloud TPU v5p docs: 459 TFLOPS bf16, 2.76 TB/s HBM, 4800 Gbps ICI",
+    ),
+    "h100-nvlink": HardwareProfile(
+        name="h100-nvlink", flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        link_bytes_per_s=450e9, latency_s=8e-6, memory_bytes_per_s=3.35e12, half_rows=128,
+        source="NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense, 3.35 TB/s, NVLink 900 GB/s",
+    ),
+    "h200-nvlink": HardwareProfile(
+        name="h200-nvlink", flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        link_bytes_per_s=450e9, latency_s=8e-6, memory_bytes_per_s=4.8e12, half_rows=128,
+        source="NVIDIA H200 SXM datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s, NVLink 900 GB/s",
+    ),
+    # Virtual CPU devices share the host's cores: transfers are memory copies that compete with
+    # the matmuls, so nothing overlaps.  `calibrate_cpu` replaces these rates with measured ones.
+    "cpu": HardwareProfile(
+        name="cpu", flops_per_s={"float32": 50e9, "bfloat16": 10e9, "float16": 10e9},
+        link_bytes_per_s=5e9, latency_s=30e-6, memory_bytes_per_s=10e9, overlap=False,
+        half_rows=16, launch_s=20e-6, loop_s=20e-6, source="defaults; see calibrate_cpu",
+    ),
+}
+
+
+def profile_for(hardware: Hardware) -> HardwareProfile:
+    """The closest published profile for ``hardware`` (by platform and device kind)."""
+    kind = hardware.device_kind.lower()
+    if hardware.platform == "tpu":
+        for version in ("v5p", "v5e", "v5 lite", "v4"):
+            if version in kind:
+                return PROFILES["tpu-v5e" if version == "v5 lite" else f"tpu-{version}"]
+        return PROFILES["tpu-v4"]
+    if hardware.platform in ("gpu", "cuda", "rocm"):
+        return PROFILES["h200-nvlink" if "h200" in kind else "h100-nvlink"]
+    return PROFILES["cpu"]
+
+
+def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) -> float:
+    """Estimated seconds of one call of ``config`` on ``problem``."""
+    p = problem.axis_size
+    elt = _BYTES[problem.dtype]
+    peak = profile.flops_per_s.get(problem.dtype) or max(profile.flops_per_s.values())
+    rows = problem.m // p
+
+    def matmul(r: float, flops: float) -> float:
+        return flops / (peak * r / (r + profile.half_rows)) + profile.launch_s
+
+    def message(nbytes: float) -> float:
+        return profile.latency_s + nbytes / profile.link_bytes_per_s
+
+    if problem.collective == "allgather_matmul":
+        block_bytes = rows * problem.k * elt
+        block_flops = 2 * rows * problem.k * (problem.n // p)
+        out_bytes = problem.m * (problem.n // p) * elt
+    else:
+        acc = resolved_accumulate(config, collective=problem.collective, dtype=problem.dtype)
+        acc_elt = 4 if (config.method == "ring" and acc == "float32") else elt
+        block_bytes = rows * problem.n * acc_elt
+        block_flops = 2 * rows * (problem.k // p) * problem.n
+        out_bytes = rows * problem.n * elt
+
+    if config.method == "baseline":
+        collective = profile.op_s + (p - 1) * message(block_bytes)
+        compute = matmul(problem.m, block_flops * p)
+        if problem.collective == "matmul_reduce_scatter":
+            collective += (p - 1) * block_bytes / profile.memory_bytes_per_s  # the reductions
+        return collective + compute
+
+    c = config.chunks
+    hops_a, hops_b = ring_hops(config.direction, p)
+    streams = 1 if config.direction == "unidirectional" else 2
+    piece_compute = matmul(rows / c, block_flops / c)
+    step_compute = streams * c * piece_compute
+    share = 1 if (profile.duplex or streams == 1) else 2
+    # every permute is its own op (issued one after another); the bytes share links only
+    # when two streams go the same way over half-duplex links
+    step_transfer = streams * c * profile.op_s + share * c * message(block_bytes / c)
+    if problem.collective == "matmul_reduce_scatter":
+        step_compute += streams * block_bytes / profile.memory_bytes_per_s  # the adds
+    step = max(step_compute, step_transfer) if profile.overlap else step_compute + step_transfer
+    total = c * piece_compute + hops_a * step  # fill (first block) + one step per hop
+    if config.unroll != "full":
+        trips = (p - 1) if config.direction == "unidirectional" else max(hops_b - 1, 0)
+        total += trips / config.unroll * profile.loop_s
+    if config.accumulate == "concat":
+        total += 2 * out_bytes / profile.memory_bytes_per_s
+    return total
+
+
+def rank(problem: Problem, configs, profile: HardwareProfile) -> list[Decomposition]:
+    """``configs`` from fastest to slowest by the model (stable for ties)."""
+    return sorted(configs, key=lambda config: estimate(problem, config, profile))
+
+
+def calibrate_cpu(devices=None, *, repeats: int = 5) -> HardwareProfile:
+    """Measure a CPU profile on the running (virtual) devices: matmul rate and permute cost.
+
+    Takes about a second.  Uses the first two devices for the permute.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    devices = list(devices) if devices is not None else jax.devices()
+
+    def best_of(fn, *args) -> float:
+        fn(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    n = 512
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), devices[0])
+    flops = 2 * n**3 / best_of(jax.jit(lambda x: x @ x), a)
+    mesh = jax.make_mesh((len(devices),), ("r",), devices=devices)
+    shift = jax.jit(jax.shard_map(
+        lambda x: jax.lax.ppermute(x, "r", [(i, (i + 1) % len(devices)) for i in range(len(devices))]),
+        mesh=mesh, in_specs=P("r"), out_specs=P("r"),
+    ))
+    small = jax.device_put(jnp.ones((len(devices), 8), jnp.float32), jax.sharding.NamedSharding(mesh, P("r")))
+    big_rows = 1 << 18
+    big = jax.device_put(jnp.ones((len(devices) * big_rows,), jnp.float32), jax.sharding.NamedSharding(mesh, P("r")))
+    latency = best_of(shift, small)
+    bandwidth = big_rows * 4 / max(best_of(shift, big) - latency, 1e-9)
+    base = PROFILES["cpu"]
+    return base.model_copy(update=dict(
+        flops_per_s={"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
+        link_bytes_per_s=bandwidth, latency_s=latency, memory_bytes_per_s=bandwidth,
+        source=f"calibrated on {len(devices)} {devices[0].device_kind} devices",
+    ))

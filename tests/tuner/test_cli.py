@@ -1,0 +1,77 @@
+"""`cmtune tune` for real: a subprocess on 8 virtual devices, ending with a bundle the ops accept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from collective_matmul import Hardware, Problem, allgather_matmul, input_shardings
+from collective_matmul.bundle import Bundle
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cmtune(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_tune_writes_a_bundle_the_ops_accept(tmp_path):
+    bundle_path = tmp_path / "tuned.json"
+    spec = "ag:256x64x128:float32:8"
+    run = cmtune("tune", "--problem", spec, "--trials", "6", "--repeats", "3", "--seed", "1",
+                 "--out", str(bundle_path))
+    assert run.returncode == 0, run.stderr
+    assert "allgather_matmul:256x64x128:float32:8" in run.stdout
+    assert "trial budget" in run.stdout and "6 of 49" in run.stdout
+
+    problem = Problem.parse(spec)
+    bundle = Bundle.load(bundle_path)
+    entry = bundle.lookup(problem, Hardware.detect())
+    assert entry is not None and entry.trials == 6 and entry.space_size == 49
+    assert entry.speedup > 0 and entry.baseline_s > 0
+
+    mesh = jax.make_mesh((8,), ("model",))
+    rng = np.random.default_rng(0)
+    x_np, w_np = rng.standard_normal((256, 64), np.float32), rng.standard_normal((64, 128), np.float32)
+    sx, sw = input_shardings("allgather_matmul", mesh, "model")
+    out = allgather_matmul(jax.device_put(x_np, sx), jax.device_put(w_np, sw), mesh=mesh, axis="model",
+                           config=entry.decomposition)
+    np.testing.assert_allclose(np.asarray(out), x_np @ w_np, rtol=1e-4, atol=1e-4)
+
+
+def test_tune_model_on_two_processes(tmp_path):
+    bundle_path = tmp_path / "tuned.json"
+    run = cmtune("tune", "--problem", "rs:64x128x32:float32:8", "--devices", "processes:2", "--trials", "4",
+                 "--repeats", "3", "--out", str(bundle_path))
+    assert run.returncode == 0, run.stderr
+    (entry,) = Bundle.load(bundle_path).configs
+    assert entry.hardware.process_count == 2 and entry.hardware.device_count == 8
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--problem", "ag:100x64x128:float32:8"], "m=100 is not divisible by axis_size=8"),
+        (["--model", "tiny"], "--model needs --mesh"),
+        (["--problem", "ag:64x8x8:float32:8", "--model", "tiny"], "either --problem"),
+        (["--problem", "ag:64x8x8:float32:8", "--sampler", "grid"], "expected auto, enumerate"),
+        (["--problem", "ag:64x8x8:float32:4", "--devices", "virtual:8"], "need a ring of 4 devices but 8"),
+    ],
+)
+def test_tune_rejects_bad_input_with_a_useful_message(args, message):
+    run = cmtune("tune", *args, timeout=120)
+    assert run.returncode != 0
+    assert message in " ".join((run.stdout + run.stderr).split())
+
+
+def test_bundle_rejects_a_foreign_file(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text('{"format": "something-else", "configs": []}')
+    with pytest.raises(ValueError, match="not a cmtune bundle"):
+        Bundle.load(path)

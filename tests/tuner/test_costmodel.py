@@ -1,0 +1,57 @@
+"""The analytic cost model: profiles, orderings that follow from the model, calibration."""
+
+import pytest
+
+from collective_matmul import Decomposition, Hardware, Problem, candidates
+from collective_matmul.costmodel import PROFILES, calibrate_cpu, estimate, profile_for, rank
+
+
+def test_profiles_are_chosen_by_hardware():
+    tpu = Hardware(platform="tpu", device_kind="TPU v5p", device_count=8)
+    lite = Hardware(platform="tpu", device_kind="TPU v5 lite", device_count=8)
+    gpu = Hardware(platform="gpu", device_kind="NVIDIA H200", device_count=8)
+    cpu = Hardware(platform="cpu", device_kind="cpu", device_count=8)
+    assert [profile_for(h).name for h in (tpu, lite, gpu, cpu)] == ["tpu-v5p", "tpu-v5e", "h200-nvlink", "cpu"]
+
+
+def test_overlap_makes_rings_win_on_large_shapes_with_fast_compute():
+    big = Problem.parse("ag:65536x8192x8192:bfloat16:8")
+    tpu = PROFILES["tpu-v4"]
+    ring = estimate(big, Decomposition(direction="bidirectional"), tpu)
+    assert ring < estimate(big, Decomposition.baseline(), tpu)
+    # without overlap (virtual CPU devices) the ring only adds work
+    cpu = PROFILES["cpu"]
+    assert estimate(big, Decomposition(), cpu) >= estimate(big, Decomposition.baseline(), cpu) * 0.95
+
+
+def test_small_shapes_prefer_the_baseline_and_few_chunks():
+    tiny = Problem.parse("ag:64x64x64:bfloat16:8")
+    tpu = PROFILES["tpu-v4"]
+    order = rank(tiny, candidates(tiny), tpu)
+    assert order[0] == Decomposition.baseline()
+    assert estimate(tiny, Decomposition(chunks=8), tpu) > estimate(tiny, Decomposition(chunks=1), tpu)
+
+
+def test_float32_accumulator_costs_bytes_for_bfloat16():
+    rs = Problem.parse("rs:16384x8192x8192:bfloat16:8")
+    slow_links = PROFILES["tpu-v5e"].model_copy(update={"overlap": False})
+    assert estimate(rs, Decomposition(accumulate="float32"), slow_links) > estimate(
+        rs, Decomposition(accumulate="input_dtype"), slow_links)
+
+
+def test_rank_keeps_every_candidate():
+    p = Problem.parse("rs:1024x1024x256:bfloat16:8")
+    assert sorted(map(str, rank(p, candidates(p), PROFILES["h100-nvlink"]))) == sorted(map(str, candidates(p)))
+
+
+def test_calibrate_cpu_measures_positive_rates():
+    profile = calibrate_cpu()
+    assert profile.flops_per_s["float32"] > 1e8
+    assert profile.link_bytes_per_s > 1e6 and profile.latency_s > 0
+    assert "calibrated on 8" in profile.source
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_profile_estimates_every_candidate(name):
+    p = Problem.parse("ag:4096x1024x4096:bfloat16:8")
+    assert all(estimate(p, c, PROFILES[name]) > 0 for c in candidates(p))

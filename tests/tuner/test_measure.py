@@ -1,0 +1,103 @@
+"""The measurement protocol on real (virtual) devices."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from collective_matmul import Decomposition, Problem, candidates
+from collective_matmul.costmodel import PROFILES, rank
+from tuner.local import LocalRunner
+from tuner.measure import Measurement, Protocol, Session, default_program
+from tuner.search import SearchSettings, tune
+
+PROBLEM = Problem.parse("ag:256x64x128:float32:8")
+WRONG = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="concat")
+BROKEN = Decomposition(direction="unidirectional", chunks=4, unroll=1, accumulate="update_slice")
+
+
+def sabotaged(problem, config, mesh, axis):
+    """The real ops, except WRONG is numerically off and BROKEN fails to compile."""
+    program = default_program(problem, config, mesh, axis)
+    if config == WRONG:
+        return lambda x, w: program(x, w) * 1.01
+    if config == BROKEN:
+        def fails(x, w):
+            raise RuntimeError("injected compile failure")
+        return fails
+    return program
+
+
+@pytest.fixture(scope="module")
+def session():
+    return Session(PROBLEM, protocol=Protocol(warmup=1, repeats=3), build=sabotaged)
+
+
+def test_valid_candidate_is_timed_against_baseline(session):
+    m = session.measure(Decomposition(chunks=2, accumulate="update_slice"))
+    assert m.status == "ok", m.message
+    assert m.rel_error < 1e-6
+    assert m.compile_s > 0 and m.memory_bytes > 0
+    assert len(m.candidate.samples_s) == len(m.baseline.samples_s) == 3
+    assert m.candidate.min_s <= m.candidate.median_s <= m.candidate.max_s
+    assert m.ratio > 0 and m.ratio_iqr >= 0
+    assert m.hardware.device_count == 8 and m.hardware.jax_version
+    assert Measurement.model_validate_json(m.model_dump_json()) == m
+
+
+def test_wrong_candidate_is_invalid(session):
+    m = session.measure(WRONG)
+    assert m.status == "invalid"
+    assert "relative error" in m.message and m.rel_error > 1e-3
+    assert m.candidate is None
+
+
+def test_compile_failure_is_recorded(session):
+    m = session.measure(BROKEN)
+    assert m.status == "compile_error"
+    assert "injected compile failure" in m.message
+
+
+def test_invalid_decomposition_is_never_compiled(session):
+    m = session.measure(Decomposition(chunks=64))
+    assert m.status == "compile_error" and "chunks=64" in m.message
+
+
+def test_timeout_keeps_the_samples_so_far(session):
+    m = session.measure(Decomposition(chunks=1, accumulate="concat"),
+                        Protocol(warmup=0, repeats=50, timeout_s=1e-6))
+    assert m.status == "timeout"
+    assert len(m.candidate.samples_s) == 1 and "stopped after 1 of 50" in m.message
+
+
+def test_inputs_are_seeded_normal_not_zeros(session):
+    x = jnp.asarray(session.x)
+    assert float(jnp.std(x)) == pytest.approx(1.0, rel=0.1)
+    assert float(jnp.abs(x).min()) > 0 or float(jnp.mean(jnp.abs(x))) > 0.5
+    again = Session(PROBLEM, protocol=Protocol(seed=0))
+    assert bool(jnp.all(again.x == session.x))
+
+
+def test_study_skips_wrong_and_broken_candidates_and_goes_on():
+    profile = PROFILES["cpu"]
+    # sabotage the cost model's two favourites, so an enumerating study meets them first
+    favourites = [c for c in rank(PROBLEM, candidates(PROBLEM), profile) if c.method == "ring"]
+    wrong, broken = favourites[:2]
+
+    def build(problem, config, mesh, axis):
+        return sabotaged(problem, {wrong: WRONG, broken: BROKEN}.get(config, config), mesh, axis)
+
+    settings = SearchSettings(sampler="enumerate", max_trials=6, confirm_top=2, confirm_repeats=3)
+    result = tune(PROBLEM, LocalRunner(build=build), profile, settings=settings,
+                  protocol=Protocol(warmup=1, repeats=3))
+    statuses = {m.decomposition: m.status for m in result.trials}
+    assert statuses[wrong] == "invalid" and statuses[broken] == "compile_error"
+    assert result.invalid == 1 and result.failed == 1 and len(result.trials) == 6
+    assert result.winner.decomposition not in (wrong, broken)
+    assert result.winner.ok
+    assert wrong not in [m.decomposition for m in result.confirmation]
+
+
+def test_mesh_size_must_match_the_ring():
+    with pytest.raises(ValueError, match="needs a ring of 4 devices but the mesh has 8"):
+        Session(Problem.parse("ag:64x8x8:float32:4"))

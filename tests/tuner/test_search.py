@@ -1,0 +1,184 @@
+"""Search logic over a runner with known costs (a unit test of the search layer alone)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from collective_matmul import Decomposition, Hardware, Problem, candidates
+from collective_matmul.costmodel import PROFILES
+from tuner.measure import Measurement, Protocol, Timing
+from tuner.search import Finished, Searcher, SearchSettings, stop_reason, tune
+
+PROBLEM = Problem.parse("ag:1024x256x1024:float32:8")  # 49 candidates
+HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
+PROFILE = PROFILES["cpu"]
+
+
+def record(problem, config, ratio, status="ok"):
+    if status != "ok":
+        return Measurement(problem=problem, decomposition=config, hardware=HW, status=status, message="boom")
+    base = 1e-3
+    return Measurement(
+        problem=problem, decomposition=config, hardware=HW, status="ok",
+        candidate=Timing.of([base * ratio] * 3), baseline=Timing.of([base] * 3), ratio=ratio, ratio_iqr=0.0,
+    )
+
+
+class KnownCosts:
+    """Returns a fixed ratio per candidate; optionally a lucky first sample for some."""
+
+    def __init__(self, costs, lucky=None, failing=()):
+        self.costs, self.lucky, self.failing = costs, dict(lucky or {}), set(failing)
+        self.calls: list[tuple[Decomposition, int]] = []
+
+    def run(self, problem, configs, protocol):
+        out = []
+        for config in configs:
+            self.calls.append((config, protocol.repeats))
+            if config in self.failing:
+                out.append(record(problem, config, None, status="compile_error"))
+                continue
+            ratio = self.lucky.pop(config, None) or self.costs[config]
+            out.append(record(problem, config, ratio))
+        return out
+
+    def agree(self, flag):
+        return flag
+
+
+def random_costs(problem, seed):
+    rng = random.Random(seed)
+    costs = {c: rng.uniform(0.7, 1.5) for c in candidates(problem)}
+    costs[Decomposition.baseline()] = 1.0
+    return costs
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "enumerate"])
+def test_full_budget_finds_the_optimum_and_never_repeats(sampler):
+    costs = random_costs(PROBLEM, 1)
+    runner = KnownCosts(costs)
+    result = tune(PROBLEM, runner, PROFILE, settings=SearchSettings(sampler=sampler, seed=3))
+    timed = [m.decomposition for m in result.trials]
+    assert len(timed) == len(set(timed)) == 49
+    assert result.stop_reason == "exhausted"
+    assert result.winner.decomposition == min(costs, key=costs.get)
+    assert timed[0] == Decomposition.baseline()
+
+
+def test_tpe_beats_random_order_on_structured_costs():
+    """Costs that depend smoothly on the fields: TPE should get near the best in a quarter of the space."""
+    def cost(c):
+        if c.method == "baseline":
+            return 1.0
+        return (0.8 + 0.05 * abs(c.chunks - 4) / 2 + (0.1 if c.direction == "unidirectional" else 0)
+                + (0.04 if c.unroll == "full" else 0) + (0.03 if c.accumulate == "concat" else 0))
+    costs = {c: cost(c) for c in candidates(PROBLEM)}
+    best = min(costs.values())
+    for seed in range(3):
+        settings = SearchSettings(sampler="tpe", seed=seed, max_trials=13)
+        result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=settings)
+        assert result.winner.ratio <= best * 1.03
+
+
+def test_stop_rules():
+    costs = random_costs(PROBLEM, 2)
+    result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(max_trials=7))
+    assert (len(result.trials), result.stop_reason) == (7, "trial budget")
+
+    ticks = iter(range(1000))
+    result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(max_seconds=5),
+                  clock=lambda: float(next(ticks)))
+    assert result.stop_reason == "time budget"
+    assert len(result.trials) == 4  # the clock advances once per ask
+
+    flat = {c: 1.0 for c in candidates(PROBLEM)}
+    result = tune(PROBLEM, KnownCosts(flat), PROFILE, settings=SearchSettings(patience=5))
+    assert (len(result.trials), result.stop_reason) == (6, "no improvement")
+
+    small = Problem.parse("ag:64x8x8:float32:4")
+    result = tune(small, KnownCosts(random_costs(small, 3)), PROFILE, settings=SearchSettings())
+    assert result.stop_reason == "exhausted"
+    assert len(result.trials) == len(candidates(small))
+
+
+def test_stop_reason_unit():
+    finished = [Finished(Decomposition.baseline(), 1.0)] + [Finished(Decomposition(chunks=2), 1.2)] * 3
+    s = SearchSettings(patience=3)
+    assert stop_reason(s, finished, elapsed_s=0, exhausted=False) == "no improvement"
+    assert stop_reason(SearchSettings(), finished, elapsed_s=0, exhausted=True) == "exhausted"
+    assert stop_reason(SearchSettings(max_trials=5), finished, elapsed_s=0, exhausted=False) is None
+
+
+def test_confirmation_round_overturns_a_lucky_sample():
+    costs = {c: 1.1 for c in candidates(PROBLEM)}
+    costs[Decomposition.baseline()] = 1.0
+    lucky = Decomposition(direction="bidirectional", chunks=2, unroll=1, accumulate="concat")
+    truly_best = Decomposition(direction="unidirectional", chunks=4, unroll="full", accumulate="update_slice")
+    costs[lucky], costs[truly_best] = 0.9, 0.8
+    runner = KnownCosts(costs, lucky={lucky: 0.5})
+    result = tune(PROBLEM, runner, PROFILE, settings=SearchSettings(sampler="enumerate", confirm_repeats=21))
+    first_round_best = min(result.trials, key=lambda m: m.ratio)
+    assert first_round_best.decomposition == lucky
+    assert result.winner.decomposition == truly_best
+    confirmed = [c for c, repeats in runner.calls if repeats == 21]
+    assert confirmed[0] == Decomposition.baseline() and lucky in confirmed and truly_best in confirmed
+
+
+def test_baseline_wins_when_nothing_beats_it():
+    costs = {c: 1.3 for c in candidates(PROBLEM)}
+    costs[Decomposition.baseline()] = 1.0
+    result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(max_trials=10))
+    assert result.winner.decomposition == Decomposition.baseline()
+
+
+def test_failures_are_recorded_and_the_study_goes_on():
+    costs = random_costs(PROBLEM, 4)
+    failing = [c for c in candidates(PROBLEM) if c.chunks == 8]
+    result = tune(PROBLEM, KnownCosts(costs, failing=failing), PROFILE, settings=SearchSettings(sampler="enumerate"))
+    assert len(result.trials) == 49
+    assert result.failed == len(failing)
+    assert result.winner.decomposition not in failing
+
+
+def test_deterministic_given_a_seed():
+    costs = random_costs(PROBLEM, 5)
+
+    def sequence(seed):
+        result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(seed=seed, max_trials=15))
+        return [m.decomposition.id for m in result.trials]
+
+    assert sequence(1) == sequence(1)
+    assert sequence(1) != sequence(2)
+
+
+def test_parallel_asks_have_no_duplicates():
+    searcher = Searcher(PROBLEM, PROFILE, SearchSettings(sampler="tpe", seed=0, startup=2))
+    costs = random_costs(PROBLEM, 6)
+    finished = [Finished(c, costs[c]) for c in [Decomposition.baseline(), *searcher.by_model[1:4]]]
+    pending: list[Decomposition] = []
+    for _ in range(20):
+        config = searcher.ask(finished, pending)
+        assert config not in pending and config not in {f.config for f in finished}
+        pending.append(config)
+
+
+def test_small_spaces_are_enumerated_in_cost_model_order():
+    small = Problem.parse("ag:64x8x8:float32:4")
+    searcher = Searcher(small, PROFILE, SearchSettings(enumerate_below=100))
+    assert searcher.sampler == "enumerate"
+    asked = []
+    for _ in range(5):
+        asked.append(searcher.ask([Finished(c, 1.0) for c in asked]))
+    assert asked[0] == Decomposition.baseline()
+    assert asked[1:] == [c for c in searcher.by_model if c.method == "ring"][:4]
+
+
+def test_measurements_serialise():
+    m = record(PROBLEM, Decomposition(chunks=2), 0.9)
+    assert Measurement.model_validate_json(m.model_dump_json()) == m
+    assert m.speedup == pytest.approx(1 / 0.9)
+    failed = record(PROBLEM, Decomposition(), None, status="oom")
+    assert Measurement.model_validate_json(failed.model_dump_json()).status == "oom"
+    assert Protocol.model_validate_json(Protocol(repeats=3).model_dump_json()).repeats == 3

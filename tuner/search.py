@@ -1,0 +1,279 @@
+"""Search over decompositions: which candidate to time next, when to stop, who wins.
+
+`Searcher.ask` is a pure function of a study's recorded history (finished and in-flight
+trials), so the service can rebuild it from the database on every ask and any replica can ask.
+`tune` drives a `Searcher` locally over a `Runner`.
+
+Order of asks:
+1. the baseline (every study measures it; it wins if nothing beats it);
+2. small spaces (``enumerate_below``) are enumerated in cost-model order;
+3. larger ones: the ``startup`` cost-model favourites, then Optuna's TPE (multivariate, constant
+   liar for parallel asks) over the factorised space; a TPE proposal that repeats a finished or
+   in-flight candidate is told the known value (or skipped) and asked again, then falls back to
+   the cost model's next choice, so no candidate is ever timed twice.
+At the end, the top ``confirm_top`` candidates and the baseline are re-timed together with more
+runs; the winner of that round is the tuned config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+from typing import Protocol as TypingProtocol
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+from pydantic import BaseModel, ConfigDict, Field
+
+from collective_matmul import Decomposition, Problem, candidates
+from collective_matmul.costmodel import HardwareProfile, rank
+from tuner.measure import Measurement, Protocol
+
+Sampler = Literal["auto", "enumerate", "tpe", "random"]
+
+
+class SearchSettings(BaseModel):
+    """How a study searches and when it stops."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sampler: Sampler = "auto"
+    seed: int = 0
+    max_trials: int | None = Field(default=None, ge=1, description="finished trials, baseline included")
+    max_seconds: float | None = Field(default=None, gt=0)
+    patience: int | None = Field(default=None, ge=1, description="stop after this many trials without a new best")
+    enumerate_below: int = Field(default=12, ge=0)
+    startup: int = Field(default=4, ge=0, description="trials before TPE models the space")
+    seed_with_model: bool = Field(default=True, description="startup trials are the cost model's favourites "
+                                  "(False: TPE's own random startup, as plain Optuna does)")
+    confirm_top: int = Field(default=3, ge=0)
+    confirm_repeats: int = Field(default=15, ge=1)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One finished trial as the searcher sees it: ratio to baseline, or None if it failed."""
+
+    config: Decomposition
+    ratio: float | None
+
+
+def _space_distributions(space: Sequence[Decomposition]) -> dict[str, CategoricalDistribution]:
+    """The ring part of the space, factorised; unroll is per direction (its valid values differ)."""
+    rings = [c for c in space if c.method == "ring"]
+
+    def choices(field_name: str, direction: str | None = None) -> CategoricalDistribution:
+        values = [getattr(c, field_name) for c in rings if direction in (None, c.direction)]
+        return CategoricalDistribution(list(dict.fromkeys(values)))
+
+    dists = {name: choices(name) for name in ("direction", "chunks", "accumulate")}
+    for direction in dists["direction"].choices:
+        dists[f"unroll_{direction}"] = choices("unroll", direction)
+    return dists
+
+
+def _params(config: Decomposition) -> dict:
+    return {
+        "direction": config.direction,
+        "chunks": config.chunks,
+        "accumulate": config.accumulate,
+        f"unroll_{config.direction}": config.unroll,
+    }
+
+
+class Searcher:
+    """Proposes the next candidate of one study from its history."""
+
+    def __init__(self, problem: Problem, profile: HardwareProfile, settings: SearchSettings = SearchSettings()):
+        self.problem = problem
+        self.settings = settings
+        self.space = candidates(problem)
+        self.by_model = rank(problem, self.space, profile)
+        self._dists = _space_distributions(self.space)
+
+    @property
+    def sampler(self) -> Sampler:
+        if self.settings.sampler != "auto":
+            return self.settings.sampler
+        return "enumerate" if len(self.space) <= self.settings.enumerate_below else "tpe"
+
+    def ask(self, finished: Sequence[Finished], pending: Sequence[Decomposition] = ()) -> Decomposition | None:
+        """The next candidate to time, or None when every candidate is finished or in flight."""
+        seen = {f.config for f in finished} | set(pending)
+        unmeasured = [c for c in self.by_model if c not in seen]
+        if not unmeasured:
+            return None
+        baseline = Decomposition.baseline()
+        if baseline not in seen:
+            return baseline
+        sampler = self.sampler
+        seeding = sampler == "tpe" and self.settings.seed_with_model and len(seen) < 1 + self.settings.startup
+        if sampler == "enumerate" or seeding:
+            return unmeasured[0]
+        return self._ask_optuna(sampler, finished, pending, seen) or unmeasured[0]
+
+    def _ask_optuna(self, sampler, finished, pending, seen) -> Decomposition | None:
+        digest = hashlib.sha256(f"{self.settings.seed}:{len(finished)}:{len(pending)}".encode()).digest()
+        seed = int.from_bytes(digest[:4], "little")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            if sampler == "random":
+                optuna_sampler = optuna.samplers.RandomSampler(seed=seed)
+            else:
+                optuna_sampler = optuna.samplers.TPESampler(
+                    seed=seed, multivariate=True, group=True, constant_liar=True,
+                    n_startup_trials=self.settings.startup,
+                )
+            study = optuna.create_study(direction="minimize", sampler=optuna_sampler)
+            known: dict[Decomposition, float | None] = {}
+            for f in finished:
+                if f.config.method != "ring":
+                    continue
+                known[f.config] = f.ratio
+                study.add_trial(self._trial(f.config, f.ratio))
+            for config in pending:
+                if config.method == "ring":
+                    study.add_trial(self._trial(config, None, TrialState.RUNNING))
+            for _ in range(32):
+                trial = study.ask()
+                config = self._suggest(trial)
+                if config not in seen:
+                    return config
+                if config in known and known[config] is not None:
+                    study.tell(trial, known[config])  # teach it, then ask again
+                else:
+                    study.tell(trial, state=TrialState.FAIL)
+        return None
+
+    def _trial(self, config: Decomposition, ratio: float | None, state: TrialState | None = None):
+        params = _params(config)
+        dists = {name: self._dists[name] for name in params}
+        if state is None:
+            state = TrialState.COMPLETE if ratio is not None else TrialState.FAIL
+        return create_trial(params=params, distributions=dists, state=state,
+                            value=ratio if state == TrialState.COMPLETE else None)
+
+    def _suggest(self, trial: optuna.Trial) -> Decomposition:
+        d = self._dists
+        direction = trial.suggest_categorical("direction", d["direction"].choices)
+        return Decomposition(
+            direction=direction,
+            chunks=trial.suggest_categorical("chunks", d["chunks"].choices),
+            unroll=trial.suggest_categorical(f"unroll_{direction}", d[f"unroll_{direction}"].choices),
+            accumulate=trial.suggest_categorical("accumulate", d["accumulate"].choices),
+        )
+
+    def confirm_set(self, finished: Sequence[Finished]) -> list[Decomposition]:
+        """The top candidates (by ratio) plus the baseline, for the confirmation round."""
+        ok = sorted((f for f in finished if f.ratio is not None and f.config.method == "ring"),
+                    key=lambda f: f.ratio)
+        top = [f.config for f in ok[: self.settings.confirm_top]]
+        return [Decomposition.baseline(), *top]
+
+
+def stop_reason(
+    settings: SearchSettings, finished: Sequence[Finished], *, elapsed_s: float, exhausted: bool
+) -> str | None:
+    """Why a study should stop now, or None to go on."""
+    if exhausted:
+        return "exhausted"
+    if settings.max_trials is not None and len(finished) >= settings.max_trials:
+        return "trial budget"
+    if settings.max_seconds is not None and elapsed_s >= settings.max_seconds:
+        return "time budget"
+    if settings.patience is not None:
+        best, since = float("inf"), 0
+        for f in finished:
+            if f.ratio is not None and f.ratio < best:
+                best, since = f.ratio, 0
+            else:
+                since += 1
+        if since >= settings.patience:
+            return "no improvement"
+    return None
+
+
+class Runner(TypingProtocol):
+    """Times candidates: locally now, a worker fleet later."""
+
+    def run(self, problem: Problem, configs: Sequence[Decomposition], protocol: Protocol) -> list[Measurement]: ...
+
+    def agree(self, flag: bool) -> bool:
+        """True if any participant says so (multi-process runs must take the same branch)."""
+        ...
+
+
+class TuneResult(BaseModel):
+    """Outcome of one study."""
+
+    problem: Problem
+    winner: Measurement
+    trials: list[Measurement]
+    confirmation: list[Measurement]
+    stop_reason: str
+    space_size: int
+    elapsed_s: float
+
+    @property
+    def invalid(self) -> int:
+        return sum(m.status == "invalid" for m in self.trials)
+
+    @property
+    def failed(self) -> int:
+        return sum(m.status not in ("ok", "invalid") for m in self.trials)
+
+
+def _ratio(m: Measurement) -> float | None:
+    return m.ratio if m.ok else None
+
+
+@dataclass
+class _History:
+    trials: list[Measurement] = field(default_factory=list)
+
+    def finished(self) -> list[Finished]:
+        return [Finished(m.decomposition, _ratio(m)) for m in self.trials]
+
+
+def tune(
+    problem: Problem,
+    runner: Runner,
+    profile: HardwareProfile,
+    *,
+    settings: SearchSettings = SearchSettings(),
+    protocol: Protocol = Protocol(),
+    on_trial: Callable[[Measurement], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> TuneResult:
+    """Search ``problem``'s space one candidate at a time, confirm the top, return the winner."""
+    started = clock()
+    searcher = Searcher(problem, profile, settings)
+    history = _History()
+    while True:
+        finished = history.finished()
+        config = searcher.ask(finished)
+        reason = stop_reason(settings, finished, elapsed_s=clock() - started, exhausted=config is None)
+        if runner.agree(reason is not None):
+            reason = reason or "another process stopped"
+            break
+        (measurement,) = runner.run(problem, [config], protocol)
+        history.trials.append(measurement)
+        if on_trial is not None:
+            on_trial(measurement)
+    contenders = searcher.confirm_set(history.finished())
+    confirmation = runner.run(
+        problem, contenders, protocol.model_copy(update={"repeats": settings.confirm_repeats})
+    ) if len(contenders) > 1 else [m for m in history.trials if m.decomposition.method == "baseline"]
+    ok = [m for m in confirmation if m.ok]
+    if not ok:
+        raise RuntimeError(f"{problem.key}: the baseline itself failed: {confirmation[0].message}")
+    winner = min(ok, key=lambda m: m.ratio)
+    return TuneResult(
+        problem=problem, winner=winner, trials=history.trials, confirmation=confirmation,
+        stop_reason=reason, space_size=len(searcher.space), elapsed_s=clock() - started,
+    )
