@@ -7,8 +7,10 @@
 2. The tuner (cost-model order + TPE), plain Optuna TPE (random startup of 10) and random
    search then run against those recorded measurements (replay: every strategy sees the same
    numbers, so the comparison is of the strategies, not of the noise), once per seed, until the
-   space is exhausted.  For each: the trials needed until the best found is within 3% of the
-   exhaustive best.
+   space is exhausted.  For each: the trials needed until the best ring decomposition found is
+   within 3% of the exhaustive best ring decomposition (the baseline, always timed first, is
+   counted as a trial but is not the target: on hardware where it wins, every strategy would
+   "find" it at trial 1).
 3. The tuner with a budget of a quarter of the space picks a config; it is then timed again,
    live, against the baseline (15 interleaved runs): the speedup a user would get.
 4. The cost model's ranking is compared with the measured one (Spearman rank correlation).
@@ -59,7 +61,7 @@ class Replay:
 def trials_to_within(trials, best_ratio: float, tolerance: float = 0.03) -> int:
     best = float("inf")
     for i, m in enumerate(trials, 1):
-        if m.ok:
+        if m.ok and m.decomposition.method == "ring":
             best = min(best, m.ratio)
         if best <= best_ratio * (1 + tolerance):
             return i
@@ -112,7 +114,8 @@ def main() -> None:
         sweep_s = time.perf_counter() - started
         recorded = {m.decomposition: m for m in measured}
         ok = [m for m in measured if m.ok]
-        best = min(ok, key=lambda m: m.ratio)
+        best_overall = min(ok, key=lambda m: m.ratio)
+        best = min((m for m in ok if m.decomposition.method == "ring"), key=lambda m: m.ratio)
         space = len(measured)
         needed = {}
         for name, kwargs in STRATEGIES.items():
@@ -134,7 +137,8 @@ def main() -> None:
                        [m.candidate.median_s for m in ok])
         per_problem.append(dict(
             problem=problem.key, space=space, sweep_s=sweep_s, best=best.decomposition.id,
-            best_speedup=1 / best.ratio, needed=needed, budget=budget,
+            best_speedup=1 / best.ratio, best_overall=best_overall.decomposition.id,
+            best_overall_speedup=1 / best_overall.ratio, needed=needed, budget=budget,
             tuned=winner.decomposition.id, tuned_speedup=1 / winner.ratio,
             tuned_speedup_iqr=(winner.ratio_iqr or 0) / winner.ratio**2, spearman=rho,
         ))
@@ -148,8 +152,9 @@ def main() -> None:
 def report(per_problem, args, profile) -> str:
     lines = [
         f"{len(per_problem)} problems, {args.seeds} seeds per strategy, {args.repeats} interleaved runs "
-        "per trial; trials needed to come within 3% of the exhaustive best (median over seeds):\n",
-        "| problem | space | exhaustive best (speedup) | cmtune | optuna TPE | random | tuned at 1/4 budget "
+        "per trial; trials needed to come within 3% of the exhaustive best ring decomposition "
+        "(median over seeds):\n",
+        "| problem | space | best ring (speedup) | cmtune | optuna TPE | random | tuned at 1/4 budget "
         "| live speedup (IQR) | cost-model rank corr. |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -84,17 +84,19 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
-def profile_for(hardware: Hardware) -> HardwareProfile:
-    """The closest published profile for ``hardware`` (by platform and device kind)."""
+def profile_for(hardware: Hardware) -> HardwareProfile | None:
+    """The closest published profile for ``hardware`` (by platform and device kind), or None."""
     kind = hardware.device_kind.lower()
     if hardware.platform == "tpu":
         for version in ("v5p", "v5e", "v5 lite", "v4"):
             if version in kind:
                 return PROFILES["tpu-v5e" if version == "v5 lite" else f"tpu-{version}"]
         return PROFILES["tpu-v4"]
-    if hardware.platform in ("gpu", "cuda", "rocm"):
+    if hardware.platform in ("gpu", "cuda"):
         return PROFILES["h200-nvlink" if "h200" in kind else "h100-nvlink"]
-    return PROFILES["cpu"]
+    if hardware.platform == "cpu":
+        return PROFILES["cpu"]
+    return None
 
 
 def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) -> float:

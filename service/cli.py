@@ -154,7 +154,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, 
 
     from collective_matmul import Hardware, candidates
     from collective_matmul.bundle import Bundle, TunedConfig
-    from collective_matmul.costmodel import calibrate_cpu, profile_for
+    from collective_matmul.costmodel import PROFILES, calibrate_cpu, profile_for
     from tuner.local import LocalRunner
     from tuner.measure import Protocol
     from tuner.report import tune_table
@@ -166,7 +166,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, 
             f"use --devices virtual:{ring} (or processes:N with N dividing {ring})"
         )
     hardware = Hardware.detect()
-    profile = calibrate_cpu() if hardware.platform == "cpu" else profile_for(hardware)
+    profile = calibrate_cpu() if hardware.platform == "cpu" else (profile_for(hardware) or PROFILES["tpu-v4"])
     leader = jax.process_index() == 0
     runner = LocalRunner()
     results = []
@@ -240,6 +240,96 @@ def problems(
     for mp in found:
         table.add_row(mp.problem.key, str(mp.count), ", ".join(mp.roles))
     console.print(table)
+
+
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+def _database():
+    from service.db import Database
+    from service.settings import get_settings
+
+    return Database(get_settings().database_url)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Upgrade the schema of CMTUNE_DATABASE_URL (default: the embedded SQLite file)."""
+    from service import migrate
+
+    db = _database()
+    migrate.upgrade(db.engine, revision)
+    console.print(f"schema at {migrate.current_revision(db.engine)} ({db.engine.url.render_as_string()})")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision, e.g. base")]) -> None:
+    """Downgrade the schema (``base`` drops every table)."""
+    from service import migrate
+
+    db = _database()
+    migrate.downgrade(db.engine, revision)
+    console.print(f"schema at {migrate.current_revision(db.engine) or 'base'}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the schema revision and whether it is current."""
+    from service import migrate
+
+    db = _database()
+    current, head = migrate.current_revision(db.engine), migrate.head_revision(db.engine)
+    console.print(f"{current or 'empty'} (head {head}){'' if current == head else ': run cmtune db upgrade'}")
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[str, typer.Option(help="admin, worker or reader")],
+    name: Annotated[str, typer.Option(help="what the token is for")] = "cli",
+) -> None:
+    """Create a token and print it (only its hash is stored)."""
+    from service import migrate
+    from service import repository as repo
+
+    if role not in ("admin", "worker", "reader"):
+        raise typer.BadParameter(f"{role!r}: expected admin, worker or reader", param_hint="--role")
+    db = _database()
+    if db.engine.dialect.name == "sqlite":
+        migrate.upgrade(db.engine)
+    with db.session(write=True) as session:
+        _, plain = repo.create_token(session=session, name=name, role=role)
+    print(plain)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="listen address (default CMTUNE_HOST or 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default CMTUNE_PORT or 8470)")] = None,
+) -> None:
+    """Run the service (uvicorn).  Upgrades an embedded SQLite schema; checks a PostgreSQL one."""
+    import uvicorn
+
+    from service.main import SchemaOutOfDate, create_app
+    from service.settings import get_settings
+
+    settings = get_settings()
+    host = host or settings.host
+    port = port or settings.port
+    if settings.auth == "off" and host not in LOOPBACK:
+        raise typer.BadParameter(f"refusing to listen on {host} with CMTUNE_AUTH=off: "
+                                 "turn auth on or listen on 127.0.0.1", param_hint="--host")
+    try:
+        application = create_app(settings)
+    except SchemaOutOfDate as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
 
 
 if __name__ == "__main__":

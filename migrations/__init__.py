@@ -1,0 +1,1 @@
+"""Alembic environment and versions for the service's tables (see service/migrate.py)."""

@@ -1,0 +1,213 @@
+"""SQLAlchemy models: the service's tables (every change goes through an Alembic migration)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, MetaData, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given; use an aware UTC datetime")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, dt.datetime: UTCDateTime()}
+
+
+class HardwareRow(Base):
+    __tablename__ = "hardware"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(String(300), unique=True)
+    platform: Mapped[str] = mapped_column(String(64))
+    device_kind: Mapped[str] = mapped_column(String(128))
+    device_count: Mapped[int]
+    process_count: Mapped[int]
+
+
+class ProblemRow(Base):
+    __tablename__ = "problems"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(String(200), unique=True)
+    collective: Mapped[str] = mapped_column(String(32))
+    m: Mapped[int]
+    k: Mapped[int]
+    n: Mapped[int]
+    dtype: Mapped[str] = mapped_column(String(16))
+    axis_size: Mapped[int]
+
+
+class Submission(Base):
+    """One model + mesh submitted; links the studies of its problems."""
+
+    __tablename__ = "submissions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[dict[str, Any]]
+    mesh: Mapped[dict[str, Any]]
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    entries: Mapped[list[SubmissionStudy]] = relationship(back_populates="submission", order_by="SubmissionStudy.id")
+    hardware: Mapped[HardwareRow] = relationship()
+
+
+class Study(Base):
+    """The search for one (problem, hardware)."""
+
+    __tablename__ = "studies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"), index=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"), index=True)
+    # pending -> running -> confirming -> completed; or cancelled / failed
+    state: Mapped[str] = mapped_column(String(16), index=True, default="pending")
+    settings: Mapped[dict[str, Any]]
+    protocol: Mapped[dict[str, Any]]
+    space_size: Mapped[int]
+    stop_reason: Mapped[str | None] = mapped_column(String(64))
+    message: Mapped[str | None] = mapped_column(String(2000))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+
+    problem: Mapped[ProblemRow] = relationship()
+    hardware: Mapped[HardwareRow] = relationship()
+    trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
+
+
+class SubmissionStudy(Base):
+    __tablename__ = "submission_studies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    submission_id: Mapped[int] = mapped_column(ForeignKey("submissions.id", ondelete="CASCADE"), index=True)
+    study_id: Mapped[int | None] = mapped_column(ForeignKey("studies.id", ondelete="SET NULL"))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"))
+    roles: Mapped[list[Any]]
+    count: Mapped[int]
+
+    submission: Mapped[Submission] = relationship(back_populates="entries")
+    study: Mapped[Study | None] = relationship()
+    problem: Mapped[ProblemRow] = relationship()
+
+
+class Trial(Base):
+    """One candidate timed once (``kind='search'``), or the confirmation round (``'confirm'``)."""
+
+    __tablename__ = "trials"
+    __table_args__ = (UniqueConstraint("study_id", "number"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16), default="search")
+    # the candidate (search) or the contenders (confirm), as Decomposition JSON objects
+    decompositions: Mapped[list[Any]]
+    decomposition_id: Mapped[str] = mapped_column(String(64))
+    # pending -> leased -> completed | failed
+    state: Mapped[str] = mapped_column(String(16), index=True, default="pending")
+    attempts: Mapped[int] = mapped_column(default=0)
+    status: Mapped[str | None] = mapped_column(String(32))
+    ratio: Mapped[float | None] = mapped_column(Float)
+    measurements: Mapped[list[Any] | None]
+    message: Mapped[str | None] = mapped_column(String(2000))
+    worker_id: Mapped[int | None] = mapped_column(ForeignKey("workers.id", ondelete="SET NULL"))
+    result_lease_id: Mapped[str | None] = mapped_column(String(36), doc="the lease whose report completed it")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]
+
+    study: Mapped[Study] = relationship(back_populates="trials")
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    software: Mapped[dict[str, Any]]
+    registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_heartbeat: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
+    trials_done: Mapped[int] = mapped_column(default=0)
+
+    hardware: Mapped[HardwareRow] = relationship()
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"), index=True)
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id", ondelete="CASCADE"))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)
+    active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
+
+
+class TunedConfigRow(Base):
+    __tablename__ = "tuned_configs"
+    __table_args__ = (UniqueConstraint("problem_id", "hardware_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"))
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"), index=True)
+    study_id: Mapped[int | None] = mapped_column(ForeignKey("studies.id", ondelete="SET NULL"))
+    decomposition: Mapped[dict[str, Any]]
+    time_s: Mapped[float]
+    baseline_s: Mapped[float]
+    speedup: Mapped[float]
+    speedup_iqr: Mapped[float] = mapped_column(default=0.0)
+    trials: Mapped[int] = mapped_column(default=0)
+    invalid: Mapped[int] = mapped_column(default=0)
+    failed: Mapped[int] = mapped_column(default=0)
+    space_size: Mapped[int] = mapped_column(default=0)
+    software: Mapped[dict[str, Any]]
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    problem: Mapped[ProblemRow] = relationship()
+    hardware: Mapped[HardwareRow] = relationship()
+
+
+class Token(Base):
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(16))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)

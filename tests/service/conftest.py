@@ -1,0 +1,120 @@
+"""The API contract suite runs against every backend: SQLite always, PostgreSQL when
+CMTUNE_TEST_DATABASE_URL points at a server (CI sets it)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from collective_matmul import Decomposition, Hardware, Problem
+from service import migrate
+from service import repository as repo
+from service.db import Database
+from service.main import create_app
+from service.settings import Settings
+from tuner.measure import Measurement, Timing
+
+PG_URL = os.environ.get("CMTUNE_TEST_DATABASE_URL")
+HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process_count": 1}
+PROBLEM = {"collective": "allgather_matmul", "m": 256, "k": 64, "n": 128, "dtype": "float32", "axis_size": 8}
+
+
+def reset_postgres(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'cmtune.sqlite'}"
+    if not PG_URL:
+        pytest.skip("PostgreSQL contract run needs CMTUNE_TEST_DATABASE_URL (e.g. "
+                    "postgresql+psycopg://user:pw@127.0.0.1:5432/cmtune_test)")
+    reset_postgres(PG_URL)
+    migrate.upgrade(create_engine(PG_URL))
+    return PG_URL
+
+
+@dataclass
+class Api:
+    """Clients of one app, one per role, plus the app's database."""
+
+    admin: TestClient
+    worker: TestClient
+    reader: TestClient
+    anonymous: TestClient
+    db: Database
+    settings: Settings
+
+
+def make_api(url: str, **overrides) -> Api:
+    settings = Settings(database_url=url, auth="token", config_cache_seconds=0, **overrides)
+    app = create_app(settings)
+    db = app.state.cmtune.db
+    clients = {}
+    for role in ("admin", "worker", "reader"):
+        with db.session(write=True) as session:
+            _, token = repo.create_token(session=session, name=f"test-{role}", role=role)
+        clients[role] = TestClient(app, headers={"Authorization": f"Bearer {token}"})
+    return Api(**clients, anonymous=TestClient(app), db=db, settings=settings)
+
+
+@pytest.fixture
+def api(database_url):
+    api = make_api(database_url)
+    yield api
+    api.db.dispose()
+
+
+def measurement(problem: dict, config: Decomposition, ratio: float | None, status: str = "ok",
+                hardware: dict = HARDWARE) -> dict:
+    """A worker's record for ``config`` (synthetic timings: the API layer is under test here)."""
+    hw = Hardware(**hardware, jax_version="0.10.2", jaxlib_version="0.10.2")
+    if status != "ok":
+        m = Measurement(problem=Problem(**problem), decomposition=config, hardware=hw, status=status,
+                        message="synthetic failure")
+    else:
+        m = Measurement(problem=Problem(**problem), decomposition=config, hardware=hw, status="ok",
+                        candidate=Timing.of([1e-3 * ratio] * 3), baseline=Timing.of([1e-3] * 3),
+                        ratio=ratio, ratio_iqr=0.01)
+    return m.model_dump(mode="json")
+
+
+def cost(config: Decomposition) -> float:
+    """A deterministic landscape: bidirectional, 2 chunks, full unroll is best (0.7)."""
+    if config.method == "baseline":
+        return 1.0
+    return (0.7 + (0.1 if config.direction == "unidirectional" else 0) + 0.02 * abs(config.chunks - 2)
+            + (0.03 if config.unroll != "full" else 0) + (0.01 if config.accumulate == "concat" else 0))
+
+
+def register(client: TestClient, name: str = "w0", hardware: dict = HARDWARE) -> int:
+    response = client.post("/v1/workers", json={"name": name, "hardware": hardware,
+                                                "software": {"jax": "0.10.2"}})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def run_trial(client: TestClient, worker_id: int, landscape=cost) -> dict | None:
+    """Lease one trial and report a synthetic result; None when nothing was leased."""
+    response = client.post(f"/v1/workers/{worker_id}/lease")
+    if response.status_code == 204:
+        return None
+    assert response.status_code == 200, response.text
+    grant = response.json()
+    trial = grant["trial"]
+    configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
+    results = [measurement(trial["problem"], c, landscape(c)) for c in configs]
+    body = {"lease_id": grant["lease"]["id"]}
+    body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
+    reply = client.post(f"/v1/trials/{trial['id']}/result", json=body)
+    assert reply.status_code == 200, reply.text
+    return grant

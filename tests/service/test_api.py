@@ -1,0 +1,290 @@
+"""API contract: every test runs on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+from collective_matmul import Decomposition
+from collective_matmul.bundle import Bundle
+from service.models import Study, Submission, Trial
+from tests.service.conftest import HARDWARE, PROBLEM, make_api, measurement, register, run_trial
+
+
+def create(client, **body):
+    payload = {"problem": PROBLEM, "hardware": HARDWARE, "budget": {"trials": 6}} | body
+    return client.post("/v1/studies", json=payload)
+
+
+def test_study_from_a_problem_and_dedup(api):
+    first = create(api.admin)
+    assert first.status_code == 201, first.text
+    (study,) = first.json()["studies"]
+    assert study["state"] == "pending" and study["space_size"] == 49 and study["trials_budget"] == 6
+    again = create(api.admin)
+    assert again.json()["studies"] == []
+    assert again.json()["skipped"] == [{"problem": "allgather_matmul:256x64x128:float32:8",
+                                        "study_id": study["id"], "reason": "under study"}]
+    forced = create(api.admin, force=True)
+    assert len(forced.json()["studies"]) == 1
+    listed = api.reader.get("/v1/studies", params={"state": "pending"}).json()
+    assert listed["total"] == 2
+
+
+def test_studies_from_a_model_and_mesh_with_submission(api):
+    body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
+            "budget": {"trials": 4}}
+    response = api.admin.post("/v1/studies", json=body)
+    assert response.status_code == 201, response.text
+    created = response.json()
+    assert len(created["studies"]) == 6  # tiny preset: 8 roles, 6 unique problems
+    sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
+    roles = {e["role"] for e in sub["entries"]}
+    assert {"qkv", "attn_out", "mlp_up", "mlp_up.grad_input"} <= roles
+    assert sum(e["count"] for e in sub["entries"]) == 8
+    assert sub["saved_s_per_step"] is None  # nothing tuned yet
+    # the same model again links the existing studies instead of creating new ones
+    again = api.admin.post("/v1/studies", json=body).json()
+    assert again["studies"] == [] and len(again["skipped"]) == 6
+
+
+def test_lease_result_tell_cycle(api):
+    create(api.admin)
+    worker = register(api.worker)
+    seen = []
+    for _ in range(3):
+        grant = run_trial(api.worker, worker)
+        seen.append(grant["trial"]["decomposition"]["method"] + str(grant["trial"]["decomposition"]))
+    assert len(set(seen)) == 3  # each lease asked Optuna for a new candidate
+    assert seen[0].startswith("baseline")
+    study = api.reader.get("/v1/studies/1").json()
+    assert study["state"] == "running" and study["trials_done"] == 3
+    trials = api.reader.get("/v1/studies/1/trials").json()
+    assert [t["state"] for t in trials] == ["completed"] * 3
+    assert trials[1]["speedup"] == pytest.approx(1 / trials[1]["ratio"])
+    workers = api.reader.get("/v1/workers").json()
+    assert workers[0]["trials_done"] == 3 and workers[0]["online"]
+
+
+def test_completion_with_confirmation_writes_the_tuned_config(api):
+    study_id = create(api.admin, budget={"trials": 8}, confirm_top=2).json()["studies"][0]["id"]
+    worker = register(api.worker)
+    kinds = []
+    while (grant := run_trial(api.worker, worker)) is not None:
+        kinds.append(grant["trial"]["kind"])
+    assert kinds == ["search"] * 8 + ["confirm"]
+    study = api.reader.get(f"/v1/studies/{study_id}").json()
+    assert study["state"] == "completed" and study["stop_reason"] == "trial budget"
+    tuned = study["tuned"]
+    assert tuned["trials"] == 8 and tuned["space_size"] == 49
+    assert tuned["decomposition"] == study["best"]["decomposition"]
+    confirm = api.reader.get(f"/v1/studies/{study_id}/trials").json()[-1]
+    assert confirm["kind"] == "confirm" and len(confirm["decompositions"]) == 3  # baseline + top 2
+    answer = api.reader.get("/v1/configs", params={**PROBLEM, "platform": "cpu", "device_kind": "cpu"}).json()
+    assert answer["match"] == "exact" and answer["decomposition"] == tuned["decomposition"]
+    assert answer["speedup"] == pytest.approx(tuned["speedup"])
+
+
+def test_lease_expiry_and_re_lease(database_url):
+    api = make_api(database_url, lease_seconds=0.3, max_attempts=2)
+    try:
+        create(api.admin)
+        a, b = register(api.worker, "a"), register(api.worker, "b")
+        first = api.worker.post(f"/v1/workers/{a}/lease").json()
+        time.sleep(0.5)
+        second = api.worker.post(f"/v1/workers/{b}/lease").json()
+        assert second["trial"]["id"] == first["trial"]["id"]  # returned to the queue, leased again
+        # the first worker's late report is refused; the second's is stored
+        late = {"lease_id": first["lease"]["id"], "measurement": measurement(
+            PROBLEM, Decomposition.baseline(), 1.0)}
+        assert api.worker.post(f"/v1/trials/{first['trial']['id']}/result", json=late).status_code == 409
+        time.sleep(0.5)  # expires again: the attempt limit (2) is reached, the trial fails
+        third = api.worker.post(f"/v1/workers/{a}/lease").json()
+        assert third["trial"]["id"] != first["trial"]["id"]
+        trials = api.reader.get("/v1/studies/1/trials").json()
+        assert trials[0]["state"] == "failed" and trials[0]["attempts"] == 2
+        assert "lease expired 2 times" in trials[0]["message"]
+    finally:
+        api.db.dispose()
+
+
+def test_heartbeat_extends_a_lease(database_url):
+    api = make_api(database_url, lease_seconds=0.4)
+    try:
+        create(api.admin)
+        a, b = register(api.worker, "a"), register(api.worker, "b")
+        grant = api.worker.post(f"/v1/workers/{a}/lease").json()
+        for _ in range(4):
+            time.sleep(0.2)
+            beat = api.worker.post(f"/v1/workers/{a}/heartbeat", json={"lease_id": grant["lease"]["id"]})
+            assert beat.json()["lease"]["id"] == grant["lease"]["id"]
+        other = api.worker.post(f"/v1/workers/{b}/lease").json()
+        assert other["trial"]["id"] != grant["trial"]["id"]
+    finally:
+        api.db.dispose()
+
+
+def test_idempotent_and_stale_reports(api):
+    create(api.admin)
+    worker = register(api.worker)
+    grant = api.worker.post(f"/v1/workers/{worker}/lease").json()
+    body = {"lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)}
+    url = f"/v1/trials/{grant['trial']['id']}/result"
+    first, second = api.worker.post(url, json=body), api.worker.post(url, json=body)
+    assert first.json() == {"trial_id": grant["trial"]["id"], "state": "completed", "duplicate": False}
+    assert second.status_code == 200 and second.json()["duplicate"] is True
+    with api.db.session() as session:  # counted once
+        assert session.scalar(select(func.count()).select_from(Trial).where(Trial.state == "completed")) == 1
+    foreign = {"lease_id": "00000000-0000-0000-0000-000000000000", "measurement": body["measurement"]}
+    assert api.worker.post(url, json=foreign).status_code == 409
+    wrong = {"lease_id": grant["lease"]["id"],
+             "measurement": measurement(PROBLEM, Decomposition(chunks=2, accumulate="concat"), 0.9)}
+    next_grant = api.worker.post(f"/v1/workers/{worker}/lease").json()
+    mismatch = api.worker.post(f"/v1/trials/{next_grant['trial']['id']}/result",
+                               json=wrong | {"lease_id": next_grant["lease"]["id"]})
+    assert mismatch.status_code in (409, 422)
+
+
+def test_config_fallbacks(api):
+    from collective_matmul import Hardware, Problem
+    from collective_matmul.bundle import TunedConfig
+    from service import repository as repo
+
+    tuned_problem = Problem(**PROBLEM)
+    config = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="update_slice")
+    with api.db.session(write=True) as session:
+        repo.upsert_tuned(session=session, study_id=None, config=TunedConfig(
+            problem=tuned_problem, hardware=Hardware(**HARDWARE), decomposition=config, time_s=1e-3,
+            baseline_s=2e-3, speedup=2.0))
+    params = {**PROBLEM, "platform": "cpu", "device_kind": "cpu"}
+    exact = api.reader.get("/v1/configs", params=params).json()
+    assert (exact["match"], exact["speedup"]) == ("exact", 2.0)
+    nearest = api.reader.get("/v1/configs", params=params | {"m": 512}).json()
+    assert nearest["match"] == "nearest" and nearest["decomposition"]["direction"] == "bidirectional"
+    assert nearest["source_problem"]["m"] == 256
+    model = api.reader.get("/v1/configs", params=params | {"device_kind": "other-cpu"}).json()
+    assert model["match"] == "model"
+    baseline = api.reader.get("/v1/configs", params=params | {"platform": "neuron", "device_kind": "trn1"}).json()
+    assert baseline["match"] == "baseline" and baseline["decomposition"]["method"] == "baseline"
+    batch = api.reader.post("/v1/configs/query", json={"queries": [
+        {"problem": PROBLEM, "platform": "cpu", "device_kind": "cpu"},
+        {"problem": PROBLEM | {"m": 512}, "platform": "cpu", "device_kind": "cpu"}]}).json()
+    assert [a["match"] for a in batch] == ["exact", "nearest"]
+
+
+def test_bundle_round_trip(api, tmp_path):
+    study_id = create(api.admin, budget={"trials": 4}).json()["studies"][0]["id"]
+    worker = register(api.worker)
+    while run_trial(api.worker, worker):
+        pass
+    exported = api.reader.get("/v1/bundles", params={"platform": "cpu"})
+    bundle = Bundle.model_validate(exported.json())
+    assert len(bundle.configs) == 1 and bundle.configs[0].trials == 4
+    other = make_api(f"sqlite:///{tmp_path / 'other.sqlite'}")
+    try:
+        assert other.admin.post("/v1/bundles", json=exported.json()).status_code == 201
+        answer = other.reader.get("/v1/configs", params={**PROBLEM, "platform": "cpu", "device_kind": "cpu"}).json()
+        assert answer["match"] == "exact"
+        assert answer["decomposition"] == bundle.configs[0].decomposition.model_dump(mode="json")
+        bad = exported.json() | {"configs": [exported.json()["configs"][0] | {"speedup": -1}]}
+        assert other.admin.post("/v1/bundles", json=bad).status_code == 422
+    finally:
+        other.db.dispose()
+    assert study_id
+
+
+def test_restart_with_a_study_in_flight(database_url):
+    first = make_api(database_url)
+    create(first.admin, budget={"trials": 5})
+    worker = register(first.worker)
+    run_trial(first.worker, worker)
+    leased = first.worker.post(f"/v1/workers/{worker}/lease").json()  # in flight across the restart
+    first.db.dispose()
+
+    second = make_api(database_url)
+    try:
+        body = {"lease_id": leased["lease"]["id"], "measurement": measurement(
+            PROBLEM, Decomposition.model_validate(leased["trial"]["decomposition"]), 0.9)}
+        assert second.worker.post(f"/v1/trials/{leased['trial']['id']}/result", json=body).status_code == 200
+        while run_trial(second.worker, worker):
+            pass
+        study = second.reader.get("/v1/studies/1").json()
+        assert study["state"] == "completed" and study["trials_done"] == 5
+    finally:
+        second.db.dispose()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"problem": PROBLEM | {"m": 1001}}, "m=1001 is not divisible by axis_size=8"),
+        ({"problem": PROBLEM | {"k": -4}}, "greater than 0"),
+        ({"problem": PROBLEM | {"n": 1 << 40}}, "less than or equal to 16777216"),
+        ({"problem": PROBLEM | {"collective": "allreduce"}}, "allgather_matmul"),
+        ({"problem": PROBLEM | {"dtype": "int4"}}, "bfloat16"),
+        ({"problem": PROBLEM | {"axis_size": 4}}, "ring of 4 devices but the hardware has device_count=8"),
+        ({"model": "tiny", "mesh": {"axes": {"data": 3, "model": 8}}}, "global_batch=4 is not divisible"),
+        ({"model": "gpt-5"}, "'model' needs 'mesh'"),
+        ({"model": "gpt-5", "mesh": {"axes": {"model": 8}}}, "unknown model 'gpt-5'"),
+        ({"budget": {"trials": 0}}, "greater than or equal to 1"),
+    ],
+)
+def test_bad_bodies_get_4xx_with_a_useful_message_and_store_nothing(api, body, message):
+    payload = {"problem": PROBLEM, "hardware": HARDWARE} | body
+    if "model" in body:
+        payload.pop("problem")
+    response = api.admin.post("/v1/studies", json=payload)
+    assert response.status_code == 422, response.text
+    assert message in response.text
+    with api.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(Study)) == 0
+        assert session.scalar(select(func.count()).select_from(Submission)) == 0
+
+
+def test_malformed_json_and_unknown_ids(api):
+    response = api.admin.post("/v1/studies", content=b'{"problem": ', headers={"content-type": "application/json"})
+    assert response.status_code == 422 and "JSON" in response.text
+    assert api.reader.get("/v1/studies/999").json() == {"detail": "study 999 does not exist"}
+    assert api.worker.post("/v1/workers/999/lease").status_code == 404
+    assert api.reader.get("/v1/configs", params={**PROBLEM, "m": 1001, "platform": "cpu",
+                                                 "device_kind": "cpu"}).status_code == 422
+
+
+def test_auth_per_role(api):
+    assert api.anonymous.get("/v1/studies").status_code == 401
+    assert "Bearer" in api.anonymous.get("/v1/studies").json()["detail"]
+    assert create(api.reader).status_code == 403
+    assert create(api.worker).status_code == 403
+    assert create(api.admin).status_code == 201
+    assert api.reader.post("/v1/workers", json={"name": "x", "hardware": HARDWARE}).status_code == 403
+    worker = register(api.worker)
+    assert api.reader.post(f"/v1/workers/{worker}/lease").status_code == 403
+    assert api.reader.get("/v1/studies").status_code == 200
+    assert api.reader.post("/v1/bundles", json={"configs": []}).status_code == 403
+    assert api.reader.post("/v1/studies/1/cancel").status_code == 403
+    assert api.admin.post("/v1/studies/1/cancel").json()["state"] == "cancelled"
+    bogus = api.anonymous.get("/v1/studies", headers={"Authorization": "Bearer nope"})
+    assert bogus.status_code == 401 and "unknown or revoked" in bogus.text
+
+
+def test_unregister_gives_the_trial_back(api):
+    create(api.admin)
+    a, b = register(api.worker, "a"), register(api.worker, "b")
+    grant = api.worker.post(f"/v1/workers/{a}/lease").json()
+    assert api.worker.delete(f"/v1/workers/{a}").status_code == 204
+    again = api.worker.post(f"/v1/workers/{b}/lease").json()
+    assert again["trial"]["id"] == grant["trial"]["id"]
+    assert api.worker.post(f"/v1/workers/{a}/lease").status_code == 404
+
+
+def test_healthz_metrics_and_openapi_examples(api):
+    assert api.anonymous.get("/healthz").json()["status"] == "ok"
+    create(api.admin)
+    text = api.anonymous.get("/metrics").text
+    assert 'cmtune_studies{state="pending"} 1.0' in text
+    assert "cmtune_http_request_seconds_bucket" in text and "cmtune_workers_online" in text
+    spec = api.anonymous.get("/openapi.json").json()
+    for name in ("StudyCreate", "WorkerCreate"):
+        assert spec["components"]["schemas"][name].get("examples"), name
