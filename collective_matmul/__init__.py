@@ -3,6 +3,8 @@
 Importing this package touches no device and does no I/O.
 """
 
+from collective_matmul.bundle import Bundle, TunedConfig
+from collective_matmul.client import Lookup, Tuned, ring_hardware
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import (
     PRESETS,
@@ -27,6 +29,11 @@ from collective_matmul.space import candidates
 
 __all__ = [
     "PRESETS",
+    "Bundle",
+    "Lookup",
+    "Tuned",
+    "TunedConfig",
+    "ring_hardware",
     "Decomposition",
     "Hardware",
     "MeshSpec",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from service import repository as repo
@@ -23,17 +24,17 @@ class AppState:
     cache: ConfigCache
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
     return request.app.state.cmtune
 
 
-def get_db(request: Request) -> Database:
-    return get_state(request).db
+async def get_db(request: Request) -> Database:
+    return request.app.state.cmtune.db
 
 
 def get_session(request: Request) -> Iterator[Session]:
     """A read-only session (writes open their own transaction with ``db.session(write=True)``)."""
-    with get_state(request).db.session() as session:
+    with request.app.state.cmtune.db.session() as session:
         yield session
 
 
@@ -53,8 +54,9 @@ class Principal:
 def require(*roles: str):
     """A dependency admitting bearer tokens of ``roles`` (anyone when auth is off)."""
 
-    def check(request: Request) -> Principal:
-        state = get_state(request)
+    async def check(request: Request) -> Principal:
+        """Async so that a cached token costs no thread hop; a new token is looked up off the loop."""
+        state: AppState = request.app.state.cmtune
         if state.settings.auth == "off":
             return Principal(role="admin", token_id=None)
         header = request.headers.get("authorization", "")
@@ -65,9 +67,7 @@ def require(*roles: str):
         cache = request.app.state.token_cache
         row = cache.get(token)
         if row is None:
-            with state.db.session() as session:
-                found = repo.find_token(session=session, token=token)
-                row = (found.role, found.id) if found is not None else None
+            row = await run_in_threadpool(_token_role, state.db, token)
             if row is None:
                 raise UnauthorizedError("unknown or revoked token")
             cache[token] = row
@@ -76,6 +76,12 @@ def require(*roles: str):
         return Principal(role=row[0], token_id=row[1])
 
     return check
+
+
+def _token_role(db: Database, token: str) -> tuple[str, int] | None:
+    with db.session() as session:
+        found = repo.find_token(session=session, token=token)
+        return (found.role, found.id) if found is not None else None
 
 
 ReaderDep = Annotated[Principal, Depends(require("admin", "worker", "reader"))]

@@ -6,9 +6,12 @@ this replica clear the cache at once; other replicas see them within that time).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
+
+from fastapi.concurrency import run_in_threadpool
 
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.bundle import TunedConfig
@@ -67,12 +70,47 @@ def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match
 
 
 class ConfigCache:
-    """Tuned configs per hardware key, reloaded after ``ttl_s``."""
+    """Tuned configs per hardware key, reloaded after ``ttl_s``; serialised answers memoised with them."""
 
     def __init__(self, db: Database, ttl_s: float):
         self.db, self.ttl_s = db, ttl_s
         self._entries: dict[str, tuple[float, dict[str, TunedConfig]]] = {}
+        self._answers: dict[tuple[str, str], tuple[float, bytes]] = {}
         self._lock = threading.Lock()
+        self._refreshing: set[str] = set()
+        self._loading: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def ensure(self, hardware: Hardware) -> None:
+        """Have the hardware's configs cached, reading the database off the event loop.
+
+        Stale entries are served while one background task reloads them (no stampede when many
+        requests see the same entry expire); a missing entry is loaded once while its requests wait.
+        """
+        key = hardware.identity().key
+        if self.is_fresh(hardware):
+            return
+        if key in self._entries:
+            if key not in self._refreshing:
+                self._refreshing.add(key)
+                task = asyncio.get_running_loop().create_task(self._reload(hardware, key))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            return
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key not in self._entries:
+                await run_in_threadpool(self.tuned_for, hardware)
+
+    async def _reload(self, hardware: Hardware, key: str) -> None:
+        try:
+            await run_in_threadpool(self.tuned_for, hardware)
+        finally:
+            self._refreshing.discard(key)
+
+    def is_fresh(self, hardware: Hardware) -> bool:
+        entry = self._entries.get(hardware.identity().key)
+        return entry is not None and time.monotonic() - entry[0] < self.ttl_s
 
     def tuned_for(self, hardware: Hardware) -> dict[str, TunedConfig]:
         key = hardware.identity().key
@@ -90,6 +128,23 @@ class ConfigCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._answers.clear()
+
+    def lookup_json(self, problem: Problem, hardware: Hardware) -> bytes:
+        """`lookup` as JSON bytes, memoised as long as the hardware's configs are cached."""
+        key = (problem.key, hardware.identity().key)
+        loaded_at = self._entries.get(key[1], (None,))[0]
+        hit = self._answers.get(key)
+        if hit is not None and hit[0] == loaded_at:
+            return hit[1]
+        body = self.lookup(problem, hardware).model_dump_json().encode()
+        loaded_at = self._entries.get(key[1], (None,))[0]
+        if loaded_at is not None:
+            self._answers[key] = (loaded_at, body)
+        return body
 
     def lookup(self, problem: Problem, hardware: Hardware) -> ConfigAnswer:
-        return answer(problem, hardware.identity(), self.tuned_for(hardware))
+        """Answer from the cached configs (loading them if absent; stale ones are used as they are)."""
+        entry = self._entries.get(hardware.identity().key)
+        configs = entry[1] if entry is not None else self.tuned_for(hardware)
+        return answer(problem, hardware.identity(), configs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from service import errors, migrate
 from service.db import Database
@@ -51,13 +51,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (studies, workers, trials, configs, submissions, health):
         app.include_router(module.router)
 
-    @app.middleware("http")
-    async def _observe(request: Request, call_next):
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        latency.labels(request.method, getattr(route, "path", "unmatched"), str(response.status_code)).observe(
-            time.perf_counter() - start)
-        return response
-
+    app.add_middleware(LatencyMiddleware, histogram=latency)
     return app
+
+
+class LatencyMiddleware:
+    """Observes request latency by route template (plain ASGI: no per-request task overhead)."""
+
+    def __init__(self, app, histogram):
+        self.app, self.histogram = app, histogram
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            self.histogram.labels(scope["method"], getattr(route, "path", "unmatched"), str(status["code"])).observe(
+                time.perf_counter() - start)

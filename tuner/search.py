@@ -9,8 +9,9 @@ Order of asks:
 2. small spaces (``enumerate_below``) are enumerated in cost-model order;
 3. larger ones: the ``startup`` cost-model favourites, then Optuna's TPE (multivariate, constant
    liar for parallel asks) over the factorised space; a TPE proposal that repeats a finished or
-   in-flight candidate is told the known value (or skipped) and asked again, then falls back to
-   the cost model's next choice, so no candidate is ever timed twice.
+   in-flight candidate is told the known value (or skipped) and asked again, up to
+   `MAX_REPEATS` times, then the cost model's next choice is taken, so no candidate is ever
+   timed twice.
 At the end, the top ``confirm_top`` candidates and the baseline are re-timed together with more
 runs; the winner of that round is the tuned config.
 """
@@ -35,6 +36,9 @@ from collective_matmul.costmodel import HardwareProfile, rank
 from tuner.measure import Measurement, Protocol
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
+MAX_REPEATS = 8  # TPE proposals of already-seen candidates before the cost model's next choice is taken
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 class SearchSettings(BaseModel):
@@ -139,7 +143,7 @@ class Searcher:
             for config in pending:
                 if config.method == "ring":
                     study.add_trial(self._trial(config, None, TrialState.RUNNING))
-            for _ in range(32):
+            for _ in range(MAX_REPEATS):
                 trial = study.ask()
                 config = self._suggest(trial)
                 if config not in seen:

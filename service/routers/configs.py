@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 from pydantic import ValidationError
 
 from collective_matmul import Hardware, Problem
@@ -26,7 +26,7 @@ def _hardware(platform: str, device_kind: str, device_count: int | None, process
 
 
 @router.get("/v1/configs", response_model=ConfigAnswer)
-def get_config(
+async def get_config(
     state: StateDep, _: ReaderDep,
     collective: Annotated[str, Query(examples=["allgather_matmul"])],
     m: Annotated[int, Query(gt=0)], k: Annotated[int, Query(gt=0)], n: Annotated[int, Query(gt=0)],
@@ -41,7 +41,9 @@ def get_config(
     except ValidationError as exc:
         raise InvalidError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'problem'}: {e['msg']}"
                                      for e in exc.errors())) from None
-    return state.cache.lookup(problem, _hardware(platform, device_kind, device_count, process_count, axis_size))
+    hardware = _hardware(platform, device_kind, device_count, process_count, axis_size)
+    await state.cache.ensure(hardware)
+    return Response(state.cache.lookup_json(problem, hardware), media_type="application/json")
 
 
 @router.post("/v1/configs/query", response_model=list[ConfigAnswer])

@@ -67,7 +67,7 @@ def test_tune_model_on_two_processes(tmp_path):
 def test_tune_rejects_bad_input_with_a_useful_message(args, message):
     run = cmtune("tune", *args, timeout=120)
     assert run.returncode != 0
-    assert message in " ".join((run.stdout + run.stderr).split())
+    assert message in " ".join((run.stdout + run.stderr).replace("│", " ").split())
 
 
 def test_bundle_rejects_a_foreign_file(tmp_path):

@@ -1,0 +1,121 @@
+"""The example training step with `Tuned` equals the baseline's loss and gradients."""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+
+from collective_matmul import (
+    Bundle,
+    Decomposition,
+    Hardware,
+    Problem,
+    Tuned,
+    TunedConfig,
+    allgather_matmul,
+    matmul_reduce_scatter,
+    ring_hardware,
+)
+from examples.mlp_block import init, train_step
+from service.launcher import running_server
+
+
+class Baseline:
+    @staticmethod
+    def allgather_matmul(x, w, **kw):
+        return allgather_matmul(x, w, config=Decomposition.baseline(), **kw)
+
+    @staticmethod
+    def matmul_reduce_scatter(x, w, **kw):
+        return matmul_reduce_scatter(x, w, config=Decomposition.baseline(), **kw)
+
+
+UP = Decomposition(direction="bidirectional", chunks=4, unroll="full", accumulate="concat")
+DOWN = Decomposition(direction="unidirectional", chunks=2, unroll=1, accumulate="input_dtype")
+
+
+@pytest.fixture
+def mesh():
+    return jax.make_mesh((8,), ("model",))
+
+
+@pytest.fixture
+def bundle_path(tmp_path, mesh):
+    hw = ring_hardware(mesh, "model").identity()
+    up = Problem(collective="allgather_matmul", m=128, k=64, n=256, dtype="float32", axis_size=8)
+    down = Problem(collective="matmul_reduce_scatter", m=128, k=256, n=64, dtype="float32", axis_size=8)
+    bundle = Bundle(configs=[
+        TunedConfig(problem=up, hardware=hw, decomposition=UP, time_s=1e-3, baseline_s=2e-3, speedup=2.0),
+        TunedConfig(problem=down, hardware=hw, decomposition=DOWN, time_s=1e-3, baseline_s=1.5e-3, speedup=1.5),
+    ])
+    path = tmp_path / "bundle.json"
+    bundle.save(path)
+    return path
+
+
+def compare_with_baseline(tuned, mesh):
+    params, x, target = init(jax.random.key(0), mesh=mesh)
+    _, loss, grads = jax.jit(partial(train_step, ops=tuned, mesh=mesh))(params, x, target)
+    _, want_loss, want_grads = jax.jit(partial(train_step, ops=Baseline, mesh=mesh))(params, x, target)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for name in ("w_up", "w_down"):
+        np.testing.assert_allclose(np.asarray(grads[name]), np.asarray(want_grads[name]), rtol=1e-4, atol=1e-6)
+
+
+def test_training_step_with_a_bundle_equals_the_baseline(mesh, bundle_path):
+    tuned = Tuned(bundle=bundle_path)
+    compare_with_baseline(tuned, mesh)
+    found = {problem.collective: lookup for problem, lookup in tuned.resolved}
+    assert found["allgather_matmul"].decomposition == UP and found["allgather_matmul"].match == "exact"
+    assert found["matmul_reduce_scatter"].decomposition == DOWN and found["matmul_reduce_scatter"].source == "bundle"
+
+
+def test_server_down_warns_once_and_falls_back(mesh, bundle_path):
+    tuned = Tuned("http://127.0.0.1:9", bundle=bundle_path, timeout_s=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compare_with_baseline(tuned, mesh)
+    assert sum("unavailable" in str(w.message) for w in caught) == 1
+    assert {lookup.source for _, lookup in tuned.resolved} == {"bundle"}
+    no_bundle = Tuned("http://127.0.0.1:9", timeout_s=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare_with_baseline(no_bundle, mesh)
+    assert {lookup.match for _, lookup in no_bundle.resolved} == {"model"}
+
+
+def test_lookups_against_a_real_server_are_cached(mesh, bundle_path, tmp_path):
+    from service import migrate
+    from service import repository as repo
+    from service.db import Database
+
+    url = f"sqlite:///{tmp_path / 'client.sqlite'}"
+    db = Database(url)
+    migrate.upgrade(db.engine)
+    with db.session(write=True) as session:
+        _, reader = repo.create_token(session=session, name="reader", role="reader")
+        for config in Bundle.load(bundle_path).configs:
+            repo.upsert_tuned(session=session, config=config, study_id=None)
+    db.dispose()
+    with running_server(database_url=url) as server:
+        tuned = Tuned(server.url, token=reader)
+        compare_with_baseline(tuned, mesh)
+        found = {problem.collective: lookup for problem, lookup in tuned.resolved}
+        assert found["allgather_matmul"] == found["allgather_matmul"].__class__(UP, "exact", "server", 2.0)
+        problem = tuned.resolved[0][0]
+        hw = ring_hardware(mesh, "model")
+        server.process.terminate()  # cached: no request needed any more
+        server.process.wait()
+        assert tuned.lookup(problem, hw).source == "server"
+
+
+def test_ring_hardware_of_a_2d_mesh():
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    hw = ring_hardware(mesh, "model")
+    assert isinstance(hw, Hardware) and hw.device_count == 4 and hw.process_count == 1

@@ -1,0 +1,150 @@
+"""A real uvicorn server: concurrency, a real measurement over HTTP, migrations, start-up checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, inspect
+
+from collective_matmul import Decomposition, Problem
+from service import migrate
+from service import repository as repo
+from service.db import Database
+from service.launcher import running_server
+from service.main import SchemaOutOfDate, create_app
+from service.settings import Settings
+from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, reset_postgres
+from tuner.measure import Protocol, Session
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def admin_token(url: str) -> str:
+    db = Database(url)
+    if db.engine.dialect.name == "sqlite":
+        migrate.upgrade(db.engine)
+    with db.session(write=True) as session:
+        _, token = repo.create_token(session=session, name="t", role="admin")
+    db.dispose()
+    return token
+
+
+def test_32_concurrent_leases_never_share_a_trial(database_url):
+    token = admin_token(database_url)
+    with running_server(database_url=database_url) as server:
+        client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        for m in (256, 512, 1024, 2048):  # four studies, so asks run in parallel across studies too
+            body = {"problem": PROBLEM | {"m": m}, "hardware": HARDWARE, "budget": {"trials": 40}}
+            assert client.post("/v1/studies", json=body).status_code == 201
+        workers = [client.post("/v1/workers", json={"name": f"w{i}", "hardware": HARDWARE}).json()["id"]
+                   for i in range(32)]
+
+        def lease(worker_id):
+            with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"},
+                              timeout=60) as c:
+                response = c.post(f"/v1/workers/{worker_id}/lease")
+                return response.status_code, response.json() if response.status_code == 200 else None
+
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lease, workers))
+        assert all(status == 200 for status, _ in results), results
+        trial_ids = [body["trial"]["id"] for _, body in results]
+        assert len(set(trial_ids)) == 32
+        per_study = {}
+        for _, body in results:
+            key = (body["trial"]["study_id"], body["trial"]["decomposition"]["method"],
+                   str(body["trial"]["decomposition"]))
+            assert key not in per_study, f"candidate leased twice: {key}"
+            per_study[key] = body["trial"]["id"]
+
+
+def test_real_measurement_round_trip_over_http(tmp_path):
+    """A real server, a real measurement on 8 virtual devices, reported and confirmed."""
+    url = f"sqlite:///{tmp_path / 'e2e.sqlite'}"
+    token = admin_token(url)
+    with running_server(database_url=url) as server:
+        client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        body = {"problem": PROBLEM, "hardware": HARDWARE, "budget": {"trials": 3}, "repeats": 3, "confirm_top": 1}
+        study_id = client.post("/v1/studies", json=body).json()["studies"][0]["id"]
+        worker = client.post("/v1/workers", json={"name": "local", "hardware": HARDWARE}).json()["id"]
+        sessions = {}
+        while (response := client.post(f"/v1/workers/{worker}/lease")).status_code == 200:
+            grant = response.json()
+            task = grant["trial"]
+            protocol = Protocol.model_validate(task["protocol"])
+            key = (task["problem"]["m"], protocol.seed)
+            session = sessions.setdefault(key, Session(Problem.model_validate(task["problem"]), protocol=protocol))
+            results = [session.measure(Decomposition.model_validate(d), protocol).model_dump(mode="json")
+                       for d in task["decompositions"]]
+            payload = {"lease_id": grant["lease"]["id"]}
+            payload |= {"measurement": results[0]} if task["kind"] == "search" else {"measurements": results}
+            assert client.post(f"/v1/trials/{task['id']}/result", json=payload).status_code == 200
+        study = client.get(f"/v1/studies/{study_id}").json()
+        assert study["state"] == "completed", study
+        answer = client.get("/v1/configs", params={**PROBLEM, "platform": "cpu", "device_kind": "cpu"}).json()
+        assert answer["match"] == "exact"
+        assert answer["software"]["jax"]
+
+
+def test_migrations_upgrade_and_downgrade_on_an_empty_database(database_url):
+    engine = create_engine(database_url)
+    migrate.downgrade(engine, "base")
+    assert migrate.current_revision(engine) is None
+    assert "studies" not in inspect(engine).get_table_names()
+    migrate.upgrade(engine)
+    assert migrate.is_current(engine)
+    assert {"studies", "trials", "leases", "workers", "tuned_configs", "tokens"} <= set(
+        inspect(engine).get_table_names())
+    engine.dispose()
+
+
+@pytest.mark.skipif(not PG_URL, reason="needs CMTUNE_TEST_DATABASE_URL (PostgreSQL)")
+def test_serve_refuses_an_out_of_date_postgres_schema():
+    reset_postgres(PG_URL)
+    with pytest.raises(SchemaOutOfDate, match="run 'cmtune db upgrade'"):
+        create_app(Settings(database_url=PG_URL))
+    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "1"], cwd=ROOT,
+                         env={"CMTUNE_DATABASE_URL": PG_URL, "PATH": "/usr/bin:/bin"} | _python_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "cmtune db upgrade" in run.stdout
+    up = subprocess.run([sys.executable, "-m", "service.cli", "db", "upgrade"], cwd=ROOT,
+                        env={"CMTUNE_DATABASE_URL": PG_URL} | _python_env(), capture_output=True, text=True)
+    assert up.returncode == 0, up.stderr
+    create_app(Settings(database_url=PG_URL)).state.cmtune.db.dispose()
+
+
+def test_sqlite_file_is_upgraded_by_serve_and_auth_off_stays_on_loopback(tmp_path):
+    url = f"sqlite:///{tmp_path / 'fresh' / 'cmtune.sqlite'}"
+    app = create_app(Settings(database_url=url))
+    assert migrate.is_current(app.state.cmtune.db.engine)
+    app.state.cmtune.db.dispose()
+    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "0.0.0.0"], cwd=ROOT,
+                         env={"CMTUNE_DATABASE_URL": url, "CMTUNE_AUTH": "off"} | _python_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "refusing to listen on 0.0.0.0 with CMTUNE_AUTH=off" in " ".join(
+        (run.stdout + run.stderr).replace("│", " ").split())
+
+
+def test_token_cli_stores_only_a_hash(tmp_path):
+    url = f"sqlite:///{tmp_path / 'tok.sqlite'}"
+    run = subprocess.run([sys.executable, "-m", "service.cli", "token", "create", "--role", "reader"], cwd=ROOT,
+                         env={"CMTUNE_DATABASE_URL": url} | _python_env(), capture_output=True, text=True)
+    token = run.stdout.strip()
+    assert run.returncode == 0 and token.startswith("cmt_")
+    db = Database(url)
+    with db.session() as session:
+        row = repo.find_token(session=session, token=token)
+        assert row.role == "reader" and row.hash != token and token not in row.hash
+    db.dispose()
+
+
+def _python_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH", "JAX_PLATFORMS",
+                                                        "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
