@@ -35,7 +35,7 @@ def setup_devices(spec: str) -> bool:
         join(cluster)
         return True
     kind, count = parse_devices(spec)
-    if kind == "virtual":
+    if kind == "virtual" and count > 0:
         import jax
 
         jax.config.update("jax_num_cpu_devices", count)
@@ -154,7 +154,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from collective_matmul import Hardware, candidates
-    from collective_matmul.bundle import Bundle, TunedConfig
+    from collective_matmul.bundle import Bundle
     from collective_matmul.costmodel import PROFILES, calibrate_cpu, profile_for
     from tuner.local import LocalRunner
     from tuner.measure import Protocol
@@ -190,30 +190,109 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, 
     if out is not None:
         bundle = Bundle.load(out) if out.exists() else Bundle()
         for r in results:
-            w = r.winner
-            bundle.add(TunedConfig(
-                problem=r.problem, hardware=hardware.identity(), decomposition=w.decomposition,
-                time_s=w.candidate.median_s, baseline_s=w.baseline.median_s, speedup=w.speedup,
-                speedup_iqr=(w.ratio_iqr or 0.0) / w.ratio**2, trials=len(r.trials), invalid=r.invalid,
-                failed=r.failed, space_size=r.space_size, jax_version=hardware.jax_version,
-                jaxlib_version=hardware.jaxlib_version,
-            ))
+            bundle.add(r.tuned_config())
         bundle.save(out)
         console.print(f"wrote {len(results)} tuned configs to {out}")
 
 
 @app.command()
 def demo(
-    devices: Annotated[str, typer.Option(help=DEVICES_HELP)] = "virtual:8",
+    keep_serving: Annotated[bool, typer.Option(help="leave the service (and worker) up afterwards")] = False,
+    trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 6,
+    port: Annotated[int | None, typer.Option(help="service port (default: a free one)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="where the demo puts its SQLite file (default: temp)")] = None,
 ) -> None:
-    """Time every decomposition of the tiny preset's MLP-up problem on 8 virtual CPU devices."""
-    from collective_matmul import PRESETS, MeshSpec, candidates, model_problems
+    """The end-to-end demo: service + local worker (8 virtual devices) tune the tiny preset."""
+    import tempfile
 
-    setup_devices(devices)
-    problems = model_problems(PRESETS["tiny"], MeshSpec.parse("data=1,model=8"))
-    mlp_up = next(mp.problem for mp in problems if "mlp_up" in mp.roles)
-    console.print(f"tiny preset, mesh data=1,model=8: {len(problems)} problems; timing {mlp_up.key}")
-    _run_sweep(mlp_up, repeats=7, warmup=2, out=None, quiet=False, total=len(candidates(mlp_up)))
+    from workers.demo import run_demo
+
+    directory = Path(data_dir or tempfile.mkdtemp(prefix="cmtune-demo-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    run_demo(directory, trials=trials, port=port, keep_serving=keep_serving, console=console)
+
+
+def _api(server: str, token: str | None):
+    import httpx
+
+    return httpx.Client(base_url=server.rstrip("/"), timeout=30,
+                        headers={"Authorization": f"Bearer {token}"} if token else {})
+
+
+def _check(response) -> dict:
+    if response.status_code >= 400:
+        console.print(f"[red]{response.status_code}: {response.json().get('detail', response.text)}[/red]")
+        raise typer.Exit(1)
+    return response.json()
+
+
+@app.command()
+def submit(
+    server: Annotated[str, typer.Option(envvar="CMTUNE_SERVER")] = "http://127.0.0.1:8470",
+    token: Annotated[str | None, typer.Option(envvar="CMTUNE_TOKEN", help="an admin token")] = None,
+    problem: Annotated[list[str] | None, typer.Option(help="problem spec (repeatable)")] = None,
+    model: Annotated[str | None, typer.Option(help="preset name or JSON file (with --mesh)")] = None,
+    mesh: Annotated[str | None, typer.Option(help="e.g. data=1,model=8")] = None,
+    tensor_axis: Annotated[str | None, typer.Option()] = None,
+    platform: Annotated[str, typer.Option(help="hardware to tune on")] = "cpu",
+    device_kind: Annotated[str, typer.Option()] = "cpu",
+    process_count: Annotated[int, typer.Option(min=1)] = 1,
+    trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
+    force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
+) -> None:
+    """Submit problems, or a model + mesh, to a running service."""
+    from collective_matmul import MeshSpec
+
+    targets = _problems_from_options(problem, model, mesh, tensor_axis)
+    hardware = {"platform": platform, "device_kind": device_kind, "device_count": targets[0].axis_size,
+                "process_count": process_count}
+    budget = {"trials": trials} if trials else {}
+    with _api(server, token) as client:
+        bodies = []
+        if model:
+            spec = MeshSpec.parse(mesh, tensor_axis)
+            bodies.append({"model": model, "mesh": {"axes": spec.axes, "tensor_axis": spec.tensor_axis}})
+        else:
+            bodies.extend({"problem": p.model_dump()} for p in targets)
+        for body in bodies:
+            created = _check(client.post("/v1/studies", json=body | {"hardware": hardware, "budget": budget,
+                                                                     "force": force}))
+            for study in created["studies"]:
+                console.print(f"study {study['id']}: {study['problem']} ({study['trials_budget']} trials)")
+            for skip in created["skipped"]:
+                console.print(f"skipped {skip['problem']}: {skip['reason']} (study {skip['study_id']})")
+            if created.get("submission_id"):
+                console.print(f"submission {created['submission_id']}")
+
+
+@app.command()
+def status(
+    server: Annotated[str, typer.Option(envvar="CMTUNE_SERVER")] = "http://127.0.0.1:8470",
+    token: Annotated[str | None, typer.Option(envvar="CMTUNE_TOKEN", help="a reader token")] = None,
+    state: Annotated[str | None, typer.Option(help="only studies in this state")] = None,
+) -> None:
+    """Studies and workers of a running service."""
+    from rich.table import Table
+
+    from collective_matmul import Decomposition
+
+    with _api(server, token) as client:
+        studies = _check(client.get("/v1/studies", params={"state": state} if state else {}))
+        workers = _check(client.get("/v1/workers"))
+    table = Table(title=f"studies on {server} ({studies['total']})")
+    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned"):
+        table.add_column(col)
+    for s in studies["items"]:
+        p = s["problem"]
+        best = f"{s['best']['speedup']:.2f}x" if s["best"] else "-"
+        tuned = "-"
+        if s["tuned"]:
+            tuned = f"{Decomposition.model_validate(s['tuned']['decomposition']).id} {s['tuned']['speedup']:.2f}x"
+        table.add_row(str(s["id"]), s["state"], f"{p['collective']}:{p['m']}x{p['k']}x{p['n']}:{p['dtype']}",
+                      f"{s['hardware']['platform']}:{s['hardware']['device_kind']}:{s['hardware']['device_count']}",
+                      f"{s['trials_done']}/{s['trials_budget']} (+{s['trials_running']} running)", best, tuned)
+    console.print(table)
+    console.print(f"workers online: {sum(w['online'] for w in workers)} of {len(workers)} registered")
 
 
 @app.command()
@@ -241,6 +320,48 @@ def problems(
     for mp in found:
         table.add_row(mp.problem.key, str(mp.count), ", ".join(mp.roles))
     console.print(table)
+
+
+@app.command()
+def worker(
+    server: Annotated[str, typer.Option(envvar="CMTUNE_SERVER", help="service URL")] = "http://127.0.0.1:8470",
+    token: Annotated[str | None, typer.Option(envvar="CMTUNE_TOKEN", help="a worker token")] = None,
+    devices: Annotated[str, typer.Option(help=DEVICES_HELP + "; auto = the devices JAX finds")] = "auto",
+    name: Annotated[str | None, typer.Option(help="default: the host name")] = None,
+    coordinator: Annotated[str | None, typer.Option(help="HOST:PORT of process 0 (multi-host)")] = None,
+    num_processes: Annotated[int | None, typer.Option(help="processes in the group (multi-host)")] = None,
+    process_id: Annotated[int | None, typer.Option(help="this process's index (multi-host)")] = None,
+    poll_seconds: Annotated[float, typer.Option(min=0.05, help="wait between empty lease requests")] = 2.0,
+    heartbeat_seconds: Annotated[float, typer.Option(min=0.05)] = 10.0,
+    max_trials: Annotated[int | None, typer.Option(min=1, help="leave after this many trials")] = None,
+    local_devices: Annotated[int, typer.Option(min=1, help="virtual CPU devices per process (processes:N)")] = 4,
+    exit_when_idle: Annotated[bool, typer.Option(help="leave when no trial is offered for a while")] = False,
+) -> None:
+    """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
+    import logging
+
+    from workers.cluster import ClusterSpec, join
+    from workers.daemon import WorkerDaemon
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    kind, count = parse_devices(devices)
+    in_group = "CMTUNE_COORDINATOR" in os.environ
+    if kind == "processes" and not in_group:
+        from workers.cluster import launch
+
+        results = launch(count, ["-m", "service.cli", *sys.argv[1:]], local_devices=local_devices,
+                         timeout_s=7 * 24 * 3600, stream=True)
+        raise typer.Exit(max(r.returncode for r in results))
+    if coordinator is not None:
+        if num_processes is None or process_id is None:
+            raise typer.BadParameter("--coordinator needs --num-processes and --process-id")
+        join(ClusterSpec(coordinator=coordinator, num_processes=num_processes, process_id=process_id))
+    else:
+        setup_devices(devices if kind != "auto" else "virtual:0")
+    daemon = WorkerDaemon(server, token, name=name, poll_s=poll_seconds, heartbeat_s=heartbeat_seconds,
+                          max_trials=max_trials, exit_when_idle=exit_when_idle)
+    daemon.install_signal_handlers()
+    daemon.run()
 
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)

@@ -17,14 +17,13 @@ import datetime as dt
 from sqlalchemy.orm import Session
 
 from collective_matmul import Decomposition, Problem, candidates
-from collective_matmul.bundle import TunedConfig
 from collective_matmul.costmodel import PROFILES, profile_for
 from service import repository as repo
 from service.errors import ConflictError, InvalidError
 from service.models import Lease, Study, Trial, Worker, utcnow
 from service.settings import Settings
 from tuner.measure import Measurement, Protocol
-from tuner.search import Finished, Searcher, SearchSettings, stop_reason
+from tuner.search import Finished, Searcher, SearchSettings, pick_winner, stop_reason, tuned_config
 
 
 def search_settings(study: Study) -> SearchSettings:
@@ -179,23 +178,18 @@ def _finalize(*, session: Session, study: Study, trials: list[Trial], confirmati
     if confirmation is None:
         confirmation = [Measurement.model_validate(m) for t in trials if t.kind == "search" and t.measurements
                         for m in t.measurements]
-    ok = [m for m in confirmation if m.ok]
     study.finished_at = now
-    if not ok:
+    winner = pick_winner(confirmation)
+    if winner is None:
         study.state = "failed"
         study.message = "no candidate, not even the baseline, ran successfully: " + "; ".join(
             f"{m.decomposition.id}: {m.status} {m.message}" for m in confirmation)[:1900]
         return
-    winner = min(ok, key=lambda m: m.ratio)
     search = [t for t in trials if t.kind == "search"]
-    config = TunedConfig(
-        problem=problem, hardware=repo.to_hardware(study.hardware), decomposition=winner.decomposition,
-        time_s=winner.candidate.median_s, baseline_s=winner.baseline.median_s, speedup=winner.speedup,
-        speedup_iqr=(winner.ratio_iqr or 0.0) / winner.ratio**2, trials=len(search),
-        invalid=sum(t.status == "invalid" for t in search),
+    config = tuned_config(
+        problem, winner, trials=len(search), invalid=sum(t.status == "invalid" for t in search),
         failed=sum(t.status not in (None, "ok", "invalid") for t in search), space_size=study.space_size,
-        jax_version=winner.hardware.jax_version, jaxlib_version=winner.hardware.jaxlib_version,
-    )
+    ).model_copy(update={"hardware": repo.to_hardware(study.hardware)})
     repo.upsert_tuned(session=session, config=config, study_id=study.id)
     study.state = "completed"
 

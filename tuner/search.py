@@ -19,6 +19,7 @@ runs; the winner of that round is the tuned config.
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from optuna.trial import TrialState, create_trial
 from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul import Decomposition, Problem, candidates
+from collective_matmul.bundle import TunedConfig
 from collective_matmul.costmodel import HardwareProfile, rank
 from tuner.measure import Measurement, Protocol
 
@@ -227,9 +229,41 @@ class TuneResult(BaseModel):
     def invalid(self) -> int:
         return sum(m.status == "invalid" for m in self.trials)
 
+    def tuned_config(self) -> TunedConfig:
+        return tuned_config(self.problem, self.winner, trials=len(self.trials), invalid=self.invalid,
+                            failed=self.failed, space_size=self.space_size)
+
     @property
     def failed(self) -> int:
         return sum(m.status not in ("ok", "invalid") for m in self.trials)
+
+
+def effective_ratio(m: Measurement) -> float:
+    """A candidate's ratio to the baseline; the baseline's own is 1 by definition (its measured
+    ratio to itself is only the noise floor)."""
+    return 1.0 if m.decomposition.method == "baseline" else m.ratio
+
+
+def pick_winner(measurements: Sequence[Measurement]) -> Measurement | None:
+    """The confirmation round's winner: lowest ratio; a candidate must beat 1.0 to displace the baseline."""
+    ok = sorted((m for m in measurements if m.ok), key=lambda m: m.decomposition.method != "baseline")
+    return min(ok, key=effective_ratio) if ok else None
+
+
+def tuned_config(problem: Problem, winner: Measurement, *, trials: int, invalid: int, failed: int,
+                 space_size: int) -> TunedConfig:
+    """The stored record of a study's winner (a baseline winner has speedup 1 and no saving)."""
+    if winner.decomposition.method == "baseline":
+        time_s = baseline_s = statistics.median(winner.candidate.samples_s + winner.baseline.samples_s)
+        speedup = 1.0
+    else:
+        time_s, baseline_s, speedup = winner.candidate.median_s, winner.baseline.median_s, winner.speedup
+    return TunedConfig(
+        problem=problem, hardware=winner.hardware.identity(), decomposition=winner.decomposition,
+        time_s=time_s, baseline_s=baseline_s, speedup=speedup,
+        speedup_iqr=(winner.ratio_iqr or 0.0) / winner.ratio**2, trials=trials, invalid=invalid, failed=failed,
+        space_size=space_size, jax_version=winner.hardware.jax_version, jaxlib_version=winner.hardware.jaxlib_version,
+    )
 
 
 def _ratio(m: Measurement) -> float | None:
@@ -273,10 +307,9 @@ def tune(
     confirmation = runner.run(
         problem, contenders, protocol.model_copy(update={"repeats": settings.confirm_repeats})
     ) if len(contenders) > 1 else [m for m in history.trials if m.decomposition.method == "baseline"]
-    ok = [m for m in confirmation if m.ok]
-    if not ok:
+    winner = pick_winner(confirmation)
+    if winner is None:
         raise RuntimeError(f"{problem.key}: the baseline itself failed: {confirmation[0].message}")
-    winner = min(ok, key=lambda m: m.ratio)
     return TuneResult(
         problem=problem, winner=winner, trials=history.trials, confirmation=confirmation,
         stop_reason=reason, space_size=len(searcher.space), elapsed_s=clock() - started,

@@ -7,6 +7,7 @@ processes that join `jax.distributed` over gloo on 127.0.0.1, each with its own 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -82,10 +83,13 @@ def launch(
     local_devices: int = 1,
     timeout_s: float = 600,
     cwd: str | Path | None = None,
+    stream: bool = False,
 ) -> list[ProcessResult]:
     """Run ``python argv...`` as a cluster of ``num_processes`` local processes on loopback.
 
-    Each child finds its place with `ClusterSpec.from_env` and calls `join`.
+    Each child finds its place with `ClusterSpec.from_env` and calls `join`.  With ``stream``
+    the children's output goes straight to this process's (for daemons); SIGTERM and SIGINT
+    received here are passed on to every child.
 
     Raises:
         RuntimeError: if any process fails or the group exceeds ``timeout_s`` (all are killed).
@@ -101,18 +105,22 @@ def launch(
             "JAX_PLATFORMS": "cpu",
         }
         env.pop("XLA_FLAGS", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *argv], env=env, cwd=cwd, text=True,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            )
-        )
+        pipe = None if stream else subprocess.PIPE
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, text=True, stdout=pipe, stderr=pipe))
+    if stream:
+        def forward(signum, _frame):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
     results = []
     deadline = time.monotonic() + timeout_s
     try:
         for pid, proc in enumerate(procs):
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(ProcessResult(pid, proc.returncode, out, err))
+            results.append(ProcessResult(pid, proc.returncode, out or "", err or ""))
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"process group timed out after {timeout_s:.0f}s: {argv}") from exc
     finally:
@@ -121,7 +129,7 @@ def launch(
                 proc.kill()
                 proc.wait()
     failed = [r for r in results if r.returncode != 0]
-    if failed:
+    if failed and not stream:
         tail = failed[0].stderr[-3000:]
         raise RuntimeError(f"process {failed[0].process_id} exited {failed[0].returncode}:\n{tail}")
     return results

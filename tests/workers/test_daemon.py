@@ -1,0 +1,169 @@
+"""The worker daemon as real processes against a real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service import migrate
+from service import repository as repo
+from service.db import Database
+from service.launcher import running_server, stop, wait_ready
+from workers.cluster import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBLEM = {"collective": "allgather_matmul", "m": 256, "k": 64, "n": 128, "dtype": "float32", "axis_size": 8}
+
+
+def hardware(processes: int = 1) -> dict:
+    return {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process_count": processes}
+
+
+def tokens(url: str) -> dict[str, str]:
+    db = Database(url)
+    migrate.upgrade(db.engine)
+    with db.session(write=True) as session:
+        found = {role: repo.create_token(session=session, name=role, role=role)[1] for role in ("admin", "worker")}
+    db.dispose()
+    return found
+
+
+def start_worker(server: str, token: str, *extra: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker", "--server", server, "--token", token,
+         "--poll-seconds", "0.2", "--heartbeat-seconds", "0.5", *extra],
+        cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT, env=os.environ | {"JAX_PLATFORMS": "cpu"},
+    )
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def study_state(api: httpx.Client, study_id: int) -> dict:
+    return api.get(f"/v1/studies/{study_id}").json()
+
+
+def create_study(api: httpx.Client, *, processes: int = 1, trials: int = 3) -> int:
+    body = {"problem": PROBLEM, "hardware": hardware(processes), "budget": {"trials": trials}, "repeats": 3,
+            "confirm_top": 1}
+    response = api.post("/v1/studies", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()["studies"][0]["id"]
+
+
+def test_worker_tunes_a_problem_to_a_stored_config(tmp_path):
+    url = f"sqlite:///{tmp_path / 'w.sqlite'}"
+    tok = tokens(url)
+    with running_server(database_url=url) as server:
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        study_id = create_study(api)
+        worker = start_worker(server.url, tok["worker"], "--devices", "virtual:8", "--exit-when-idle",
+                              log=tmp_path / "worker.log")
+        try:
+            wait_for(lambda: study_state(api, study_id)["state"] == "completed", 240, "the study to complete")
+            assert worker.wait(timeout=60) == 0
+        finally:
+            stop(worker)
+        log = (tmp_path / "worker.log").read_text()
+        assert "registered as worker" in log and "unregistered worker" in log
+        assert log.count(" vs baseline ") >= 3  # one line per trial with its result
+        answer = api.get("/v1/configs", params={**PROBLEM, "platform": "cpu", "device_kind": "cpu"}).json()
+        assert answer["match"] == "exact"
+        assert api.get("/v1/workers").json() == []  # unregistered
+
+
+def test_killed_worker_loses_no_trial(tmp_path):
+    url = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    tok = tokens(url)
+    with running_server(database_url=url, extra_env={"CMTUNE_LEASE_SECONDS": "3"}) as server:
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        study_id = create_study(api, trials=4)
+        first = start_worker(server.url, tok["worker"], "--devices", "virtual:8", "--heartbeat-seconds", "60",
+                             log=tmp_path / "first.log")
+        wait_for(lambda: any(w["current_trial_id"] for w in api.get("/v1/workers").json()), 120,
+                 "the first worker to hold a trial")
+        first.send_signal(signal.SIGKILL)  # a hard crash in the middle of a trial
+        first.wait()
+        second = start_worker(server.url, tok["worker"], "--devices", "virtual:8", "--exit-when-idle",
+                              log=tmp_path / "second.log")
+        try:
+            wait_for(lambda: study_state(api, study_id)["state"] == "completed", 240, "the study to complete")
+        finally:
+            stop(second)
+        trials = api.get(f"/v1/studies/{study_id}/trials").json()
+        assert all(t["state"] == "completed" or (t["state"] == "failed" and t["message"]) for t in trials)
+        assert any(t["attempts"] == 2 for t in trials)  # the killed worker's trial was leased again
+        search = [t["decomposition_id"] for t in trials if t["kind"] == "search"]
+        assert len(search) == len(set(search)) == 4  # nothing timed or counted twice
+
+
+def test_service_restart_mid_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'r.sqlite'}"
+    tok = tokens(url)
+    port = free_port()
+    env = os.environ | {"CMTUNE_DATABASE_URL": url, "CMTUNE_AUTH": "token"}
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        wait_ready(base, server, 60)
+        api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        study_id = create_study(api, trials=5)
+        worker = start_worker(base, tok["worker"], "--devices", "virtual:8", "--exit-when-idle",
+                              log=tmp_path / "worker.log")
+        wait_for(lambda: study_state(api, study_id)["trials_done"] >= 2, 180, "two finished trials")
+        stop(server)
+        time.sleep(2)  # the worker meets a dead service and backs off
+        server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        wait_ready(base, server, 60)
+        wait_for(lambda: study_state(api, study_id)["state"] == "completed", 240, "the study to complete")
+        assert "service unreachable" in (tmp_path / "worker.log").read_text()
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
+
+
+@pytest.mark.slow
+def test_two_process_worker_group_completes_a_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'g.sqlite'}"
+    tok = tokens(url)
+    with running_server(database_url=url) as server:
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        study_id = create_study(api, processes=2)
+        group = start_worker(server.url, tok["worker"], "--devices", "processes:2", "--local-devices", "4",
+                             "--exit-when-idle", log=tmp_path / "group.log")
+        try:
+            wait_for(lambda: study_state(api, study_id)["state"] == "completed", 300, "the study to complete")
+            assert group.wait(timeout=120) == 0
+        finally:
+            stop(group)
+        tuned = study_state(api, study_id)["tuned"]
+        assert tuned["hardware"]["process_count"] == 2
+
+
+def test_demo_runs_to_its_table(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--trials", "2", "--data-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"COLUMNS": "200"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "tuned configs for tiny" in run.stdout
+    assert "mlp_up, mlp_down.grad_input" in run.stdout
+    assert "estimated time saved per training step" in run.stdout
+    assert "/docs" in run.stdout
