@@ -407,22 +407,51 @@ def db_current() -> None:
     console.print(f"{current or 'empty'} (head {head}){'' if current == head else ': run cmtune db upgrade'}")
 
 
+@db_app.command("wait")
+def db_wait(timeout: Annotated[float, typer.Option(help="seconds to keep trying")] = 60.0) -> None:
+    """Wait until the database accepts connections (for containers that start together)."""
+    import time
+
+    from sqlalchemy import text
+
+    db = _database()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with db.engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+            console.print("database is up")
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure means: not yet
+            if time.monotonic() > deadline:
+                console.print(f"[red]database not reachable after {timeout:.0f}s: {exc}[/red]")
+                raise typer.Exit(1) from None
+            time.sleep(1)
+
+
 @token_app.command("create")
 def token_create(
     role: Annotated[str, typer.Option(help="admin, worker or reader")],
     name: Annotated[str, typer.Option(help="what the token is for")] = "cli",
+    value: Annotated[str | None, typer.Option(
+        envvar="CMTUNE_NEW_TOKEN", help="store this token (e.g. from a secret) instead of a random one")] = None,
 ) -> None:
-    """Create a token and print it (only its hash is stored)."""
+    """Create a token and print it (only its hash is stored); an existing ``--value`` is kept."""
     from service import migrate
     from service import repository as repo
 
     if role not in ("admin", "worker", "reader"):
         raise typer.BadParameter(f"{role!r}: expected admin, worker or reader", param_hint="--role")
+    if value is not None and len(value) < 24:
+        raise typer.BadParameter("a token must have at least 24 characters", param_hint="--value")
     db = _database()
     if db.engine.dialect.name == "sqlite":
         migrate.upgrade(db.engine)
     with db.session(write=True) as session:
-        _, plain = repo.create_token(session=session, name=name, role=role)
+        if value is not None and repo.find_token(session=session, token=value) is not None:
+            console.print(f"token {name!r} already exists", style="dim")
+            return
+        _, plain = repo.create_token(session=session, name=name, role=role, value=value)
     print(plain)
 
 

@@ -345,9 +345,9 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(*, session: Session, name: str, role: str) -> tuple[Token, str]:
-    """A new random token; only its SHA-256 is stored.  Returns the row and the plain token."""
-    plain = "cmt_" + secrets.token_urlsafe(32)
+def create_token(*, session: Session, name: str, role: str, value: str | None = None) -> tuple[Token, str]:
+    """A new token (random unless ``value``); only its SHA-256 is stored.  Returns the row and the token."""
+    plain = value or "cmt_" + secrets.token_urlsafe(32)
     row = Token(name=name, role=role, hash=hash_token(plain))
     session.add(row)
     session.flush()
