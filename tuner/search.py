@@ -54,7 +54,7 @@ class SearchSettings(BaseModel):
     max_seconds: float | None = Field(default=None, gt=0)
     patience: int | None = Field(default=None, ge=1, description="stop after this many trials without a new best")
     enumerate_below: int = Field(default=12, ge=0)
-    startup: int = Field(default=4, ge=0, description="trials before TPE models the space")
+    startup: int = Field(default=8, ge=0, description="trials before TPE models the space")
     seed_with_model: bool = Field(default=True, description="startup trials are the cost model's favourites "
                                   "(False: TPE's own random startup, as plain Optuna does)")
     confirm_top: int = Field(default=3, ge=0)

@@ -77,7 +77,7 @@ def test_tpe_beats_random_order_on_structured_costs():
     costs = {c: cost(c) for c in candidates(PROBLEM)}
     best = min(costs.values())
     for seed in range(3):
-        settings = SearchSettings(sampler="tpe", seed=seed, max_trials=13)
+        settings = SearchSettings(sampler="tpe", seed=seed, max_trials=13, startup=4)
         result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=settings)
         assert result.winner.ratio <= best * 1.03
 
