@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from service import errors, migrate
 from service.db import Database
 from service.deps import AppState
 from service.lookup import ConfigCache
-from service.routers import configs, health, studies, submissions, trials, workers
+from service.routers import configs, dashboard, health, studies, submissions, trials, workers
 from service.settings import Settings, get_settings
 
 DESCRIPTION = """Tune collective-matmul decompositions on real devices and serve the best configs.
@@ -48,8 +49,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.token_cache = {}
     app.state.registry, latency = health.make_registry(state)
     errors.register(app)
-    for module in (studies, workers, trials, configs, submissions, health):
+    for module in (studies, workers, trials, configs, submissions, health, dashboard):
         app.include_router(module.router)
+    app.mount("/ui/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
 
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app

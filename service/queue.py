@@ -127,6 +127,8 @@ def report(*, session: Session, trial_id: int, lease_id: str, measurements: list
     if trial.state in ("completed", "failed"):
         if trial.result_lease_id == lease.id:
             return trial, True  # the same report again: harmless
+        if trial.status == "cancelled":
+            raise ConflictError(f"study of trial {trial_id} was cancelled; drop this result")
         raise ConflictError(f"trial {trial_id} already has a result from another lease; this lease is stale")
     if not lease.active or trial.state != "leased":
         raise ConflictError(f"lease {lease_id} expired and trial {trial_id} went back to the queue; "

@@ -27,7 +27,7 @@ def make_tokens(url: str) -> dict[str, str]:
     migrate.upgrade(db.engine)
     tokens = {}
     with db.session(write=True) as session:
-        for role in ("admin", "worker"):
+        for role in ("admin", "worker", "reader"):
             tokens[role] = repo.create_token(session=session, name=f"demo-{role}", role=role)[1]
     db.dispose()
     return tokens
@@ -60,8 +60,8 @@ def run_demo(directory: Path, *, trials: int, port: int | None, keep_serving: bo
                               f"{len(created.json()['studies'])} studies; worker log: {directory / 'worker.log'}")
                 _follow(api, worker, console)
                 console.print(_table(api, submission))
-            console.print(f"API and OpenAPI docs: {server.url}/docs   submission: "
-                          f"{server.url}/v1/submissions/{submission}")
+            console.print(f"dashboard: {server.url}/ui/submissions/{submission}?token={tokens['reader']}")
+            console.print(f"API docs:  {server.url}/docs")
             if keep_serving:
                 console.print(f"serving at {server.url} (admin token {tokens['admin']}); Ctrl-C to stop")
                 _wait_for_interrupt()

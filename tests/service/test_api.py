@@ -288,3 +288,15 @@ def test_healthz_metrics_and_openapi_examples(api):
     spec = api.anonymous.get("/openapi.json").json()
     for name in ("StudyCreate", "WorkerCreate"):
         assert spec["components"]["schemas"][name].get("examples"), name
+
+
+def test_cancel_refuses_late_results_and_stops_leasing(api):
+    study_id = create(api.admin).json()["studies"][0]["id"]
+    worker = register(api.worker)
+    grant = api.worker.post(f"/v1/workers/{worker}/lease").json()
+    assert api.admin.post(f"/v1/studies/{study_id}/cancel").json()["state"] == "cancelled"
+    late = api.worker.post(f"/v1/trials/{grant['trial']['id']}/result", json={
+        "lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)})
+    assert late.status_code == 409 and "cancelled" in late.json()["detail"]
+    assert api.worker.post(f"/v1/workers/{worker}/lease").status_code == 204
+    assert api.admin.post(f"/v1/studies/{study_id}/cancel").status_code == 409

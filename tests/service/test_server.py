@@ -148,3 +148,25 @@ def _python_env() -> dict[str, str]:
 
     return {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH", "JAX_PLATFORMS",
                                                         "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+
+
+def test_token_value_from_a_secret_is_idempotent(tmp_path):
+    url = f"sqlite:///{tmp_path / 'secret.sqlite'}"
+    secret = "cmt_" + "x" * 40
+    env = {"CMTUNE_DATABASE_URL": url} | _python_env()
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-m", "service.cli", "token", "create", "--role", "worker",
+                              "--value", secret], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+    short = subprocess.run([sys.executable, "-m", "service.cli", "token", "create", "--role", "worker",
+                            "--value", "short"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert short.returncode != 0 and "at least 24 characters" in short.stderr.replace("│", " ")
+    db = Database(url)
+    with db.session() as session:
+        assert repo.find_token(session=session, token=secret).role == "worker"
+        from sqlalchemy import func, select
+
+        from service.models import Token
+
+        assert session.scalar(select(func.count()).select_from(Token)) == 1
+    db.dispose()

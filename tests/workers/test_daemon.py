@@ -166,4 +166,4 @@ def test_demo_runs_to_its_table(tmp_path):
     assert "tuned configs for tiny" in run.stdout
     assert "mlp_up, mlp_down.grad_input" in run.stdout
     assert "estimated time saved per training step" in run.stdout
-    assert "/docs" in run.stdout
+    assert "/docs" in run.stdout and "/ui/submissions/1?token=cmt_" in run.stdout

@@ -1,0 +1,350 @@
+// cmtune dashboard: plain JavaScript over the REST API (no external assets).
+"use strict";
+
+const TOKEN_KEY = "cmtune-token";
+const REFRESH_MS = 2000;
+const main = document.getElementById("main");
+let timer = null;
+
+// ---- helpers ----------------------------------------------------------------------------------
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key === "class") node.className = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (value !== undefined && value !== null) node.setAttribute(key, value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+const ms = (s) => (s === null || s === undefined ? "–" : `${(s * 1e3).toFixed(3)} ms`);
+const x = (v) => (v === null || v === undefined ? "–" : `${v.toFixed(2)}×`);
+const problemKey = (p) => `${p.collective}:${p.m}x${p.k}x${p.n}:${p.dtype}:${p.axis_size}`;
+const hardwareKey = (h) => `${h.platform}:${h.device_kind}:${h.device_count}:${h.process_count}`;
+const SHORT = { unidirectional: "uni", bidirectional: "bi", update_slice: "dus", concat: "cat",
+                input_dtype: "in", float32: "f32" };
+function decompId(d) {
+  if (!d) return "–";
+  if (d.method === "baseline") return "baseline";
+  const unroll = d.unroll === "full" ? "full" : `u${d.unroll}`;
+  return `ring-${SHORT[d.direction]}-c${d.chunks}-${unroll}-${d.accumulate ? SHORT[d.accumulate] : "auto"}`;
+}
+const stateBadge = (state) => el("span", { class: `state ${state}` }, state);
+function ago(iso) {
+  const seconds = (Date.now() - new Date(iso).getTime()) / 1000;
+  return seconds < 90 ? `${seconds.toFixed(0)} s ago` : `${(seconds / 60).toFixed(0)} min ago`;
+}
+
+async function api(path) {
+  const token = localStorage.getItem(TOKEN_KEY);
+  const response = await fetch(path, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  if (response.status === 401 || response.status === 403) throw new AuthError((await response.json()).detail);
+  if (!response.ok) throw new Error(`${response.status}: ${(await response.json()).detail || response.statusText}`);
+  return response.json();
+}
+class AuthError extends Error {}
+
+function tokenForm(message) {
+  stop();
+  main.replaceChildren(
+    el("h1", {}, "Sign in"),
+    el("p", { class: "muted" }, message || "Paste a reader token (cmtune token create --role reader)."),
+    el("form", { id: "token-form", onsubmit: (event) => {
+      event.preventDefault();
+      localStorage.setItem(TOKEN_KEY, event.target.token.value.trim());
+      route();
+    } }, el("input", { name: "token", size: 60, placeholder: "cmt_…", autocomplete: "off" }), " ",
+       el("button", { type: "submit" }, "Open")),
+  );
+}
+
+function live(render) {
+  // Render now and every REFRESH_MS without reloading the page.
+  stop();
+  const tick = async () => {
+    try {
+      await render();
+      document.getElementById("live").textContent = `live · updated ${new Date().toLocaleTimeString()}`;
+    } catch (error) {
+      if (error instanceof AuthError) return tokenForm(error.message);
+      document.getElementById("live").textContent = `update failed: ${error.message}`;
+    }
+  };
+  tick();
+  timer = setInterval(tick, REFRESH_MS);
+}
+function stop() { if (timer) clearInterval(timer); timer = null; }
+
+function go(path) { history.pushState({}, "", path); route(); }
+
+// Sortable, filterable table: columns = [{key, label, num, value(row), render(row)}].
+function dataTable(id, columns, rows, { onclick, filter } = {}) {
+  const state = dataTable.state[id] || (dataTable.state[id] = { key: null, dir: 1, filter: "" });
+  let shown = rows.filter((row) => !state.filter || (filter ? filter(row) : JSON.stringify(row))
+    .toLowerCase().includes(state.filter.toLowerCase()));
+  if (state.key) {
+    const column = columns.find((c) => c.key === state.key);
+    shown = [...shown].sort((a, b) => {
+      const va = column.value(a), vb = column.value(b);
+      if (va === vb) return 0;
+      if (va === null || va === undefined) return 1;
+      if (vb === null || vb === undefined) return -1;
+      return (va < vb ? -1 : 1) * state.dir;
+    });
+  }
+  const head = el("tr", {}, columns.map((c) => el("th", {
+    class: `sortable${c.num ? " num" : ""}${state.key === c.key ? (state.dir > 0 ? " sorted-asc" : " sorted-desc") : ""}`,
+    "data-key": c.key,
+    onclick: () => { state.dir = state.key === c.key ? -state.dir : 1; state.key = c.key; route(true); },
+  }, c.label)));
+  const body = shown.map((row) => el("tr", onclick ? { class: "clickable", onclick: () => onclick(row) } : {},
+    columns.map((c) => el("td", { class: c.num ? "num" : "" }, c.render ? c.render(row) : c.value(row) ?? "–"))));
+  const search = el("input", { type: "search", placeholder: "filter…", value: state.filter, id: `${id}-filter`,
+    oninput: (event) => { state.filter = event.target.value; route(true); } });
+  return el("div", {}, el("div", { class: "toolbar" }, search, el("span", { class: "muted" }, `${shown.length} of ${rows.length}`)),
+    el("div", { class: "scroll" }, el("table", { id }, el("thead", {}, head), el("tbody", {}, body))));
+}
+dataTable.state = {};
+
+function keepFocus(fn) {
+  // Re-rendering replaces the filter box: keep its focus and caret.
+  const active = document.activeElement;
+  const id = active && active.id, position = active && active.selectionStart;
+  fn();
+  if (id) { const again = document.getElementById(id); if (again) { again.focus(); try { again.setSelectionRange(position, position); } catch (e) {} } }
+}
+
+// ---- SVG plots --------------------------------------------------------------------------------
+
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  node.append(...children.flat().filter(Boolean));
+  return node;
+}
+function axes(width, height, pad, xs, ys, xLabel, yLabel) {
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  const [y0, y1] = [0, Math.max(...ys) * 1.1 || 1];
+  const sx = (v) => pad + ((v - x0) / (x1 - x0 || 1)) * (width - 2 * pad);
+  const sy = (v) => height - pad - ((v - y0) / (y1 - y0)) * (height - 2 * pad);
+  const ticks = [0, 0.25, 0.5, 0.75, 1].map((f) => y0 + f * (y1 - y0));
+  const group = svg("g", {},
+    svg("line", { x1: pad, y1: height - pad, x2: width - pad, y2: height - pad, stroke: "#999" }),
+    svg("line", { x1: pad, y1: pad, x2: pad, y2: height - pad, stroke: "#999" }),
+    ticks.map((t) => svg("text", { x: 4, y: sy(t) + 4 }, `${(t * 1e3).toFixed(2)}`)),
+    svg("text", { x: width / 2, y: height - 4, "text-anchor": "middle" }, xLabel),
+    svg("text", { x: 4, y: 12 }, yLabel));
+  return { sx, sy, group };
+}
+
+function trialPlot(trials) {
+  const done = trials.filter((t) => t.kind === "search" && t.median_s !== null);
+  const width = 520, height = 260, pad = 40;
+  if (!done.length) return el("p", { class: "muted" }, "No finished trial yet.");
+  const baseline = done.map((t) => t.baseline_s).sort((a, b) => a - b)[Math.floor(done.length / 2)];
+  const { sx, sy, group } = axes(width, height, pad, [0, ...done.map((t) => t.number)],
+    [...done.map((t) => t.median_s), baseline], "trial number", "time (ms)");
+  let best = Infinity;
+  const steps = done.map((t) => { best = Math.min(best, t.median_s); return [t.number, best]; });
+  const path = steps.map(([n, b], i) => `${i ? "L" : "M"}${sx(n)},${sy(b)}`).join(" ");
+  return svg("svg", { viewBox: `0 0 ${width} ${height}`, id: "trial-plot", role: "img" }, group,
+    svg("line", { x1: pad, x2: width - pad, y1: sy(baseline), y2: sy(baseline), stroke: "#b91c1c",
+                  "stroke-dasharray": "4 3", class: "baseline-line" }),
+    svg("text", { x: width - pad, y: sy(baseline) - 4, "text-anchor": "end" }, `baseline ${ms(baseline)}`),
+    svg("path", { d: path, fill: "none", stroke: "#15803d", "stroke-width": 2, class: "best-line" }),
+    done.map((t) => svg("circle", { cx: sx(t.number), cy: sy(t.median_s), r: 4, fill: "#2563eb",
+                                    class: "trial-point" }, svg("title", {}, `#${t.number} ${t.decomposition_id}: ${ms(t.median_s)}`))));
+}
+
+function fieldPlot(trials) {
+  const done = trials.filter((t) => t.kind === "search" && t.median_s !== null && t.decompositions[0].method === "ring");
+  const width = 520, height = 260, pad = 40;
+  if (!done.length) return el("p", { class: "muted" }, "No finished ring trial yet.");
+  const chunks = [...new Set(done.map((t) => t.decompositions[0].chunks))].sort((a, b) => a - b);
+  const { sx, sy, group } = axes(width, height, pad, [-0.5, chunks.length - 0.5], done.map((t) => t.median_s),
+    "chunks", "time (ms)");
+  const colors = { unidirectional: "#2563eb", bidirectional: "#d97706" };
+  return svg("svg", { viewBox: `0 0 ${width} ${height}`, id: "field-plot", role: "img" }, group,
+    chunks.map((c, i) => svg("text", { x: sx(i), y: height - pad + 14, "text-anchor": "middle" }, String(c))),
+    done.map((t) => {
+      const d = t.decompositions[0];
+      const offset = d.direction === "bidirectional" ? 0.12 : -0.12;
+      return svg("circle", { cx: sx(chunks.indexOf(d.chunks) + offset), cy: sy(t.median_s), r: 4,
+                             fill: colors[d.direction], class: "field-point" }, svg("title", {}, `${t.decomposition_id}: ${ms(t.median_s)}`));
+    }));
+}
+
+// ---- pages ------------------------------------------------------------------------------------
+
+async function overview() {
+  const [studies, workers] = await Promise.all([api("/v1/studies?limit=500"), api("/v1/workers")]);
+  const online = workers.filter((w) => w.online).length;
+  const columns = [
+    { key: "id", label: "study", num: true, value: (s) => s.id, render: (s) => el("a", { href: `/ui/studies/${s.id}` }, `#${s.id}`) },
+    { key: "state", label: "state", value: (s) => s.state, render: (s) => stateBadge(s.state) },
+    { key: "problem", label: "problem", value: (s) => problemKey(s.problem) },
+    { key: "hardware", label: "hardware", value: (s) => hardwareKey(s.hardware) },
+    { key: "progress", label: "progress (trials)", value: (s) => s.trials_done / s.trials_budget,
+      render: (s) => el("span", { class: "progress" }, el("span", { class: "bar" }, el("span", { style: `width:${Math.min(100, 100 * s.trials_done / s.trials_budget)}%` })),
+        `${s.trials_done} / ${s.trials_budget}${s.trials_running ? ` (+${s.trials_running} running)` : ""}`) },
+    { key: "best", label: "best speedup", num: true, value: (s) => (s.tuned ? s.tuned.speedup : s.best ? s.best.speedup : null),
+      render: (s) => { const v = s.tuned ? s.tuned.speedup : s.best ? s.best.speedup : null; return el("span", { class: v > 1 ? "good" : "" }, x(v)); } },
+  ];
+  keepFocus(() => main.replaceChildren(
+    el("h1", {}, "Studies"),
+    el("div", { class: "cards" },
+      el("div", { class: "card" }, el("div", { class: "muted" }, "studies"), el("div", { class: "value", id: "study-count" }, studies.total)),
+      el("div", { class: "card" }, el("div", { class: "muted" }, "running"), el("div", { class: "value" }, studies.items.filter((s) => s.state === "running").length)),
+      el("div", { class: "card" }, el("div", { class: "muted" }, "completed"), el("div", { class: "value" }, studies.items.filter((s) => s.state === "completed").length)),
+      el("div", { class: "card" }, el("div", { class: "muted" }, "workers online"), el("div", { class: "value", id: "workers-online" }, online))),
+    dataTable("studies", columns, studies.items, { onclick: (s) => go(`/ui/studies/${s.id}`), filter: (s) => `${s.state} ${problemKey(s.problem)} ${hardwareKey(s.hardware)}` }),
+  ));
+}
+
+async function studyPage(id) {
+  const [study, trials] = await Promise.all([api(`/v1/studies/${id}`), api(`/v1/studies/${id}/trials`)]);
+  const columns = [
+    { key: "number", label: "#", num: true, value: (t) => t.number },
+    { key: "decomposition", label: "decomposition", value: (t) => (t.kind === "confirm" ? `confirmation of ${t.decompositions.length}` : t.decomposition_id) },
+    { key: "state", label: "state", value: (t) => t.status && t.state === "completed" ? t.status : t.state, render: (t) => stateBadge(t.status && t.state === "completed" ? (t.status === "ok" ? "completed" : "failed") : t.state) },
+    { key: "median", label: "median", num: true, value: (t) => t.median_s, render: (t) => ms(t.median_s) },
+    { key: "iqr", label: "spread (IQR)", num: true, value: (t) => t.iqr_s, render: (t) => ms(t.iqr_s) },
+    { key: "baseline", label: "baseline", num: true, value: (t) => t.baseline_s, render: (t) => ms(t.baseline_s) },
+    { key: "ratio", label: "ratio to baseline", num: true, value: (t) => t.ratio, render: (t) => (t.ratio ? t.ratio.toFixed(3) : "–") },
+    { key: "speedup", label: "speedup", num: true, value: (t) => t.speedup, render: (t) => el("span", { class: t.speedup > 1 ? "good" : "" }, x(t.speedup)) },
+    { key: "worker", label: "worker", num: true, value: (t) => t.worker_id },
+    { key: "message", label: "error", value: (t) => t.message || "" },
+  ];
+  const tuned = study.tuned;
+  keepFocus(() => main.replaceChildren(
+    el("h1", {}, `Study #${study.id} `, stateBadge(study.state)),
+    el("div", { class: "kv" },
+      el("span", { class: "muted" }, "problem"), el("span", { id: "study-problem" }, problemKey(study.problem)),
+      el("span", { class: "muted" }, "hardware"), el("span", {}, hardwareKey(study.hardware)),
+      el("span", { class: "muted" }, "progress"), el("span", {}, `${study.trials_done} of ${study.trials_budget} trials (space ${study.space_size})`),
+      el("span", { class: "muted" }, "best so far"), el("span", {}, study.best ? `${decompId(study.best.decomposition)} · ${x(study.best.speedup)}` : "–"),
+      el("span", { class: "muted" }, "tuned config"), el("span", { id: "tuned" }, tuned ? `${decompId(tuned.decomposition)} · ${ms(tuned.time_s)} vs baseline ${ms(tuned.baseline_s)} · ${x(tuned.speedup)}` : "not yet"),
+      study.stop_reason ? [el("span", { class: "muted" }, "stopped by"), el("span", {}, study.stop_reason)] : null),
+    el("div", { class: "plots" },
+      el("div", { class: "plot" }, el("div", { class: "legend" }, "every finished trial's median time (blue), best so far (green), baseline (red)"), trialPlot(trials)),
+      el("div", { class: "plot" }, el("div", { class: "legend" }, "time by chunks: unidirectional (blue), bidirectional (orange)"), fieldPlot(trials))),
+    el("h2", {}, "Trials"),
+    dataTable("trials", columns, trials, { filter: (t) => `${t.decomposition_id} ${t.state} ${t.status || ""} ${t.message || ""}` }),
+  ));
+}
+
+async function workersPage() {
+  const workers = await api("/v1/workers?include_inactive=true");
+  const columns = [
+    { key: "id", label: "worker", num: true, value: (w) => w.id },
+    { key: "name", label: "name", value: (w) => w.name },
+    { key: "hardware", label: "hardware", value: (w) => hardwareKey(w.hardware) },
+    { key: "status", label: "status", value: (w) => (w.online ? "online" : w.active ? "offline" : "left"), render: (w) => stateBadge(w.online ? "online" : w.active ? "offline" : "left") },
+    { key: "heartbeat", label: "last heartbeat", value: (w) => w.last_heartbeat, render: (w) => ago(w.last_heartbeat) },
+    { key: "trial", label: "current trial", num: true, value: (w) => w.current_trial_id },
+    { key: "done", label: "trials done", num: true, value: (w) => w.trials_done },
+    { key: "software", label: "software", value: (w) => Object.entries(w.software).map(([k, v]) => `${k} ${v}`).join(", ") },
+  ];
+  keepFocus(() => main.replaceChildren(el("h1", {}, "Workers"), dataTable("workers", columns, workers)));
+}
+
+async function configsPage() {
+  const params = new URLSearchParams(location.search);
+  const query = new URLSearchParams();
+  for (const key of ["platform", "device_kind"]) if (params.get(key)) query.set(key, params.get(key));
+  const bundle = await api(`/v1/bundles?${query}`);
+  const columns = [
+    { key: "problem", label: "problem", value: (c) => problemKey(c.problem) },
+    { key: "hardware", label: "hardware", value: (c) => hardwareKey(c.hardware) },
+    { key: "decomposition", label: "decomposition", value: (c) => decompId(c.decomposition) },
+    { key: "time", label: "time", num: true, value: (c) => c.time_s, render: (c) => ms(c.time_s) },
+    { key: "baseline", label: "baseline", num: true, value: (c) => c.baseline_s, render: (c) => ms(c.baseline_s) },
+    { key: "speedup", label: "speedup", num: true, value: (c) => c.speedup, render: (c) => el("span", { class: c.speedup > 1 ? "good" : "" }, x(c.speedup)) },
+    { key: "trials", label: "trials", num: true, value: (c) => c.trials, render: (c) => `${c.trials} / ${c.space_size}` },
+    { key: "software", label: "jax", value: (c) => c.jax_version },
+  ];
+  const field = (name, label) => el("input", { name, placeholder: label, value: params.get(name) || "" });
+  keepFocus(() => main.replaceChildren(
+    el("h1", {}, "Tuned configs"),
+    el("form", { class: "toolbar", id: "config-filter", onsubmit: (event) => {
+      event.preventDefault();
+      const next = new URLSearchParams();
+      for (const name of ["platform", "device_kind"]) if (event.target[name].value) next.set(name, event.target[name].value);
+      go(`/ui/configs?${next}`);
+    } }, field("platform", "platform"), field("device_kind", "device kind"), el("button", { type: "submit" }, "Filter"),
+      el("button", { type: "button", id: "download", onclick: () => download(bundle) }, "Download bundle")),
+    dataTable("configs", columns, bundle.configs),
+  ));
+}
+
+function download(bundle) {
+  const link = el("a", { href: URL.createObjectURL(new Blob([JSON.stringify(bundle, null, 2)], { type: "application/json" })),
+                         download: "cmtune-bundle.json" });
+  document.body.append(link); link.click(); link.remove();
+}
+
+async function submissionPage(id) {
+  const sub = await api(`/v1/submissions/${id}`);
+  const saved = (e) => (e.time_s !== null ? e.count * sub.layers * (e.baseline_s - e.time_s) : null);
+  const columns = [
+    { key: "roles", label: "roles", value: (e) => e.roles.join(", ") },
+    { key: "problem", label: "problem", value: (e) => problemKey(e.problem) },
+    { key: "study", label: "study", num: true, value: (e) => e.study_id, render: (e) => el("a", { href: `/ui/studies/${e.study_id}` }, `#${e.study_id}`) },
+    { key: "state", label: "state", value: (e) => e.study_state, render: (e) => stateBadge(e.study_state) },
+    { key: "decomposition", label: "tuned decomposition", value: (e) => decompId(e.decomposition) },
+    { key: "per_layer", label: "per layer", num: true, value: (e) => e.count },
+    { key: "speedup", label: "speedup", num: true, value: (e) => e.speedup, render: (e) => el("span", { class: e.speedup > 1 ? "good" : "" }, x(e.speedup)) },
+    { key: "saved", label: "saved per step", num: true, value: saved, render: (e) => ms(saved(e)) },
+  ];
+  keepFocus(() => main.replaceChildren(
+    el("h1", {}, `Model ${sub.model.name || ""} on ${Object.entries(sub.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
+    el("div", { class: "cards" },
+      el("div", { class: "card" }, el("div", { class: "muted" }, "layers"), el("div", { class: "value" }, sub.layers)),
+      el("div", { class: "card" }, el("div", { class: "muted" }, "estimated time saved per training step"),
+        el("div", { class: "value", id: "saved-per-step" }, sub.saved_s_per_step === null ? "when every study is done" : ms(sub.saved_s_per_step)))),
+    dataTable("roles", columns, sub.entries),
+  ));
+}
+
+// ---- router -----------------------------------------------------------------------------------
+
+const ROUTES = [
+  [/^\/ui\/?$/, "overview", () => overview()],
+  [/^\/ui\/studies\/(\d+)$/, "overview", (m) => studyPage(m[1])],
+  [/^\/ui\/workers$/, "workers", () => workersPage()],
+  [/^\/ui\/configs$/, "configs", () => configsPage()],
+  [/^\/ui\/submissions\/(\d+)$/, "overview", (m) => submissionPage(m[1])],
+];
+
+function route(rerender = false) {
+  const params = new URLSearchParams(location.search);
+  if (params.get("token")) {  // a link with ?token= signs in once, then drops it from the address
+    localStorage.setItem(TOKEN_KEY, params.get("token"));
+    params.delete("token");
+    history.replaceState({}, "", `${location.pathname}${params.toString() ? `?${params}` : ""}`);
+  }
+  document.getElementById("logout").hidden = !localStorage.getItem(TOKEN_KEY);
+  for (const [pattern, nav, render] of ROUTES) {
+    const match = location.pathname.match(pattern);
+    if (!match) continue;
+    document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.nav === nav));
+    if (rerender) return render(match).catch(() => {});
+    return live(() => render(match));
+  }
+  stop();
+  main.replaceChildren(el("h1", {}, "Not found"), el("p", {}, el("a", { href: "/ui" }, "Back to the studies")));
+}
+
+document.addEventListener("click", (event) => {
+  const link = event.target.closest("a[href^='/ui']");
+  if (link && !event.metaKey && !event.ctrlKey) { event.preventDefault(); go(link.getAttribute("href")); }
+});
+document.getElementById("logout").addEventListener("click", () => { localStorage.removeItem(TOKEN_KEY); route(); });
+window.addEventListener("popstate", () => route());
+route();
