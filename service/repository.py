@@ -326,6 +326,13 @@ def link_submission(*, session: Session, submission: Submission, study_id: int |
                                 roles=list(roles), count=count))
 
 
+def list_submissions(*, session: Session, limit: int = 100) -> list[Submission]:
+    return list(session.scalars(
+        select(Submission).options(selectinload(Submission.hardware), selectinload(Submission.entries))
+        .order_by(Submission.id.desc()).limit(limit)
+    ).all())
+
+
 def get_submission(*, session: Session, submission_id: int) -> Submission:
     submission = session.scalar(
         select(Submission).where(Submission.id == submission_id)

@@ -257,6 +257,15 @@ class SubmissionEntry(BaseModel):
     decomposition: Decomposition | None
 
 
+class SubmissionSummary(BaseModel):
+    id: int
+    name: str
+    mesh: dict[str, Any]
+    hardware: Hardware
+    problems: int
+    created_at: dt.datetime
+
+
 class SubmissionPublic(BaseModel):
     id: int
     model: dict[str, Any]

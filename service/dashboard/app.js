@@ -183,7 +183,8 @@ function fieldPlot(trials) {
 // ---- pages ------------------------------------------------------------------------------------
 
 async function overview() {
-  const [studies, workers] = await Promise.all([api("/v1/studies?limit=500"), api("/v1/workers")]);
+  const [studies, workers, models] = await Promise.all([api("/v1/studies?limit=500"), api("/v1/workers"),
+                                                        api("/v1/submissions")]);
   const online = workers.filter((w) => w.online).length;
   const columns = [
     { key: "id", label: "study", num: true, value: (s) => s.id, render: (s) => el("a", { href: `/ui/studies/${s.id}` }, `#${s.id}`) },
@@ -204,6 +205,10 @@ async function overview() {
       el("div", { class: "card" }, el("div", { class: "muted" }, "completed"), el("div", { class: "value" }, studies.items.filter((s) => s.state === "completed").length)),
       el("div", { class: "card" }, el("div", { class: "muted" }, "workers online"), el("div", { class: "value", id: "workers-online" }, online))),
     dataTable("studies", columns, studies.items, { onclick: (s) => go(`/ui/studies/${s.id}`), filter: (s) => `${s.state} ${problemKey(s.problem)} ${hardwareKey(s.hardware)}` }),
+    models.length ? el("h2", {}, "Submitted models") : null,
+    models.length ? el("ul", { id: "models" }, models.map((m) => el("li", {},
+      el("a", { href: `/ui/submissions/${m.id}` }, `${m.name} on ${Object.entries(m.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
+      el("span", { class: "muted" }, ` · ${m.problems} problems · ${hardwareKey(m.hardware)}`)))) : null,
   ));
 }
 

@@ -7,9 +7,17 @@ from fastapi import APIRouter
 from collective_matmul import Decomposition
 from service import repository as repo
 from service.deps import ReaderDep, SessionDep
-from service.schemas import SubmissionEntry, SubmissionPublic
+from service.schemas import SubmissionEntry, SubmissionPublic, SubmissionSummary
 
 router = APIRouter(prefix="/v1/submissions", tags=["submissions"])
+
+
+@router.get("", response_model=list[SubmissionSummary])
+def list_submissions(session: SessionDep, _: ReaderDep) -> list[SubmissionSummary]:
+    """The newest submitted models (100 at most)."""
+    return [SubmissionSummary(id=s.id, name=s.model.get("name", "model"), mesh=s.mesh,
+                              hardware=repo.to_hardware(s.hardware), problems=len(s.entries), created_at=s.created_at)
+            for s in repo.list_submissions(session=session)]
 
 
 @router.get("/{submission_id}", response_model=SubmissionPublic)

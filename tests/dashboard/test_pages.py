@@ -108,6 +108,7 @@ def test_overview_lists_studies_and_workers(page, site):
     assert "completed" in text and "allgather_matmul:512x256x768:float32:8" in text
     assert page.locator("#workers-online").inner_text() == "1"
     assert "×" in text  # speedups carry their unit
+    assert page.locator("#models a").get_attribute("href") == f"/ui/submissions/{site['submission']}"
     shot(page, "overview")
 
 

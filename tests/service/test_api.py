@@ -45,6 +45,8 @@ def test_studies_from_a_model_and_mesh_with_submission(api):
     assert {"qkv", "attn_out", "mlp_up", "mlp_up.grad_input"} <= roles
     assert sum(e["count"] for e in sub["entries"]) == 8
     assert sub["saved_s_per_step"] is None  # nothing tuned yet
+    listed = api.reader.get("/v1/submissions").json()
+    assert [(s["id"], s["name"], s["problems"]) for s in listed] == [(created["submission_id"], "tiny", 6)]
     # the same model again links the existing studies instead of creating new ones
     again = api.admin.post("/v1/studies", json=body).json()
     assert again["studies"] == [] and len(again["skipped"]) == 6
