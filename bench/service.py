@@ -185,21 +185,24 @@ def cached_client_lookup() -> dict:
     return {"median_us": statistics.median(rounds), "min_us": min(rounds), "max_us": max(rounds)}
 
 
-def run_backend(name: str, url: str, seconds: float) -> dict:
+def run_backend(name: str, url: str, seconds: float, workers: int) -> dict:
     from service.launcher import running_server
 
     token = prepare(url)
-    with running_server(database_url=url, extra_env={"CMTUNE_CONFIG_CACHE_SECONDS": "2"}) as server:
+    with running_server(database_url=url, extra_env={"CMTUNE_CONFIG_CACHE_SECONDS": "2"},
+                        workers=workers) as server:
         asyncio.run(lookup_load(server.url, token, 2))  # warm-up (connections, caches), not recorded
         closed = [asyncio.run(lookup_load(server.url, token, seconds)) for _ in range(3)]
         paced = []
         for _ in range(3):
-            before = config_buckets(server.url)
+            before = config_buckets(server.url) if workers == 1 else None
             result = asyncio.run(lookup_load(server.url, token, seconds, rate=1000))
-            result["server_p99_ms"] = bucket_quantile(before, config_buckets(server.url), 0.99) * 1e3
+            if before is not None:  # each worker process keeps its own histogram
+                result["server_p99_ms"] = bucket_quantile(before, config_buckets(server.url), 0.99) * 1e3
             paced.append(result)
         lease = lease_load(server.url, token, seconds)
-    return {"backend": name, "closed": closed, "paced": paced, "lease": lease}
+    return {"backend": f"{name}, {workers} process{'es' if workers > 1 else ''}", "closed": closed,
+            "paced": paced, "lease": lease}
 
 
 def config_buckets(url: str) -> dict[float, float]:
@@ -229,12 +232,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--sqlite", default="/tmp/cmtune-bench-service.sqlite")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="server processes (cmtune serve --workers), one run each")
     args = parser.parse_args()
     Path(args.sqlite).unlink(missing_ok=True)
     backends = [("sqlite", f"sqlite:///{args.sqlite}")]
     if os.environ.get("CMTUNE_TEST_DATABASE_URL"):
         backends.append(("postgresql", os.environ["CMTUNE_TEST_DATABASE_URL"]))
-    results = [run_backend(name, url, args.seconds) for name, url in backends]
+    results = [run_backend(name, url, args.seconds, workers) for name, url in backends for workers in args.workers]
     client = cached_client_lookup()
     print(f"{os.cpu_count()} CPUs, {args.seconds:.0f} s per round, 3 rounds, 64 connections; "
           "median of rounds (min-max)\n")

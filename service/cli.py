@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -335,7 +334,7 @@ def worker(
     heartbeat_seconds: Annotated[float, typer.Option(min=0.05)] = 10.0,
     max_trials: Annotated[int | None, typer.Option(min=1, help="leave after this many trials")] = None,
     local_devices: Annotated[int, typer.Option(min=1, help="virtual CPU devices per process (processes:N)")] = 4,
-    exit_when_idle: Annotated[bool, typer.Option(help="leave when no trial is offered for a while")] = False,
+    exit_when_idle: Annotated[bool, typer.Option(help="leave when no trial is offered for 5 s")] = False,
 ) -> None:
     """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
     import logging
@@ -462,11 +461,13 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def serve(
     host: Annotated[str | None, typer.Option(help="listen address (default CMTUNE_HOST or 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default CMTUNE_PORT or 8470)")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="server processes (uvicorn workers)")] = 1,
 ) -> None:
     """Run the service (uvicorn).  Upgrades an embedded SQLite schema; checks a PostgreSQL one."""
     import uvicorn
 
-    from service.main import SchemaOutOfDate, create_app
+    from service.db import Database
+    from service.main import SchemaOutOfDate, prepare_database
     from service.settings import get_settings
 
     settings = get_settings()
@@ -475,16 +476,16 @@ def serve(
     if settings.auth == "off" and host not in LOOPBACK:
         raise typer.BadParameter(f"refusing to listen on {host} with CMTUNE_AUTH=off: "
                                  "turn auth on or listen on 127.0.0.1", param_hint="--host")
+    db = Database(settings.database_url)
     try:
-        application = create_app(settings)
+        prepare_database(db)  # once, before any server process starts
     except SchemaOutOfDate as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    # The start-up heap (JAX, SQLAlchemy, pydantic) never dies: keep it out of the collector's
-    # full passes, which otherwise stall every request for tens of milliseconds.
-    gc.collect()
-    gc.freeze()
-    uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
+    finally:
+        db.dispose()
+    uvicorn.run("service.main:serve_app", factory=True, host=host, port=port, workers=workers,
+                log_level="info", access_log=False)
 
 
 if __name__ == "__main__":

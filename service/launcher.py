@@ -24,7 +24,8 @@ class Server:
 
 @contextmanager
 def running_server(*, database_url: str, auth: str = "token", port: int | None = None,
-                   extra_env: dict[str, str] | None = None, timeout_s: float = 60) -> Iterator[Server]:
+                   extra_env: dict[str, str] | None = None, timeout_s: float = 60,
+                   workers: int = 1) -> Iterator[Server]:
     """A `cmtune serve` subprocess on 127.0.0.1, ready when this yields; stopped after.
 
     Raises:
@@ -33,7 +34,8 @@ def running_server(*, database_url: str, auth: str = "token", port: int | None =
     port = port or free_port()
     env = os.environ | {"CMTUNE_DATABASE_URL": database_url, "CMTUNE_AUTH": auth} | (extra_env or {})
     process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", str(workers)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 from fastapi import FastAPI
@@ -39,10 +40,12 @@ def prepare_database(db: Database) -> None:
         )
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, prepare: bool = True) -> FastAPI:
+    """The app; ``prepare=False`` skips the schema step (a parent process has done it)."""
     settings = settings or get_settings()
     db = Database(settings.database_url)
-    prepare_database(db)
+    if prepare:
+        prepare_database(db)
     state = AppState(settings=settings, db=db, cache=ConfigCache(db, settings.config_cache_seconds))
     app = FastAPI(title="cmtune", version="0.1.0", description=DESCRIPTION)
     app.state.cmtune = state
@@ -54,6 +57,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount("/ui/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
 
     app.add_middleware(LatencyMiddleware, histogram=latency)
+    return app
+
+
+def serve_app() -> FastAPI:
+    """Factory for each process of ``cmtune serve --workers N`` (settings from the environment).
+
+    The start-up heap (JAX, SQLAlchemy, pydantic) never dies: it is frozen out of the garbage
+    collector's full passes, which would otherwise stall requests for tens of milliseconds.
+    """
+    app = create_app(get_settings(), prepare=False)
+    gc.collect()
+    gc.freeze()
     return app
 
 

@@ -108,7 +108,7 @@ class WorkerDaemon:
                     break
                 grant = self.lease()
                 if grant is None:
-                    if self.exit_when_idle and time.monotonic() - idle_since > self.poll_s * 3:
+                    if self.exit_when_idle and time.monotonic() - idle_since > max(self.poll_s * 3, 5.0):
                         break
                     self._group.send({"kind": "idle"})
                     self.state.stop.wait(self.poll_s)

@@ -98,8 +98,8 @@ def test_killed_worker_loses_no_trial(tmp_path):
                  "the first worker to hold a trial")
         first.send_signal(signal.SIGKILL)  # a hard crash in the middle of a trial
         first.wait()
-        second = start_worker(server.url, tok["worker"], "--devices", "virtual:8", "--exit-when-idle",
-                              log=tmp_path / "second.log")
+        # no --exit-when-idle: the killed worker's trial only comes back when its lease expires
+        second = start_worker(server.url, tok["worker"], "--devices", "virtual:8", log=tmp_path / "second.log")
         try:
             wait_for(lambda: study_state(api, study_id)["state"] == "completed", 240, "the study to complete")
         finally:
