@@ -69,7 +69,7 @@ class Tuned:
         answers = [self._from_server(problem, hardware), self._from_bundle(problem, hardware)]
         for match in ("exact", "nearest"):
             for answer in answers:
-                if answer is not None and answer.match == match and _valid(problem, answer.decomposition):
+                if answer is not None and answer.match == match and problem.accepts(answer.decomposition):
                     return answer
         from collective_matmul.costmodel import profile_for, rank
         from collective_matmul.space import candidates
@@ -152,14 +152,6 @@ def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
     """The hardware of one ring of ``mesh`` along ``axis`` (what configs are tuned for)."""
     devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0).reshape(mesh.shape[axis], -1)[:, 0]
     return Hardware.detect(devices.tolist())
-
-
-def _valid(problem: Problem, config: Decomposition) -> bool:
-    try:
-        problem.check(config)
-    except ValueError:
-        return False
-    return True
 
 
 def _comparable(config: TunedConfig, problem: Problem, hardware: Hardware) -> bool:

@@ -44,14 +44,8 @@ def allgather_matmul(
         ValueError: if the shapes do not fit the mesh or ``config`` is invalid for them.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
-    in_specs = (P(*lead, axis, None), P(None, axis))
-    fn = jax.shard_map(
-        partial(allgather_matmul_shard, axis=axis, config=config),
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=P(*lead, None, axis),
-    )
-    return fn(*_placed(mesh, in_specs, x, w))
+    specs = _specs("allgather_matmul", lead, axis)
+    return _run(allgather_matmul_shard, x, w, mesh=mesh, axis=axis, config=config, specs=specs)
 
 
 def matmul_reduce_scatter(
@@ -80,28 +74,32 @@ def matmul_reduce_scatter(
         ValueError: if the shapes do not fit the mesh or ``config`` is invalid for them.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("K", -1, "x")))
-    in_specs = (P(*lead, None, axis), P(axis, None))
-    fn = jax.shard_map(
-        partial(matmul_reduce_scatter_shard, axis=axis, config=config),
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=P(*lead, axis, None),
-    )
-    return fn(*_placed(mesh, in_specs, x, w))
+    specs = _specs("matmul_reduce_scatter", lead, axis)
+    return _run(matmul_reduce_scatter_shard, x, w, mesh=mesh, axis=axis, config=config, specs=specs)
+
+
+def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
+    """Partition specs of (x, w, result) for a collective (DESIGN.md layouts)."""
+    if collective == "allgather_matmul":
+        return P(*lead, axis, None), P(None, axis), P(*lead, None, axis)
+    if collective == "matmul_reduce_scatter":
+        return P(*lead, None, axis), P(axis, None), P(*lead, axis, None)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _run(shard_fn, x, w, *, mesh: Mesh, axis: str, config: Decomposition, specs: tuple[P, P, P]) -> jax.Array:
+    x_spec, w_spec, out_spec = specs
+    fn = jax.shard_map(partial(shard_fn, axis=axis, config=config), mesh=mesh, in_specs=(x_spec, w_spec),
+                       out_specs=out_spec)
+    return fn(*_placed(mesh, (x_spec, w_spec), x, w))
 
 
 def input_shardings(
     collective: str, mesh: Mesh, axis: str, *, batch_dims: int = 0, batch_axis: BatchAxis = None
 ) -> tuple[NamedSharding, NamedSharding]:
     """The shardings of ``(x, w)`` that an op expects, for placing inputs with `device_put`."""
-    lead = _lead_spec(batch_dims, batch_axis)
-    if collective == "allgather_matmul":
-        specs = (P(*lead, axis, None), P(None, axis))
-    elif collective == "matmul_reduce_scatter":
-        specs = (P(*lead, None, axis), P(axis, None))
-    else:
-        raise ValueError(f"unknown collective {collective!r}")
-    return NamedSharding(mesh, specs[0]), NamedSharding(mesh, specs[1])
+    x_spec, w_spec, _ = _specs(collective, _lead_spec(batch_dims, batch_axis), axis)
+    return NamedSharding(mesh, x_spec), NamedSharding(mesh, w_spec)
 
 
 def problem_of(

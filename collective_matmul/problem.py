@@ -116,6 +116,14 @@ class Problem(BaseModel):
             dtype=self.dtype,
         )
 
+    def accepts(self, config: Decomposition) -> bool:
+        """True if ``config`` is a valid program for this problem (see `check`)."""
+        try:
+            self.check(config)
+        except ValueError:
+            return False
+        return True
+
     def __str__(self) -> str:
         return self.key
 

@@ -39,7 +39,7 @@ def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) 
     near = [
         c for c in tuned.values()
         if (c.problem.collective, c.problem.dtype, c.problem.axis_size)
-        == (problem.collective, problem.dtype, problem.axis_size) and _valid(problem, c.decomposition)
+        == (problem.collective, problem.dtype, problem.axis_size) and problem.accepts(c.decomposition)
     ]
     if near:
         best = min(near, key=lambda c: (_distance(problem, c.problem), c.problem.key))
@@ -48,14 +48,6 @@ def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) 
     if choice is not None:
         return ConfigAnswer(problem=problem, hardware=hardware, decomposition=choice, match="model")
     return ConfigAnswer(problem=problem, hardware=hardware, decomposition=Decomposition.baseline(), match="baseline")
-
-
-def _valid(problem: Problem, config: Decomposition) -> bool:
-    try:
-        problem.check(config)
-    except ValueError:
-        return False
-    return True
 
 
 def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match: str) -> ConfigAnswer:

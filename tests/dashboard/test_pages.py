@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collective_matmul import Decomposition
 from service import migrate
 from service import repository as repo
 from service.db import Database
 from service.launcher import running_server
-from tests.service.conftest import HARDWARE, cost, measurement
+from tests.service import conftest as contract
+from tests.service.conftest import HARDWARE
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
@@ -41,17 +41,7 @@ class Seeder:
                                                                "software": {"jax": "0.10.2"}}).json()["id"]
 
     def run_trial(self) -> dict | None:
-        response = self.worker.post(f"/v1/workers/{self.worker_id}/lease")
-        if response.status_code == 204:
-            return None
-        grant = response.json()
-        trial = grant["trial"]
-        configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
-        results = [measurement(trial["problem"], c, cost(c)) for c in configs]
-        body = {"lease_id": grant["lease"]["id"]}
-        body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
-        self.worker.post(f"/v1/trials/{trial['id']}/result", json=body).raise_for_status()
-        return grant
+        return contract.run_trial(self.worker, self.worker_id)
 
 
 @pytest.fixture(scope="module")

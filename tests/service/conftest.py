@@ -103,8 +103,11 @@ def register(client: TestClient, name: str = "w0", hardware: dict = HARDWARE) ->
     return response.json()["id"]
 
 
-def run_trial(client: TestClient, worker_id: int, landscape=cost) -> dict | None:
-    """Lease one trial and report a synthetic result; None when nothing was leased."""
+def run_trial(client, worker_id: int, landscape=cost) -> dict | None:
+    """Lease one trial and report a synthetic result; None when nothing was leased.
+
+    ``client`` is a `TestClient` or an `httpx.Client` on a real server (same interface).
+    """
     response = client.post(f"/v1/workers/{worker_id}/lease")
     if response.status_code == 204:
         return None
