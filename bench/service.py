@@ -20,6 +20,7 @@ import asyncio
 import gc
 import os
 import statistics
+import tempfile
 import sys
 import threading
 import time
@@ -231,7 +232,7 @@ def main() -> None:
     gc.freeze()  # this process imports JAX: keep its heap out of full collections while measuring
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10)
-    parser.add_argument("--sqlite", default="/tmp/cmtune-bench-service.sqlite")
+    parser.add_argument("--sqlite", default=str(Path(tempfile.gettempdir()) / "cmtune-bench-service.sqlite"))
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="server processes (cmtune serve --workers), one run each")
     args = parser.parse_args()
