@@ -20,8 +20,8 @@ import asyncio
 import gc
 import os
 import statistics
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 import timeit
