@@ -98,7 +98,7 @@ def summarize(path: Path, mode: str) -> str:
 
 def _half_spread(m) -> float:
     """Half the IQR of the speedup, to first order from the ratio's IQR."""
-    return (m.ratio_iqr or 0.0) / (m.ratio**2) / 2
+    return m.speedup_iqr / 2
 
 
 def main() -> None:

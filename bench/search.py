@@ -140,7 +140,7 @@ def main() -> None:
             best_speedup=1 / best.ratio, best_overall=best_overall.decomposition.id,
             best_overall_speedup=1 / best_overall.ratio, needed=needed, budget=budget,
             tuned=winner.decomposition.id, tuned_speedup=1 / winner.ratio,
-            tuned_speedup_iqr=(winner.ratio_iqr or 0) / winner.ratio**2, spearman=rho,
+            tuned_speedup_iqr=winner.speedup_iqr, spearman=rho,
         ))
         print(json.dumps(per_problem[-1]), file=sys.stderr, flush=True)
         rows.extend(m.model_dump(mode="json") for m in measured)

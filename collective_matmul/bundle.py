@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +44,19 @@ class TunedConfig(BaseModel):
     @property
     def key(self) -> tuple[str, str]:
         return self.problem.key, self.hardware.key
+
+
+def nearest(problem: Problem, configs: Iterable[TunedConfig]) -> TunedConfig | None:
+    """The tuned config of the same collective, dtype and ring size whose (m, k, n) is closest to
+    ``problem``'s in log-distance and whose decomposition is valid for it (``configs`` of one
+    hardware); ties go to the smaller key."""
+    same = [c for c in configs
+            if (c.problem.collective, c.problem.dtype, c.problem.axis_size)
+            == (problem.collective, problem.dtype, problem.axis_size) and problem.accepts(c.decomposition)]
+    if not same:
+        return None
+    return min(same, key=lambda c: (sum(abs(math.log(getattr(problem, f) / getattr(c.problem, f)))
+                                        for f in ("m", "k", "n")), c.problem.key))
 
 
 class Bundle(BaseModel):

@@ -8,7 +8,6 @@ errs is reported by one warning and never breaks the training step.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from collective_matmul.bundle import Bundle, TunedConfig
+from collective_matmul.bundle import Bundle, nearest
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import BatchAxis, allgather_matmul, matmul_reduce_scatter, problem_of
 from collective_matmul.problem import Hardware, Problem
@@ -71,12 +70,11 @@ class Tuned:
             for answer in answers:
                 if answer is not None and answer.match == match and problem.accepts(answer.decomposition):
                     return answer
-        from collective_matmul.costmodel import profile_for, rank
-        from collective_matmul.space import candidates
+        from collective_matmul.costmodel import model_choice
 
-        profile = profile_for(hardware)
-        if profile is not None:
-            return Lookup(rank(problem, candidates(problem), profile)[0], "model", "costmodel")
+        choice = model_choice(problem, hardware)
+        if choice is not None:
+            return Lookup(choice, "model", "costmodel")
         return Lookup(Decomposition.baseline(), "baseline", "baseline")
 
     def _from_server(self, problem: Problem, hardware: Hardware) -> Lookup | None:
@@ -107,12 +105,8 @@ class Tuned:
         exact = self.bundle.lookup(problem, hardware)
         if exact is not None:
             return Lookup(exact.decomposition, "exact", "bundle", exact.speedup)
-        near = [c for c in self.bundle.configs if _comparable(c, problem, hardware)]
-        if not near:
-            return None
-        best = min(near, key=lambda c: sum(abs(math.log(getattr(problem, f) / getattr(c.problem, f)))
-                                           for f in ("m", "k", "n")))
-        return Lookup(best.decomposition, "nearest", "bundle")
+        best = nearest(problem, (c for c in self.bundle.configs if c.hardware.key == hardware.key))
+        return Lookup(best.decomposition, "nearest", "bundle") if best is not None else None
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -152,8 +146,3 @@ def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
     """The hardware of one ring of ``mesh`` along ``axis`` (what configs are tuned for)."""
     devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0).reshape(mesh.shape[axis], -1)[:, 0]
     return Hardware.detect(devices.tolist())
-
-
-def _comparable(config: TunedConfig, problem: Problem, hardware: Hardware) -> bool:
-    return (config.hardware.key == hardware.key and config.problem.collective == problem.collective
-            and config.problem.dtype == problem.dtype and config.problem.axis_size == problem.axis_size)

@@ -156,10 +156,19 @@ def rank(problem: Problem, configs, profile: HardwareProfile) -> list[Decomposit
     return sorted(configs, key=lambda config: estimate(problem, config, profile))
 
 
+def model_choice(problem: Problem, hardware: Hardware) -> Decomposition | None:
+    """The model's favourite for ``problem`` on ``hardware``'s published profile (None: no profile)."""
+    from collective_matmul.space import candidates
+
+    profile = profile_for(hardware)
+    return rank(problem, candidates(problem), profile)[0] if profile is not None else None
+
+
 def calibrate_cpu(devices=None, *, repeats: int = 5) -> HardwareProfile:
     """Measure a CPU profile on the running (virtual) devices: matmul rate and permute cost.
 
-    Takes about a second.  Uses the first two devices for the permute.
+    Takes about a second: a 512x512 matmul on the first device, and a ring permute over all of
+    them, of a small and of a 1 MiB block (latency and bandwidth).
     """
     import time
 

@@ -25,27 +25,33 @@ def parse_devices(spec: str) -> tuple[str, int]:
     return kind, int(count) if count else 0
 
 
-def setup_devices(spec: str) -> bool:
-    """Configure JAX for ``spec`` before any device is touched; True in a child of a group."""
+def setup_devices(spec: str) -> None:
+    """Configure JAX for ``spec`` before any device is touched (join the group in a child of one)."""
     from workers.cluster import ClusterSpec, join
 
     cluster = ClusterSpec.from_env()
     if cluster is not None:
         join(cluster)
-        return True
+        return
     kind, count = parse_devices(spec)
     if kind == "virtual" and count > 0:
         import jax
 
         jax.config.update("jax_num_cpu_devices", count)
-    return False
 
 
-def relaunch_as_group(count: int, local_devices: int = 4) -> None:
-    """Re-run this very command as ``count`` processes of a gloo cluster; print process 0."""
+def relaunch_as_group(count: int, local_devices: int = 4, *, daemon: bool = False) -> None:
+    """Re-run this very command as ``count`` processes of a gloo cluster.
+
+    A one-shot command prints process 0's output; a daemon streams every process's output,
+    runs until they stop and exits with the worst exit status.
+    """
     from workers.cluster import launch
 
-    results = launch(count, ["-m", "service.cli", *sys.argv[1:]], local_devices=local_devices, timeout_s=3600)
+    results = launch(count, ["-m", "service.cli", *sys.argv[1:]], local_devices=local_devices,
+                     timeout_s=7 * 24 * 3600 if daemon else 3600, stream=daemon)
+    if daemon:
+        raise typer.Exit(max(r.returncode for r in results))
     sys.stdout.write(results[0].stdout)
     sys.stderr.write(results[0].stderr)
 
@@ -59,7 +65,7 @@ def bench(
     out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines")] = None,
 ) -> None:
     """Time every valid decomposition of one problem against the baseline."""
-    from collective_matmul import Problem, candidates
+    from collective_matmul import Problem
 
     try:
         parsed = Problem.parse(problem)
@@ -68,14 +74,15 @@ def bench(
     kind, count = parse_devices(devices)
     if kind == "processes" and "CMTUNE_COORDINATOR" not in os.environ:
         return relaunch_as_group(count, local_devices=parsed.axis_size // count)
-    in_group = setup_devices(devices)
-    _run_sweep(parsed, repeats=repeats, warmup=warmup, out=out, quiet=in_group, total=len(candidates(parsed)))
+    setup_devices(devices)
+    _run_sweep(parsed, repeats=repeats, warmup=warmup, out=out)
 
 
-def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None, quiet: bool, total: int) -> None:
+def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
     import jax
     from rich.progress import Progress
 
+    from collective_matmul import candidates
     from tuner.measure import Protocol
     from tuner.report import sweep_table
     from tuner.sweep import sweep
@@ -83,7 +90,7 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None, quiet: b
     leader = jax.process_index() == 0
     protocol = Protocol(repeats=repeats, warmup=warmup)
     with Progress(console=console, transient=True, disable=not leader) as progress:
-        task = progress.add_task(f"timing {problem.key}", total=total)
+        task = progress.add_task(f"timing {problem.key}", total=len(candidates(problem)))
         results = sweep(problem, protocol=protocol, on_result=lambda m: progress.advance(task))
     if not leader:
         return
@@ -346,11 +353,7 @@ def worker(
     kind, count = parse_devices(devices)
     in_group = "CMTUNE_COORDINATOR" in os.environ
     if kind == "processes" and not in_group:
-        from workers.cluster import launch
-
-        results = launch(count, ["-m", "service.cli", *sys.argv[1:]], local_devices=local_devices,
-                         timeout_s=7 * 24 * 3600, stream=True)
-        raise typer.Exit(max(r.returncode for r in results))
+        relaunch_as_group(count, local_devices, daemon=True)
     if coordinator is not None:
         if num_processes is None or process_id is None:
             raise typer.BadParameter("--coordinator needs --num-processes and --process-id")

@@ -7,28 +7,17 @@ this replica clear the cache at once; other replicas see them within that time).
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 
 from fastapi.concurrency import run_in_threadpool
 
-from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.costmodel import profile_for, rank
+from collective_matmul import Decomposition, Hardware, Problem
+from collective_matmul.bundle import TunedConfig, nearest
+from collective_matmul.costmodel import model_choice
 from service import repository as repo
 from service.db import Database
 from service.schemas import ConfigAnswer
-
-
-def _distance(a: Problem, b: Problem) -> float:
-    return sum(abs(math.log(getattr(a, f) / getattr(b, f))) for f in ("m", "k", "n"))
-
-
-def model_choice(problem: Problem, hardware: Hardware) -> Decomposition | None:
-    """The cost model's favourite for ``problem`` on ``hardware``'s published profile (None if unknown)."""
-    profile = profile_for(hardware)
-    return rank(problem, candidates(problem), profile)[0] if profile is not None else None
 
 
 def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) -> ConfigAnswer:
@@ -36,13 +25,8 @@ def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) 
     exact = tuned.get(problem.key)
     if exact is not None:
         return _from_tuned(problem, hardware, exact, "exact")
-    near = [
-        c for c in tuned.values()
-        if (c.problem.collective, c.problem.dtype, c.problem.axis_size)
-        == (problem.collective, problem.dtype, problem.axis_size) and problem.accepts(c.decomposition)
-    ]
-    if near:
-        best = min(near, key=lambda c: (_distance(problem, c.problem), c.problem.key))
+    best = nearest(problem, tuned.values())
+    if best is not None:
         return _from_tuned(problem, hardware, best, "nearest")
     choice = model_choice(problem, hardware)
     if choice is not None:

@@ -23,7 +23,15 @@ from service.errors import ConflictError, InvalidError
 from service.models import Lease, Study, Trial, Worker, utcnow
 from service.settings import Settings
 from tuner.measure import Measurement, Protocol
-from tuner.search import Finished, Searcher, SearchSettings, pick_winner, stop_reason, tuned_config
+from tuner.search import (
+    Finished,
+    Searcher,
+    SearchSettings,
+    failure_counts,
+    pick_winner,
+    stop_reason,
+    tuned_config,
+)
 
 
 def search_settings(study: Study) -> SearchSettings:
@@ -64,20 +72,19 @@ def advance(*, session: Session, study: Study, now: dt.datetime, search: bool = 
     trials = repo.list_trials(session=session, study_id=study.id)
     finished, in_flight = history(study, trials)
     searcher = _searcher(study)
-    config = searcher.ask(finished, in_flight)
     elapsed = (now - study.started_at).total_seconds() if study.started_at else 0.0
-    reason = stop_reason(searcher.settings, finished, elapsed_s=elapsed, exhausted=config is None and not in_flight)
-    budget = searcher.settings.max_trials
-    budget_full = budget is not None and len(finished) + len(in_flight) >= budget
-    if reason is None and config is not None and not budget_full:
+    reason = stop_reason(searcher.settings, finished, elapsed_s=elapsed,
+                         exhausted=searcher.exhausted(finished, in_flight), in_flight=len(in_flight))
+    if reason is None:
         if not search:
-            return None
+            return None  # Optuna is asked only when a worker wants a trial
         study.state = "running"
         study.started_at = study.started_at or now
+        config = searcher.ask(finished, in_flight)
         return repo.add_trial(session=session, study=study, kind="search", decompositions=[config])
     if in_flight:
         return None  # the search is over or waiting: confirm once every trial is back
-    study.stop_reason = reason or "exhausted"
+    study.stop_reason = reason
     contenders = searcher.confirm_set(finished)
     if len(contenders) == 1:  # nothing but the baseline ran: it is the tuned config
         _finalize(session=session, study=study, trials=trials, confirmation=None, now=now)
@@ -188,9 +195,9 @@ def _finalize(*, session: Session, study: Study, trials: list[Trial], confirmati
             f"{m.decomposition.id}: {m.status} {m.message}" for m in confirmation)[:1900]
         return
     search = [t for t in trials if t.kind == "search"]
+    invalid, failed = failure_counts(t.status for t in search)
     config = tuned_config(
-        problem, winner, trials=len(search), invalid=sum(t.status == "invalid" for t in search),
-        failed=sum(t.status not in (None, "ok", "invalid") for t in search), space_size=study.space_size,
+        problem, winner, trials=len(search), invalid=invalid, failed=failed, space_size=study.space_size,
     ).model_copy(update={"hardware": repo.to_hardware(study.hardware)})
     repo.upsert_tuned(session=session, config=config, study_id=study.id)
     study.state = "completed"

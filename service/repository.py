@@ -87,11 +87,14 @@ def find_open_study(*, session: Session, problem: ProblemRow, hardware: Hardware
     )
 
 
+def _row(session: Session, model, key, *, lock: bool):
+    """The row of ``model`` with primary key ``key`` (locked FOR UPDATE if asked), or None."""
+    query = select(model).where(model.id == key)
+    return session.scalar(query.with_for_update() if lock else query)
+
+
 def get_study(*, session: Session, study_id: int, lock: bool = False) -> Study:
-    query = select(Study).where(Study.id == study_id)
-    if lock:
-        query = query.with_for_update()
-    study = session.scalar(query)
+    study = _row(session, Study, study_id, lock=lock)
     if study is None:
         raise NotFoundError(f"study {study_id} does not exist")
     return study
@@ -153,10 +156,7 @@ def next_pending_trial(*, session: Session, study_id: int) -> Trial | None:
 
 
 def get_trial(*, session: Session, trial_id: int, lock: bool = False) -> Trial:
-    query = select(Trial).where(Trial.id == trial_id)
-    if lock:
-        query = query.with_for_update()
-    trial = session.scalar(query)
+    trial = _row(session, Trial, trial_id, lock=lock)
     if trial is None:
         raise NotFoundError(f"trial {trial_id} does not exist")
     return trial
@@ -174,10 +174,7 @@ def create_lease(*, session: Session, trial: Trial, worker: Worker, now: dt.date
 
 
 def get_lease(*, session: Session, lease_id: str, lock: bool = False) -> Lease | None:
-    query = select(Lease).where(Lease.id == lease_id)
-    if lock:
-        query = query.with_for_update()
-    return session.scalar(query)
+    return _row(session, Lease, lease_id, lock=lock)
 
 
 def expire_leases(*, session: Session, now: dt.datetime, max_attempts: int) -> int:

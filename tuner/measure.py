@@ -97,6 +97,11 @@ class Measurement(BaseModel):
         return 1.0 / self.ratio if self.ratio else None
 
     @property
+    def speedup_iqr(self) -> float:
+        """IQR of the speedup, to first order from the ratio's IQR (d(1/r) = dr / r**2)."""
+        return (self.ratio_iqr or 0.0) / self.ratio**2 if self.ratio else 0.0
+
+    @property
     def ok(self) -> bool:
         return self.status == "ok"
 

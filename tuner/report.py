@@ -21,8 +21,7 @@ def speedup_text(m: Measurement) -> str:
     """``1.23x ±0.05`` : baseline/candidate from the median paired ratio, and its IQR."""
     if not m.ok or m.ratio is None:
         return "-"
-    spread = (m.ratio_iqr or 0.0) / (m.ratio**2)  # first-order IQR of 1/ratio
-    return f"{1 / m.ratio:.2f}x ±{spread / 2:.2f}"
+    return f"{1 / m.ratio:.2f}x ±{m.speedup_iqr / 2:.2f}"
 
 
 def sweep_table(results: list[Measurement], *, title: str) -> Table:

@@ -22,8 +22,8 @@ import hashlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 from typing import Protocol as TypingProtocol
 
@@ -108,6 +108,10 @@ class Searcher:
             return self.settings.sampler
         return "enumerate" if len(self.space) <= self.settings.enumerate_below else "tpe"
 
+    def exhausted(self, finished: Sequence[Finished], pending: Sequence[Decomposition] = ()) -> bool:
+        """True when every candidate is finished or in flight (cheap: no Optuna)."""
+        return len({f.config for f in finished} | set(pending)) >= len(self.space)
+
     def ask(self, finished: Sequence[Finished], pending: Sequence[Decomposition] = ()) -> Decomposition | None:
         """The next candidate to time, or None when every candidate is finished or in flight."""
         seen = {f.config for f in finished} | set(pending)
@@ -183,12 +187,15 @@ class Searcher:
 
 
 def stop_reason(
-    settings: SearchSettings, finished: Sequence[Finished], *, elapsed_s: float, exhausted: bool
+    settings: SearchSettings, finished: Sequence[Finished], *, elapsed_s: float, exhausted: bool, in_flight: int = 0
 ) -> str | None:
-    """Why a study should stop now, or None to go on."""
+    """Why a study should ask for no more candidates, or None to go on.
+
+    Trials in flight count against the trial budget: they will finish.
+    """
     if exhausted:
         return "exhausted"
-    if settings.max_trials is not None and len(finished) >= settings.max_trials:
+    if settings.max_trials is not None and len(finished) + in_flight >= settings.max_trials:
         return "trial budget"
     if settings.max_seconds is not None and elapsed_s >= settings.max_seconds:
         return "time budget"
@@ -227,15 +234,22 @@ class TuneResult(BaseModel):
 
     @property
     def invalid(self) -> int:
-        return sum(m.status == "invalid" for m in self.trials)
+        return failure_counts(m.status for m in self.trials)[0]
+
+    @property
+    def failed(self) -> int:
+        return failure_counts(m.status for m in self.trials)[1]
 
     def tuned_config(self) -> TunedConfig:
         return tuned_config(self.problem, self.winner, trials=len(self.trials), invalid=self.invalid,
                             failed=self.failed, space_size=self.space_size)
 
-    @property
-    def failed(self) -> int:
-        return sum(m.status not in ("ok", "invalid") for m in self.trials)
+
+def failure_counts(statuses: Iterable[str | None]) -> tuple[int, int]:
+    """(invalid, failed) among finished trials' statuses; None (no result yet) counts as neither."""
+    statuses = list(statuses)
+    invalid = sum(s == "invalid" for s in statuses)
+    return invalid, sum(s not in (None, "ok", "invalid") for s in statuses)
 
 
 def effective_ratio(m: Measurement) -> float:
@@ -261,21 +275,13 @@ def tuned_config(problem: Problem, winner: Measurement, *, trials: int, invalid:
     return TunedConfig(
         problem=problem, hardware=winner.hardware.identity(), decomposition=winner.decomposition,
         time_s=time_s, baseline_s=baseline_s, speedup=speedup,
-        speedup_iqr=(winner.ratio_iqr or 0.0) / winner.ratio**2, trials=trials, invalid=invalid, failed=failed,
+        speedup_iqr=winner.speedup_iqr, trials=trials, invalid=invalid, failed=failed,
         space_size=space_size, jax_version=winner.hardware.jax_version, jaxlib_version=winner.hardware.jaxlib_version,
     )
 
 
-def _ratio(m: Measurement) -> float | None:
-    return m.ratio if m.ok else None
-
-
-@dataclass
-class _History:
-    trials: list[Measurement] = field(default_factory=list)
-
-    def finished(self) -> list[Finished]:
-        return [Finished(m.decomposition, _ratio(m)) for m in self.trials]
+def finished_of(trials: Sequence[Measurement]) -> list[Finished]:
+    return [Finished(m.decomposition, m.ratio if m.ok else None) for m in trials]
 
 
 def tune(
@@ -291,26 +297,26 @@ def tune(
     """Search ``problem``'s space one candidate at a time, confirm the top, return the winner."""
     started = clock()
     searcher = Searcher(problem, profile, settings)
-    history = _History()
+    trials: list[Measurement] = []
     while True:
-        finished = history.finished()
-        config = searcher.ask(finished)
-        reason = stop_reason(settings, finished, elapsed_s=clock() - started, exhausted=config is None)
+        finished = finished_of(trials)
+        reason = stop_reason(settings, finished, elapsed_s=clock() - started,
+                             exhausted=searcher.exhausted(finished))
         if runner.agree(reason is not None):
             reason = reason or "another process stopped"
             break
-        (measurement,) = runner.run(problem, [config], protocol)
-        history.trials.append(measurement)
+        (measurement,) = runner.run(problem, [searcher.ask(finished)], protocol)
+        trials.append(measurement)
         if on_trial is not None:
             on_trial(measurement)
-    contenders = searcher.confirm_set(history.finished())
+    contenders = searcher.confirm_set(finished_of(trials))
     confirmation = runner.run(
         problem, contenders, protocol.model_copy(update={"repeats": settings.confirm_repeats})
-    ) if len(contenders) > 1 else [m for m in history.trials if m.decomposition.method == "baseline"]
+    ) if len(contenders) > 1 else [m for m in trials if m.decomposition.method == "baseline"]
     winner = pick_winner(confirmation)
     if winner is None:
         raise RuntimeError(f"{problem.key}: the baseline itself failed: {confirmation[0].message}")
     return TuneResult(
-        problem=problem, winner=winner, trials=history.trials, confirmation=confirmation,
+        problem=problem, winner=winner, trials=trials, confirmation=confirmation,
         stop_reason=reason, space_size=len(searcher.space), elapsed_s=clock() - started,
     )

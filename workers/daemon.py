@@ -24,7 +24,8 @@ import httpx
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from collective_matmul import Decomposition, Hardware, Problem
-from tuner.measure import Measurement, Protocol, Session
+from tuner.local import LocalRunner
+from tuner.measure import Measurement, Protocol
 
 log = logging.getLogger("cmtune.worker")
 
@@ -77,7 +78,7 @@ class WorkerDaemon:
         self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
         self.max_trials, self.exit_when_idle = max_trials, exit_when_idle
         self.state = WorkerState()
-        self._sessions: dict[tuple[str, int], Session] = {}
+        self._runner = LocalRunner()
         self._group = _Group()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -164,7 +165,7 @@ class WorkerDaemon:
         task = grant["trial"]
         self.state.lease_id = grant["lease"]["id"]
         self._group.send({"kind": "trial", "task": task})
-        results = execute(task, self._sessions)
+        results = execute(task, self._runner)
         body = {"lease_id": self.state.lease_id}
         body |= ({"measurement": results[0].model_dump(mode="json")} if task["kind"] == "search"
                  else {"measurements": [m.model_dump(mode="json") for m in results]})
@@ -187,20 +188,15 @@ class WorkerDaemon:
             if message["kind"] == "stop":
                 return done
             if message["kind"] == "trial":
-                execute(message["task"], self._sessions)
+                execute(message["task"], self._runner)
                 done += 1
 
 
-def execute(task: dict, sessions: dict[tuple[str, int], Session]) -> list[Measurement]:
-    """Measure a leased trial's decompositions (one Session per problem and seed, reused)."""
-    problem = Problem.model_validate(task["problem"])
-    protocol = Protocol.model_validate(task["protocol"])
-    key = (problem.key, protocol.seed)
-    if key not in sessions:
-        sessions.clear()  # one problem's inputs in memory at a time
-        sessions[key] = Session(problem, protocol=protocol)
-    session = sessions[key]
-    return [session.measure(Decomposition.model_validate(d), protocol) for d in task["decompositions"]]
+def execute(task: dict, runner: LocalRunner) -> list[Measurement]:
+    """Measure a leased trial's decompositions."""
+    return runner.run(Problem.model_validate(task["problem"]),
+                      [Decomposition.model_validate(d) for d in task["decompositions"]],
+                      Protocol.model_validate(task["protocol"]))
 
 
 def _summary(m: Measurement) -> str:
