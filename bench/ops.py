@@ -36,7 +36,7 @@ PROBLEMS = [
 
 def run_mode(args) -> None:
     """Run the sweep in this process (or as one process of a launched group)."""
-    from workers.cluster import ClusterSpec, join
+    from cmtune.tuner.cluster import ClusterSpec, join
 
     cluster = ClusterSpec.from_env()
     if cluster is not None:
@@ -47,9 +47,9 @@ def run_mode(args) -> None:
         jax.config.update("jax_num_cpu_devices", 8)
     import jax
 
+    from cmtune.tuner.measure import Protocol
+    from cmtune.tuner.sweep import sweep
     from collective_matmul import Problem
-    from tuner.measure import Protocol
-    from tuner.sweep import sweep
 
     protocol = Protocol(repeats=args.repeats, warmup=args.warmup)
     lines = []
@@ -67,7 +67,7 @@ def run_mode(args) -> None:
 
 
 def summarize(path: Path, mode: str) -> str:
-    from tuner.measure import Measurement
+    from cmtune.tuner.measure import Measurement
 
     rows = [Measurement.model_validate_json(line) for line in path.read_text().splitlines() if line]
     by_problem: dict[str, list[Measurement]] = {}
@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.run_here:
         return run_mode(args)
-    from workers.cluster import launch
+    from cmtune.tuner.cluster import launch
 
     modes = ["virtual:8", "processes:2"] if args.devices == "both" else [args.devices]
     summary = []

@@ -96,12 +96,12 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import optuna
 
+    from cmtune.tuner.local import LocalRunner
+    from cmtune.tuner.measure import Protocol
+    from cmtune.tuner.search import SearchSettings, tune
+    from cmtune.tuner.sweep import sweep
     from collective_matmul import Decomposition, Problem
     from collective_matmul.costmodel import calibrate_cpu, estimate
-    from tuner.local import LocalRunner
-    from tuner.measure import Protocol
-    from tuner.search import SearchSettings, tune
-    from tuner.sweep import sweep
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     profile = calibrate_cpu()

@@ -37,11 +37,11 @@ HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process
 
 
 def prepare(url: str) -> str:
+    from cmtune.service import migrate
+    from cmtune.service import repository as repo
+    from cmtune.service.db import Database
     from collective_matmul import Decomposition, Hardware, Problem
     from collective_matmul.bundle import TunedConfig
-    from service import migrate
-    from service import repository as repo
-    from service.db import Database
 
     db = Database(url)
     migrate.downgrade(db.engine, "base") if migrate.current_revision(db.engine) else None
@@ -113,65 +113,136 @@ async def lookup_load(url: str, token: str, seconds: float, *, concurrency: int 
             "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3, "requests": len(latencies), "errors": errors}
 
 
-def lease_load(url: str, token: str, seconds: float, workers: int = 32) -> dict:
-    from collective_matmul import Decomposition, Hardware, Problem
-    from tuner.measure import Measurement, Timing
+LEASE_PROBLEMS = [("allgather_matmul", "bfloat16"), ("matmul_reduce_scatter", "float32"),
+                  ("matmul_reduce_scatter", "bfloat16")]  # 49, 25 and 49 candidates
+
+
+def synthetic_ratio(config) -> float:
+    """A smooth landscape, so that TPE has something to model (the baseline is 1)."""
+    if config.method == "baseline":
+        return 1.0
+    return (0.8 + (0.1 if config.direction == "unidirectional" else 0) + 0.03 * abs(config.chunks - 2)
+            + (0.04 if config.unroll != "full" else 0) + (0.02 if config.accumulate == "concat" else 0))
+
+
+def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: int = 40,
+               warmup: float = 3.0) -> dict:
+    """32 simulated workers lease, report a synthetic result, lease again; studies keep coming.
+
+    Steady state: a submitter thread keeps ``active`` studies open by creating new ones (default
+    sampler and budget) as others complete, so every proposal the engine makes is made inside the
+    run, and only cycles after ``warmup`` seconds count.
+    """
+    from collective_matmul.wire import (
+        HardwareIn,
+        LeaseGranted,
+        Measurement,
+        Problem,
+        ResultIn,
+        StudyCreate,
+        StudyPage,
+        Timing,
+        WorkerCreate,
+    )
 
     headers = {"Authorization": f"Bearer {token}"}
+    hardware = HardwareIn(**HARDWARE)
+    hw = hardware.to_hardware()
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
-        for m in range(8, 8 * 41, 8):  # 40 studies x 49 candidates
-            body = {"problem": {"collective": "allgather_matmul", "m": m * 8, "k": 64, "n": 64, "dtype": "bfloat16",
-                                "axis_size": 8}, "hardware": HARDWARE, "budget": {"trials": 49}, "confirm_top": 0}
-            client.post("/v1/studies", json=body).raise_for_status()
-        ids = [client.post("/v1/workers", json={"name": f"sim{i}", "hardware": HARDWARE}).json()["id"]
-               for i in range(workers)]
-    hw = Hardware(**HARDWARE)
+        ids = [client.post("/v1/workers", json=WorkerCreate(name=f"sim{i}", hardware=hardware)
+                           .model_dump(mode="json")).json()["id"] for i in range(workers)]
     held: dict[int, int] = {}
     leased_candidates: set[tuple] = set()
-    duplicates = cycles = failures = 0
+    counts = {"cycles": 0, "duplicates": 0, "failures": 0, "studies": 0, "empty": 0}
     lock = threading.Lock()
-    deadline = time.perf_counter() + seconds
+    started = time.perf_counter()
+    counting_from, deadline = started + warmup, started + warmup + seconds
+    created = iter(range(1, 1 << 30))
+
+    def submit(client: httpx.Client, n: int) -> None:
+        for _ in range(n):
+            i = next(created)
+            collective, dtype = LEASE_PROBLEMS[i % len(LEASE_PROBLEMS)]
+            problem = Problem(collective=collective, m=64 * i, k=256, n=256, dtype=dtype, axis_size=8)
+            body = StudyCreate(problem=problem, hardware=hardware)
+            client.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True)).raise_for_status()
+            with lock:
+                counts["studies"] += time.perf_counter() >= counting_from
+
+    def submitter() -> None:
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            submit(c, active)
+            while time.perf_counter() < deadline:
+                open_studies = sum(
+                    StudyPage.model_validate(c.get("/v1/studies", params={"state": s, "limit": 1}).json()).total
+                    for s in ("pending", "running", "confirming"))
+                submit(c, max(0, active - open_studies))
+                time.sleep(0.05)
 
     def run(worker_id: int) -> None:
-        nonlocal duplicates, cycles, failures
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
-            while time.perf_counter() < deadline:
+            while (now := time.perf_counter()) < deadline:
                 response = c.post(f"/v1/workers/{worker_id}/lease")
                 if response.status_code != 200:
-                    failures += response.status_code != 204
+                    with lock:
+                        counts["failures"] += response.status_code != 204
+                        counts["empty"] += response.status_code == 204
+                    time.sleep(0.01)
                     continue
-                grant = response.json()
-                trial = grant["trial"]
+                grant = LeaseGranted.model_validate_json(response.content)
+                trial = grant.trial
                 with lock:
-                    if trial["id"] in held:
-                        duplicates += 1
-                    held[trial["id"]] = worker_id
-                    if trial["kind"] == "search":
-                        key = (trial["study_id"], str(trial["decomposition"]))
-                        duplicates += key in leased_candidates
+                    if trial.id in held:
+                        counts["duplicates"] += 1
+                    held[trial.id] = worker_id
+                    if trial.kind == "search":
+                        key = (trial.study_id, trial.decomposition.id)
+                        counts["duplicates"] += key in leased_candidates
                         leased_candidates.add(key)
-                problem = Problem.model_validate(trial["problem"])
-                records = [Measurement(problem=problem, decomposition=Decomposition.model_validate(d), hardware=hw,
-                                       status="ok", candidate=Timing.of([1e-3]), baseline=Timing.of([1e-3]),
-                                       ratio=1.0, ratio_iqr=0.0).model_dump(mode="json")
-                           for d in trial["decompositions"]]
-                body = {"lease_id": grant["lease"]["id"]}
-                body |= {"measurement": records[0]} if trial["kind"] == "search" else {"measurements": records}
+                results = [Measurement(problem=trial.problem, decomposition=d, hardware=hw, status="ok",
+                                       candidate=Timing.of([1e-3 * synthetic_ratio(d)]), baseline=Timing.of([1e-3]),
+                                       ratio=synthetic_ratio(d), ratio_iqr=0.0) for d in trial.decompositions]
                 with lock:
-                    held.pop(trial["id"], None)
-                reply = c.post(f"/v1/trials/{trial['id']}/result", json=body)
+                    held.pop(trial.id, None)
+                body = ResultIn.of(grant.lease.id, trial.kind, results)
+                reply = c.post(f"/v1/trials/{trial.id}/result", json=body.model_dump(mode="json"))
                 with lock:
-                    cycles += reply.status_code == 200
-                    failures += reply.status_code != 200
+                    if now >= counting_from and time.perf_counter() < deadline:
+                        counts["cycles"] += reply.status_code == 200
+                    counts["failures"] += reply.status_code != 200
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in ids]
+    threads = [threading.Thread(target=submitter)] + [threading.Thread(target=run, args=(i,)) for i in ids]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"cycles_per_s": cycles / (time.perf_counter() - started), "cycles": cycles,
-            "duplicates": duplicates, "failures": failures}
+    return {"cycles_per_s": counts["cycles"] / seconds, **counts}
+
+
+def ask_cost(repeats: int = 50) -> dict:
+    """Milliseconds per engine ask, by kind: a cost-model proposal and a TPE proposal (median)."""
+    import random
+
+    from cmtune.tuner.search import Finished, Searcher, SearchSettings
+    from collective_matmul import Problem
+
+    problem = Problem(collective="allgather_matmul", m=4096, k=256, n=256, dtype="bfloat16", axis_size=8)
+    searcher = Searcher(problem, "cpu", SearchSettings())
+    rng = random.Random(0)
+    finished: list[Finished] = []
+    for _ in range(10):  # baseline + 8 cost-model favourites + one: TPE from here on
+        config = searcher.ask(finished)
+        finished.append(Finished(config, synthetic_ratio(config) * rng.uniform(0.95, 1.05)))
+    seeded = Searcher(problem, "cpu", SearchSettings())
+    timings = {}
+    for name, ask, history in (("cost model", seeded.ask, finished[:3]), ("TPE", searcher.ask, finished)):
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ask(history, [])
+            samples.append((time.perf_counter() - t0) * 1e3)
+        timings[name] = statistics.median(samples)
+    return timings
 
 
 def cached_client_lookup() -> dict:
@@ -186,12 +257,15 @@ def cached_client_lookup() -> dict:
     return {"median_us": statistics.median(rounds), "min_us": min(rounds), "max_us": max(rounds)}
 
 
-def run_backend(name: str, url: str, seconds: float, workers: int) -> dict:
-    from service.launcher import running_server
+def run_backend(name: str, url: str, seconds: float, workers: int, only: str | None = None) -> dict:
+    from cmtune.service.launcher import running_server
 
     token = prepare(url)
     with running_server(database_url=url, extra_env={"CMTUNE_CONFIG_CACHE_SECONDS": "2"},
                         workers=workers) as server:
+        if only == "lease":
+            return {"backend": f"{name}, {workers} process{'es' if workers > 1 else ''}", "closed": [],
+                    "paced": [], "lease": lease_load(server.url, token, seconds)}
         asyncio.run(lookup_load(server.url, token, 2))  # warm-up (connections, caches), not recorded
         closed = [asyncio.run(lookup_load(server.url, token, seconds)) for _ in range(3)]
         paced = []
@@ -235,12 +309,14 @@ def main() -> None:
     parser.add_argument("--sqlite", default=str(Path(tempfile.gettempdir()) / "cmtune-bench-service.sqlite"))
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="server processes (cmtune serve --workers), one run each")
+    parser.add_argument("--only", choices=["lease"], help="run only the lease+report benchmark")
     args = parser.parse_args()
     Path(args.sqlite).unlink(missing_ok=True)
     backends = [("sqlite", f"sqlite:///{args.sqlite}")]
     if os.environ.get("CMTUNE_TEST_DATABASE_URL"):
         backends.append(("postgresql", os.environ["CMTUNE_TEST_DATABASE_URL"]))
-    results = [run_backend(name, url, args.seconds, workers) for name, url in backends for workers in args.workers]
+    results = [run_backend(name, url, args.seconds, workers, args.only) for name, url in backends
+               for workers in args.workers]
     client = cached_client_lookup()
     print(f"{os.cpu_count()} CPUs, {args.seconds:.0f} s per round, 3 rounds, 64 connections; "
           "median of rounds (min-max)\n")
@@ -255,12 +331,15 @@ def main() -> None:
                       if "server_p99_ms" in rounds[0] else "-")
             print(f"| {r['backend']} | {label} | {' | '.join(cells)} | {inside} "
                   f"| {sum(x['errors'] for x in rounds)} |")
-    print("\n| backend | lease+report cycles/s (32 workers) | cycles | failed | duplicate leases |")
-    print("|---|---|---|---|---|")
+    print("\n| backend | lease+report cycles/s (32 workers) | cycles | studies created | empty leases | failed "
+          "| duplicate leases |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         lease = r["lease"]
-        print(f"| {r['backend']} | {lease['cycles_per_s']:.1f} | {lease['cycles']} | {lease['failures']} "
-              f"| {lease['duplicates']} |")
+        print(f"| {r['backend']} | {lease['cycles_per_s']:.1f} | {lease['cycles']} | {lease['studies']} "
+              f"| {lease['empty']} | {lease['failures']} | {lease['duplicates']} |")
+    asks = ask_cost()
+    print("\none engine ask (median of 50): " + ", ".join(f"{k} {v:.2f} ms" for k, v in asks.items()))
     print(f"\ncached `Tuned.lookup`: {client['median_us']:.2f} µs median of 7 rounds "
           f"({client['min_us']:.2f}-{client['max_us']:.2f})")
 

@@ -60,7 +60,7 @@ def nearest(problem: Problem, configs: Iterable[TunedConfig]) -> TunedConfig | N
 
 
 class Bundle(BaseModel):
-    """A versioned list of tuned configs; see docs/bundle.md."""
+    """A versioned list of tuned configs; the format is in docs/tuning.md ("Bundle format")."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,6 +1,6 @@
 """`Tuned`: how training code gets tuned configs and runs the ops with them.
 
-Look-ups fall back in the order of DESIGN.md and say which they used: the server's answer
+Look-ups fall back in a stated order and say which they used: the server's answer
 (exact or nearest), the bundle's (exact or nearest), the cost model's choice for the hardware,
 the baseline.  Each (problem, hardware) is looked up once per process; a server that is down or
 errs is reported by one warning and never breaks the training step.
@@ -20,6 +20,7 @@ from collective_matmul.bundle import Bundle, nearest
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import BatchAxis, allgather_matmul, matmul_reduce_scatter, problem_of
 from collective_matmul.problem import Hardware, Problem
+from collective_matmul.wire import ConfigAnswer
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,8 @@ class Tuned:
                 self._client = httpx.Client(base_url=self.server, headers=headers, timeout=self.timeout_s)
             response = self._client.get("/v1/configs", params=params)
             response.raise_for_status()
-            body = response.json()
-            return Lookup(Decomposition.model_validate(body["decomposition"]), body["match"], "server",
-                          body.get("speedup"))
+            body = ConfigAnswer.model_validate_json(response.content)
+            return Lookup(body.decomposition, body.match, "server", body.speedup)
         except Exception as exc:  # noqa: BLE001 - the training step must go on
             self._warn_once("server", f"cmtune server {self.server} unavailable ({type(exc).__name__}: {exc}); "
                                       "falling back to the bundle, the cost model or the baseline")

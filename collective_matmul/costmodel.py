@@ -15,6 +15,13 @@ The model, per problem on a ring of P devices:
 5. ``fori_loop`` rings pay a loop overhead per iteration (halved by unroll 2); ``concat`` pays
    one extra pass over the output; a float32 accumulator doubles the bytes moved for 16-bit
    inputs.
+6. Weight gradient (``allgather_grad_weight``, u ``[m, k]`` gathered, v ``[m, n/P]`` local): the
+   blocks of u move as an all-gather's do (``m/P x k`` per block, nothing else on the links) and
+   each block's product ``[k, n/P]`` contracts its ``m/P`` rows.  The accumulator stays on the
+   device: every piece's product is added into it, a read and a write of ``k x n/P`` accumulator
+   elements per piece (memory traffic, not link traffic), which ``chunks`` multiplies and a
+   float32 accumulator doubles on 16-bit inputs.  The baseline gathers u whole, then contracts
+   once.  ``fuse`` is not modelled: it couples two problems and is measured in the training step.
 """
 
 from __future__ import annotations
@@ -112,10 +119,18 @@ def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) 
     def message(nbytes: float) -> float:
         return profile.latency_s + nbytes / profile.link_bytes_per_s
 
+    acc_bytes = 0.0  # local accumulator traffic per piece (weight gradient)
     if problem.collective == "allgather_matmul":
         block_bytes = rows * problem.k * elt
         block_flops = 2 * rows * problem.k * (problem.n // p)
         out_bytes = problem.m * (problem.n // p) * elt
+    elif problem.collective == "allgather_grad_weight":
+        acc = resolved_accumulate(config, collective=problem.collective, dtype=problem.dtype)
+        acc_elt = 4 if (config.method == "ring" and acc == "float32") else elt
+        block_bytes = rows * problem.k * elt
+        block_flops = 2 * rows * problem.k * (problem.n // p)
+        out_bytes = problem.k * (problem.n // p) * elt
+        acc_bytes = 2 * problem.k * (problem.n // p) * acc_elt
     else:
         acc = resolved_accumulate(config, collective=problem.collective, dtype=problem.dtype)
         acc_elt = 4 if (config.method == "ring" and acc == "float32") else elt
@@ -141,6 +156,7 @@ def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) 
     step_transfer = streams * c * profile.op_s + share * c * message(block_bytes / c)
     if problem.collective == "matmul_reduce_scatter":
         step_compute += streams * block_bytes / profile.memory_bytes_per_s  # the adds
+    step_compute += streams * c * acc_bytes / profile.memory_bytes_per_s  # local accumulator adds
     step = max(step_compute, step_transfer) if profile.overlap else step_compute + step_transfer
     total = c * piece_compute + hops_a * step  # fill (first block) + one step per hop
     if config.unroll != "full":

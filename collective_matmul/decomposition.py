@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 Method = Literal["baseline", "ring"]
 Direction = Literal["unidirectional", "bidirectional"]
 Unroll = Literal["full", 1, 2]
 # All-gather side: how output blocks are assembled.  Reduce-scatter side: the dtype of the
-# accumulator that travels round the ring.
+# accumulator that travels round the ring.  Weight-gradient side: the dtype of the local
+# accumulator (the reduce-scatter values).
 Accumulate = Literal["update_slice", "concat", "input_dtype", "float32"]
 
 ALLGATHER_ACCUMULATE: tuple[str, ...] = ("update_slice", "concat")
@@ -33,9 +34,15 @@ class Decomposition(BaseModel):
     """One candidate decomposition of a collective matmul.
 
     Fields are independent knobs; each value gives a distinct program.  ``accumulate=None``
-    means the collective's default (``update_slice`` for the all-gather side, ``float32`` for
-    the reduce-scatter side).  Fields other than ``method`` must keep their defaults when
-    ``method="baseline"`` so that there is exactly one baseline.
+    means the collective's default (``update_slice`` for the all-gather side; for the
+    reduce-scatter and weight-gradient sides ``float32`` on 16-bit inputs, else the input
+    dtype).  The ring fields must keep their defaults when ``method="baseline"`` so that there is
+    exactly one baseline (and one fused baseline).
+
+    ``fuse`` is only for a weight-gradient config (collective ``allgather_grad_weight``) used in
+    the backward of an op: one loop serves both where two loops would move the same blocks (see
+    ``docs/decompositions.md``).  It is left out of the JSON when false, so the JSON of every
+    unfused config is what it was before the field existed.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,6 +52,7 @@ class Decomposition(BaseModel):
     chunks: int = Field(default=1, ge=1, le=64)
     unroll: Unroll = "full"
     accumulate: Accumulate | None = None
+    fuse: bool = False
 
     @field_validator("chunks")
     @classmethod
@@ -67,26 +75,36 @@ class Decomposition(BaseModel):
                 )
         return self
 
+    @model_serializer(mode="wrap")
+    def _omit_unfused(self, handler):
+        data = handler(self)
+        if not self.fuse:
+            data.pop("fuse", None)
+        return data
+
     @classmethod
-    def baseline(cls) -> Decomposition:
-        """The collective followed by the einsum, as XLA would run it."""
-        return cls(method="baseline")
+    def baseline(cls, *, fuse: bool = False) -> Decomposition:
+        """The collective followed by the einsum, as XLA would run it (``fuse``: see the class)."""
+        return cls(method="baseline", fuse=fuse)
 
     @property
     def id(self) -> str:
-        """Short stable id for display, e.g. ``ring-bi-c4-u2-f32``."""
+        """Short stable id for display, e.g. ``ring-bi-c4-u2-f32`` or ``baseline-fuse``."""
+        suffix = "-fuse" if self.fuse else ""
         if self.method == "baseline":
-            return "baseline"
+            return "baseline" + suffix
         unroll = "full" if self.unroll == "full" else f"u{self.unroll}"
         acc = _SHORT[self.accumulate] if self.accumulate else "auto"
-        return f"ring-{_SHORT[self.direction]}-c{self.chunks}-{unroll}-{acc}"
+        return f"ring-{_SHORT[self.direction]}-c{self.chunks}-{unroll}-{acc}{suffix}"
 
     @classmethod
     def from_id(cls, text: str) -> Decomposition:
         """Parse the short id written by `id`."""
-        if text == "baseline":
-            return cls.baseline()
-        parts = text.split("-")
+        fuse = text.endswith("-fuse")
+        body = text.removesuffix("-fuse")
+        if body == "baseline":
+            return cls.baseline(fuse=fuse)
+        parts = body.split("-")
         if len(parts) != 5 or parts[0] != "ring":
             raise ValueError(f"not a decomposition id: {text!r} (expected e.g. 'ring-uni-c2-full-dus')")
         long = {v: k for k, v in _SHORT.items()}
@@ -97,7 +115,7 @@ class Decomposition(BaseModel):
             accumulate = None if parts[4] == "auto" else long[parts[4]]
         except (KeyError, ValueError) as exc:
             raise ValueError(f"not a decomposition id: {text!r}") from exc
-        return cls(direction=direction, chunks=chunks, unroll=unroll, accumulate=accumulate)
+        return cls(direction=direction, chunks=chunks, unroll=unroll, accumulate=accumulate, fuse=fuse)
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces)."""

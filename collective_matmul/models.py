@@ -6,9 +6,12 @@ layer and step:
 
 - QKV projection and MLP up: all-gather matmul (gather tokens, multiply by column-sharded w).
 - Attention output and MLP down: matmul reduce-scatter (row-sharded w, scatter tokens).
-- Backward, input gradients: the gradient of an all-gather matmul is a matmul reduce-scatter
-  with k and n swapped, and the reverse.  (Weight gradients contract over tokens, a layout these
-  ops do not cover; they are not listed.)
+- Backward, input gradients (``.grad_input``): the gradient of an all-gather matmul is a matmul
+  reduce-scatter with k and n swapped, and the reverse.
+- Backward, weight gradients (``.grad_weight``): all-gather on the contracting (token)
+  dimension, ``allgather_grad_weight`` with m = tokens.  An all-gather matmul (x ``[tokens, K]``,
+  w ``[K, N]``) has ``dW = all_gather(x)ᵀ @ dy``: k=K, n=N.  A matmul reduce-scatter (x
+  ``[tokens, K]`` and w ``[K, N]`` sharded on K) has ``dWᵀ = all_gather(dy)ᵀ @ x``: k=N, n=K.
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem
         )
     tokens = model.global_batch // mesh.batch_shards * model.seq_len
     p = mesh.tensor_size
-    # (role, collective, k, n) of the forward pass; backward swaps the collective and k/n.
+    # (role, collective, k, n) of the forward pass; the input gradient swaps the collective and
+    # k/n; the weight gradient contracts the tokens (k, n as the gathered operand and the other).
     forward = [
         ("qkv", "allgather_matmul", model.d_model, model.qkv_dim),
         ("attn_out", "matmul_reduce_scatter", model.attn_dim, model.d_model),
@@ -151,7 +155,12 @@ def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem
     swap = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
     found: dict[str, tuple[Problem, list[str]]] = {}
     for role, collective, k, n in forward:
-        for name, coll, kk, nn in ((role, collective, k, n), (f"{role}.grad_input", swap[collective], n, k)):
+        grad_weight = (k, n) if collective == "allgather_matmul" else (n, k)
+        for name, coll, kk, nn in (
+            (role, collective, k, n),
+            (f"{role}.grad_input", swap[collective], n, k),
+            (f"{role}.grad_weight", "allgather_grad_weight", *grad_weight),
+        ):
             try:
                 problem = Problem(collective=coll, m=tokens, k=kk, n=nn, dtype=model.dtype, axis_size=p)
             except ValueError as exc:

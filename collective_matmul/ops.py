@@ -1,4 +1,8 @@
-"""Collective matmul ops on global arrays (wrapping the per-shard kernels in `shard_map`)."""
+"""Collective matmul ops on global arrays (wrapping the per-shard kernels in `shard_map`).
+
+Each op's backward runs its own configs (``grad_input``, ``grad_weight``): see
+`collective_matmul.ring` and ``docs/decompositions.md``.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,17 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Problem
-from collective_matmul.ring import allgather_matmul_shard, matmul_reduce_scatter_shard
+from collective_matmul.ring import (
+    allgather_grad_weight_shard,
+    allgather_matmul_shard,
+    matmul_reduce_scatter_shard,
+)
 
 BatchAxis = str | tuple[str, ...] | None
 
@@ -25,6 +34,8 @@ def allgather_matmul(
     axis: str,
     config: Decomposition,
     batch_axis: BatchAxis = None,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
 ) -> jax.Array:
     """``all_gather(x) @ w`` over mesh axis ``axis``, decomposed as ``config`` says.
 
@@ -34,18 +45,26 @@ def allgather_matmul(
         w: ``[K, N]``, N sharded over ``axis``.
         mesh: the device mesh.
         axis: the tensor-parallel mesh axis that forms the ring.
-        config: the decomposition to run.
+        config: the decomposition of the forward.
         batch_axis: mesh axis (or axes) sharding the first leading dimension of ``x``.
+        grad_input: the decomposition of ``dx``, a ``matmul_reduce_scatter`` problem with k and
+            n swapped; None: the baseline.
+        grad_weight: the decomposition of ``dW = all_gather(x)ᵀ @ dy``, an
+            ``allgather_grad_weight`` problem (m, k, n as the forward's).  ``fuse=True`` keeps
+            the gathered x from the forward instead of gathering it again.  None:
+            ``Decomposition.baseline(fuse=True)`` (what autodiff of the baseline does).  dW is
+            summed over ``batch_axis`` once.
 
     Returns:
         ``[..., M, N]`` with N sharded over ``axis``.
 
     Raises:
-        ValueError: if the shapes do not fit the mesh or ``config`` is invalid for them.
+        ValueError: if the shapes do not fit the mesh or a config is invalid for them.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
     specs = _specs("allgather_matmul", lead, axis)
-    return _run(allgather_matmul_shard, x, w, mesh=mesh, axis=axis, config=config, specs=specs)
+    body = partial(allgather_matmul_shard, axis=axis, config=config, grad_input=grad_input, grad_weight=grad_weight)
+    return _run(body, x, w, mesh=mesh, specs=specs)
 
 
 def matmul_reduce_scatter(
@@ -56,6 +75,8 @@ def matmul_reduce_scatter(
     axis: str,
     config: Decomposition,
     batch_axis: BatchAxis = None,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
 ) -> jax.Array:
     """``reduce_scatter(x @ w)`` over mesh axis ``axis``, decomposed as ``config`` says.
 
@@ -64,40 +85,95 @@ def matmul_reduce_scatter(
         w: ``[K, N]``, K sharded over ``axis``.
         mesh: the device mesh.
         axis: the tensor-parallel mesh axis that forms the ring.
-        config: the decomposition to run.
+        config: the decomposition of the forward.
         batch_axis: mesh axis (or axes) sharding the first leading dimension of ``x``.
+        grad_input: the decomposition of ``dx = all_gather(dy) @ wᵀ``, an ``allgather_matmul``
+            problem with k and n swapped; None: the baseline.
+        grad_weight: the decomposition of ``dWᵀ = all_gather(dy)ᵀ @ x``, an
+            ``allgather_grad_weight`` problem with k and n swapped.  ``fuse=True`` runs one
+            gather of dy (``grad_input``'s) for both gradients.  None:
+            ``Decomposition.baseline(fuse=True)`` (what autodiff of the baseline does).  dW is
+            summed over ``batch_axis`` once.
 
     Returns:
         ``[..., M, N]`` (the full product) with M sharded over ``axis``.
 
     Raises:
-        ValueError: if the shapes do not fit the mesh or ``config`` is invalid for them.
+        ValueError: if the shapes do not fit the mesh or a config is invalid for them.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("K", -1, "x")))
     specs = _specs("matmul_reduce_scatter", lead, axis)
-    return _run(matmul_reduce_scatter_shard, x, w, mesh=mesh, axis=axis, config=config, specs=specs)
+    body = partial(matmul_reduce_scatter_shard, axis=axis, config=config, grad_input=grad_input,
+                   grad_weight=grad_weight)
+    return _run(body, x, w, mesh=mesh, specs=specs)
+
+
+def allgather_grad_weight(
+    u: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    config: Decomposition,
+    batch_axis: BatchAxis = None,
+) -> jax.Array:
+    """``all_gather(u)ᵀ @ v`` (the weight gradient) over mesh axis ``axis``, decomposed.
+
+    All-gather on the contracting dimension: M and the leading dimensions are contracted.
+    Differentiable by JAX autodiff; ``config.fuse`` has no effect here.
+
+    Args:
+        u: ``[..., M, A]``, M sharded over ``axis`` (the first batch dimension may be sharded
+            over ``batch_axis``).
+        v: ``[..., M, B]``, B sharded over ``axis`` (the same leading dimensions, sharded alike).
+        mesh: the device mesh.
+        axis: the tensor-parallel mesh axis that forms the ring.
+        config: the decomposition to run.
+        batch_axis: mesh axis (or axes) sharding the first leading dimension; the result is
+            summed over it once.
+
+    Returns:
+        ``[A, B]`` with B sharded over ``axis``.
+
+    Raises:
+        ValueError: if the shapes do not fit the mesh or ``config`` is invalid for them.
+    """
+    if u.ndim < 2 or v.shape[:-1] != u.shape[:-1]:
+        raise ValueError(
+            f"expected u [..., M, A] and v [..., M, B] with equal leading dims, got {u.shape} and {v.shape}"
+        )
+    lead = _check(u, v, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("B", -1, "w")), contraction=False)
+    specs = _specs("allgather_grad_weight", lead, axis)
+    kernel = partial(allgather_grad_weight_shard, axis=axis, config=config)
+    body = kernel if batch_axis is None else lambda a, b: lax.psum(kernel(a, b), batch_axis)
+    return _run(body, u, v, mesh=mesh, specs=specs)
 
 
 def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
-    """Partition specs of (x, w, result) for a collective (DESIGN.md layouts)."""
+    """Partition specs of (x, w, result), or (u, v, result), for a collective (DESIGN.md layouts)."""
     if collective == "allgather_matmul":
         return P(*lead, axis, None), P(None, axis), P(*lead, None, axis)
     if collective == "matmul_reduce_scatter":
         return P(*lead, None, axis), P(axis, None), P(*lead, axis, None)
+    if collective == "allgather_grad_weight":
+        return P(*lead, axis, None), P(*lead, None, axis), P(None, axis)
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def _run(shard_fn, x, w, *, mesh: Mesh, axis: str, config: Decomposition, specs: tuple[P, P, P]) -> jax.Array:
+def _run(body, x, w, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:
     x_spec, w_spec, out_spec = specs
-    fn = jax.shard_map(partial(shard_fn, axis=axis, config=config), mesh=mesh, in_specs=(x_spec, w_spec),
-                       out_specs=out_spec)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     return fn(*_placed(mesh, (x_spec, w_spec), x, w))
 
 
 def input_shardings(
     collective: str, mesh: Mesh, axis: str, *, batch_dims: int = 0, batch_axis: BatchAxis = None
 ) -> tuple[NamedSharding, NamedSharding]:
-    """The shardings of ``(x, w)`` that an op expects, for placing inputs with `device_put`."""
+    """The shardings of an op's two inputs, for placing them with `device_put`.
+
+    ``(x, w)`` for the matmuls; ``(u, v)`` for ``allgather_grad_weight``, where ``v`` has the
+    same ``batch_dims`` leading dimensions as ``u``.
+    """
     x_spec, w_spec, _ = _specs(collective, _lead_spec(batch_dims, batch_axis), axis)
     return NamedSharding(mesh, x_spec), NamedSharding(mesh, w_spec)
 
@@ -111,7 +187,10 @@ def problem_of(
     axis: str,
     batch_axis: BatchAxis = None,
 ) -> Problem:
-    """The `Problem` one call of an op solves (batch dimensions fold into ``m`` per ring)."""
+    """The `Problem` one call of an op solves (batch dimensions fold into ``m`` per ring).
+
+    For ``allgather_grad_weight`` pass ``(u, v)``: m is u's rows, k its width, n v's width.
+    """
     batch_shards = _axes_size(mesh, batch_axis)
     rows = math.prod(x.shape[:-1]) // batch_shards
     return Problem(
@@ -152,12 +231,12 @@ def _lead_spec(batch_dims: int, batch_axis: BatchAxis) -> tuple:
     return tuple(lead)
 
 
-def _check(x, w, mesh: Mesh, axis: str, batch_axis: BatchAxis, *, sharded) -> tuple:
+def _check(x, w, mesh: Mesh, axis: str, batch_axis: BatchAxis, *, sharded, contraction: bool = True) -> tuple:
     if axis not in mesh.shape:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
-    if x.ndim < 2 or w.ndim != 2:
+    if contraction and (x.ndim < 2 or w.ndim != 2):
         raise ValueError(f"expected x [..., M, K] and w [K, N], got shapes {x.shape} and {w.shape}")
-    if x.shape[-1] != w.shape[0]:
+    if contraction and x.shape[-1] != w.shape[0]:
         raise ValueError(f"contraction mismatch: x has K={x.shape[-1]} but w has K={w.shape[0]}")
     if batch_axis is not None and (batch_axis == axis or axis in tuple(batch_axis)):
         raise ValueError(f"batch_axis must differ from the ring axis {axis!r}")

@@ -14,16 +14,20 @@ from collective_matmul.decomposition import (
     Decomposition,
 )
 
-Collective = Literal["allgather_matmul", "matmul_reduce_scatter"]
+Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight"]
 DType = Literal["float32", "bfloat16", "float16"]
-COLLECTIVES: tuple[str, ...] = ("allgather_matmul", "matmul_reduce_scatter")
+COLLECTIVES: tuple[str, ...] = ("allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 # Largest single dimension accepted: 2**24 rows of tokens is far beyond any one ring today,
 # and anything larger is almost surely a unit mistake (bytes for elements, say).
 MAX_DIM = 1 << 24
 
-_ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter"}
+_ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter", "gw": "allgather_grad_weight"}
+# The dimensions each collective shards over the ring (besides m, always sharded).
+_SHARDED = {"allgather_matmul": "n", "matmul_reduce_scatter": "k", "allgather_grad_weight": "n"}
+# The collectives whose ring carries a reduction accumulator (accumulate = its dtype).
+_ACCUMULATING = ("matmul_reduce_scatter", "allgather_grad_weight")
 
 
 def _canonical(model: BaseModel) -> str:
@@ -35,7 +39,10 @@ class Problem(BaseModel):
 
     ``allgather_matmul``: x ``[m, k]`` sharded on m, w ``[k, n]`` sharded on n.
     ``matmul_reduce_scatter``: x ``[m, k]`` sharded on k, w ``[k, n]`` sharded on k,
-    result summed over the ring and sharded on m.  Leading batch dimensions fold into ``m``.
+    result summed over the ring and sharded on m.
+    ``allgather_grad_weight`` (the weight gradient, all-gather on the contracting dimension):
+    u ``[m, k]`` sharded on m, v ``[m, n]`` sharded on n, result ``uᵀ v`` ``[k, n]`` sharded on n.
+    Leading batch dimensions fold into ``m``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -49,11 +56,8 @@ class Problem(BaseModel):
 
     @model_validator(mode="after")
     def _divisible_by_ring(self) -> Problem:
-        sharded = {"m": self.m}
-        sharded["n" if self.collective == "allgather_matmul" else "k"] = getattr(
-            self, "n" if self.collective == "allgather_matmul" else "k"
-        )
-        for name, size in sharded.items():
+        for name in ("m", _SHARDED[self.collective]):
+            size = getattr(self, name)
             if size % self.axis_size:
                 raise ValueError(
                     f"{self.collective}: {name}={size} is not divisible by axis_size="
@@ -83,7 +87,7 @@ class Problem(BaseModel):
         """Parse a key (``ag:1024x256x1024:float32:8``) or ``key=value`` words.
 
         Examples: ``allgather_matmul:1024x256x1024:float32:8``,
-        ``rs m=1024 k=1024 n=256 dtype=bfloat16 axis_size=8``.
+        ``rs m=1024 k=1024 n=256 dtype=bfloat16 axis_size=8``, ``gw:4096x1024x2048:float32:8``.
         """
         spec = spec.strip()
         match = re.fullmatch(r"(\w+):(\d+)x(\d+)x(\d+):(\w+):(\d+)", spec)
@@ -162,16 +166,24 @@ def check_decomposition(
 
     Args:
         config: the candidate.
-        collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
+        collective: ``allgather_matmul``, ``matmul_reduce_scatter`` or ``allgather_grad_weight``.
         block_rows: rows of the m dimension in one ring block (m / axis_size).
         axis_size: devices in the ring.
         dtype: the input dtype name (``float32``, ``bfloat16``, ...).
+
+    Raises:
+        ValueError: naming the field and the reason.
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    if config.fuse and collective != "allgather_grad_weight":
+        raise ValueError(
+            f"fuse=True is not for {collective}: it belongs to the weight-gradient config "
+            "(collective allgather_grad_weight) of an op's backward; remove fuse"
+        )
     if config.method == "baseline":
         return
-    allowed = ALLGATHER_ACCUMULATE if collective == "allgather_matmul" else REDUCE_SCATTER_ACCUMULATE
+    allowed = REDUCE_SCATTER_ACCUMULATE if collective in _ACCUMULATING else ALLGATHER_ACCUMULATE
     if config.accumulate is not None and config.accumulate not in allowed:
         raise ValueError(f"accumulate={config.accumulate!r} is not for {collective}; use one of {allowed}")
     if config.accumulate == "float32" and dtype == "float32":

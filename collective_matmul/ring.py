@@ -1,4 +1,4 @@
-"""Ring decompositions of all-gather matmul and matmul reduce-scatter (per shard).
+"""Ring decompositions of the collective matmuls (per shard) and their custom VJPs.
 
 Call these inside `jax.shard_map` over ``axis``; `collective_matmul.ops` wraps them for global
 arrays.  The algorithm (Wang et al., ASPLOS 2023):
@@ -9,13 +9,26 @@ arrays.  The algorithm (Wang et al., ASPLOS 2023):
 3. All-gather side: each step multiplies one block of ``x`` (rows of M) by the local ``w`` and
    places the result at that block's rows.  Reduce-scatter side: a partial-sum accumulator for
    one output block travels round the ring and every device adds its partial product to it.
-4. ``bidirectional`` runs two streams at once, one each way round the ring, so every block
+4. Weight-gradient side (all-gather on the contracting dimension): the blocks of ``u`` travel as
+   ``x`` does on the all-gather side; each step contracts the block it holds with the matching
+   rows of the local ``v`` and adds the product ``[A, B/P]`` into an accumulator that stays on
+   the device (``accumulate`` sets its dtype).  One loop (`_gather_ring`) serves every use of a
+   travelling block, so the backward can fuse two of them.
+5. ``bidirectional`` runs two streams at once, one each way round the ring, so every block
    arrives after about ``P/2`` steps and both link directions are busy.
-5. ``chunks`` splits every block into pieces that are moved and multiplied separately.  A block
+6. ``chunks`` splits every block into pieces that are moved and multiplied separately.  A block
    ``[..., rows, K]`` is split over its leading (batch) dimensions first, then over its rows, so
    any power of two dividing the block's ``batch x rows`` works (see `_Tiling`).
-6. ``unroll='full'`` writes the steps out in Python; ``unroll=1|2`` puts the homogeneous
-   middle steps in a `lax.fori_loop` (or `lax.scan` when results are collected).
+7. ``unroll='full'`` writes the steps out in Python; ``unroll=1|2`` puts the homogeneous
+   middle steps in a `lax.fori_loop` (reduce-scatter side) or a `lax.scan` (the gathering
+   sides, which may collect per-block results).
+8. Backward (`jax.custom_vjp`): an op's input gradient runs the dual op with the ``grad_input``
+   config and its weight gradient runs the weight-gradient op with the ``grad_weight`` config.
+   With ``grad_weight.fuse`` one loop serves both where two would move the same blocks: an
+   all-gather matmul keeps the x it gathered in the forward (dW is then a local matmul); a
+   matmul reduce-scatter gathers dy once, in the ``grad_input`` ring, for dx and dW together.
+   The weight gradient is summed over the mesh axes it varies over and ``w`` does not (the data
+   axes) once, at the end (`_cotangent`).
 """
 
 from __future__ import annotations
@@ -23,7 +36,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +46,27 @@ from jax import lax
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import check_decomposition, resolved_accumulate, ring_hops
 from collective_matmul.reference import (
+    baseline_allgather_grad_weight_shard,
     baseline_allgather_matmul_shard,
     baseline_matmul_reduce_scatter_shard,
 )
 
 Pieces = tuple[jax.Array, ...]
 
+# What plain autodiff of the baseline does for the weight gradient: keep the gathered operand of
+# an all-gather matmul, gather dy once for both gradients of a matmul reduce-scatter.
+DEFAULT_GRAD_WEIGHT = Decomposition.baseline(fuse=True)
+_DUAL = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
+
 
 def allgather_matmul_shard(
-    x: jax.Array, w: jax.Array, *, axis: str, config: Decomposition
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    axis: str,
+    config: Decomposition,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
 ) -> jax.Array:
     """All-gather ``x`` over ``axis`` and multiply by ``w``, decomposed as ``config`` says.
 
@@ -48,36 +74,34 @@ def allgather_matmul_shard(
         x: local block ``[..., M/P, K]`` (rows of M sharded over ``axis``).
         w: local block ``[K, N/P]``.
         axis: the mesh axis of the ring.
-        config: the decomposition.
+        config: the decomposition of the forward.
+        grad_input: the decomposition of ``dx = reduce_scatter(dy @ wᵀ)``, a matmul
+            reduce-scatter problem with k and n swapped (m=M, k=N, n=K); None: the baseline.
+        grad_weight: the decomposition of ``dW = all_gather(x)ᵀ @ dy``, an
+            ``allgather_grad_weight`` problem (m=M, k=K, n=N).  With ``fuse=True`` the forward
+            keeps the x it gathers (``M x K`` more memory per device) and dW is a local matmul;
+            only its ``accumulate`` (``float32``) then matters.  None:
+            ``Decomposition.baseline(fuse=True)``, what autodiff of the baseline does.
 
     Returns:
         ``[..., M, N/P]``, equal to ``all_gather(x) @ w``.
 
     Raises:
-        ValueError: if ``config`` is not valid for these shapes.
+        ValueError: if a config is not valid for these shapes (a backward config's message
+            starts with its argument name).
     """
-    if config.method == "baseline":
-        return baseline_allgather_matmul_shard(x, w, axis=axis)
-    size = lax.axis_size(axis)
-    check_decomposition(
-        config,
-        collective="allgather_matmul",
-        block_rows=math.prod(x.shape[:-1]),
-        axis_size=size,
-        dtype=jnp.dtype(x.dtype).name,
-    )
-    mode = resolved_accumulate(config, collective="allgather_matmul", dtype=jnp.dtype(x.dtype).name)
-    ring = _Ring(axis, size, config)
-    tiling = _Tiling(x.shape[:-1], config.chunks)
-    own = tiling.split(x)
-    products = lambda pieces: [jnp.matmul(p, w) for p in pieces]  # noqa: E731
-    if mode == "update_slice":
-        return _allgather_update_slice(ring, tiling, own, products, x, w)
-    return _allgather_concat(ring, tiling, own, products)
+    plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
+    return _allgather_matmul_vjp(x, w, plan)
 
 
 def matmul_reduce_scatter_shard(
-    x: jax.Array, w: jax.Array, *, axis: str, config: Decomposition
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    axis: str,
+    config: Decomposition,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
 ) -> jax.Array:
     """Multiply ``x`` by ``w`` and reduce-scatter the sum over ``axis``, decomposed.
 
@@ -85,34 +109,242 @@ def matmul_reduce_scatter_shard(
         x: local block ``[..., M, K/P]`` (columns of K sharded over ``axis``).
         w: local block ``[K/P, N]``.
         axis: the mesh axis of the ring.
-        config: the decomposition.
+        config: the decomposition of the forward.
+        grad_input: the decomposition of ``dx = all_gather(dy) @ wᵀ``, an all-gather matmul
+            problem with k and n swapped (m=M, k=N, n=K); None: the baseline.
+        grad_weight: the decomposition of ``dWᵀ = all_gather(dy)ᵀ @ x``, an
+            ``allgather_grad_weight`` problem (m=M, k=N, n=K).  With ``fuse=True`` one gather of
+            dy serves both gradients: the ``grad_input`` ring (its direction, chunks and unroll)
+            also accumulates dW, in the dtype this config's ``accumulate`` sets.  None:
+            ``Decomposition.baseline(fuse=True)``, what autodiff of the baseline does.
 
     Returns:
         ``[..., M/P, N]``, equal to ``psum_scatter(x @ w)`` over the M rows.
 
     Raises:
-        ValueError: if ``config`` is not valid for these shapes.
+        ValueError: if a config is not valid for these shapes (a backward config's message
+            starts with its argument name).
     """
-    if config.method == "baseline":
-        return baseline_matmul_reduce_scatter_shard(x, w, axis=axis)
     size = lax.axis_size(axis)
     if x.shape[-2] % size:
         raise ValueError(f"matmul_reduce_scatter: M={x.shape[-2]} is not divisible by the ring size {size}")
-    rows = x.shape[-2] // size
-    dtype_name = jnp.dtype(x.dtype).name
+    block_rows = math.prod(x.shape[:-2]) * (x.shape[-2] // size)
+    plan = _plan("matmul_reduce_scatter", x, axis, config, grad_input, grad_weight, block_rows=block_rows)
+    return _matmul_reduce_scatter_vjp(x, w, plan)
+
+
+def allgather_grad_weight_shard(
+    u: jax.Array, v: jax.Array, *, axis: str, config: Decomposition
+) -> jax.Array:
+    """All-gather ``u`` over ``axis`` on the contracting dimension and contract it with ``v``.
+
+    The weight gradient of both ops: an all-gather matmul's ``dW`` is ``u = x, v = dy``; a matmul
+    reduce-scatter's ``dWᵀ`` is ``u = dy, v = x``.  ``config.fuse`` has no effect here (it only
+    matters in an op's backward).  Differentiable by JAX autodiff.
+
+    Args:
+        u: local block ``[..., M/P, A]`` (rows of M sharded over ``axis``).
+        v: local block ``[..., M, B/P]`` (all of M; the same leading dimensions as ``u``).
+        axis: the mesh axis of the ring.
+        config: the decomposition.
+
+    Returns:
+        ``[A, B/P]``, equal to ``all_gather(u)ᵀ @ v`` contracting M and the leading dimensions
+        (not summed over any other mesh axis).
+
+    Raises:
+        ValueError: if the shapes do not match or ``config`` is not valid for them.
+    """
+    size = lax.axis_size(axis)
+    if u.ndim < 2 or v.shape[:-2] != u.shape[:-2] or v.shape[-2] != u.shape[-2] * size:
+        raise ValueError(
+            f"allgather_grad_weight: expected u [..., M/P, A] and v [..., M, B/P] with M/P * {size} = M "
+            f"and the same leading dimensions, got {u.shape} and {v.shape}"
+        )
     check_decomposition(
         config,
-        collective="matmul_reduce_scatter",
-        block_rows=math.prod(x.shape[:-2]) * rows,
+        collective="allgather_grad_weight",
+        block_rows=math.prod(u.shape[:-1]),
         axis_size=size,
-        dtype=dtype_name,
+        dtype=jnp.dtype(u.dtype).name,
     )
-    mode = resolved_accumulate(config, collective="matmul_reduce_scatter", dtype=dtype_name)
+    return _allgather_grad_weight(u, v, axis, config).astype(jnp.result_type(u, v))
+
+
+class _Plan(NamedTuple):
+    """The static half of one op call: the ring axis and the three configs."""
+
+    axis: str
+    config: Decomposition
+    grad_input: Decomposition
+    grad_weight: Decomposition
+
+
+def _plan(
+    collective: str,
+    x: jax.Array,
+    axis: str,
+    config: Decomposition,
+    grad_input: Decomposition | None,
+    grad_weight: Decomposition | None,
+    *,
+    block_rows: int,
+) -> _Plan:
+    """Fill in the backward defaults and check all three configs (the same ring blocks)."""
+    plan = _Plan(
+        axis,
+        config,
+        Decomposition.baseline() if grad_input is None else grad_input,
+        DEFAULT_GRAD_WEIGHT if grad_weight is None else grad_weight,
+    )
+    checks = (
+        ("", plan.config, collective),
+        ("grad_input: ", plan.grad_input, _DUAL[collective]),
+        ("grad_weight: ", plan.grad_weight, "allgather_grad_weight"),
+    )
+    for prefix, cfg, coll in checks:
+        try:
+            check_decomposition(
+                cfg, collective=coll, block_rows=block_rows, axis_size=lax.axis_size(axis),
+                dtype=jnp.dtype(x.dtype).name,
+            )
+        except ValueError as exc:
+            if not prefix:
+                raise
+            raise ValueError(f"{prefix}{exc}") from None
+    return plan
+
+
+# ---- custom VJPs -------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _allgather_matmul_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
+    return _allgather_matmul(x, w, plan.axis, plan.config)
+
+
+def _allgather_matmul_fwd(x, w, plan: _Plan):
+    if plan.grad_weight.fuse:
+        out, gathered = _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
+        return out, (gathered, w)
+    return _allgather_matmul(x, w, plan.axis, plan.config), (x, w)
+
+
+def _allgather_matmul_bwd(plan: _Plan, residuals, dy):
+    saved, w = residuals  # saved: all_gather(x) when fused, else x
+    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input)
+    if plan.grad_weight.fuse:
+        dw = _contract(saved, dy, _single_dtype(plan.grad_weight))
+    else:
+        dw = _allgather_grad_weight(saved, dy, plan.axis, plan.grad_weight)
+    return _cotangent(dx, saved), _cotangent(dw, w)
+
+
+_allgather_matmul_vjp.defvjp(_allgather_matmul_fwd, _allgather_matmul_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_reduce_scatter_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
+    return _matmul_reduce_scatter(x, w, plan.axis, plan.config)
+
+
+def _matmul_reduce_scatter_fwd(x, w, plan: _Plan):
+    return _matmul_reduce_scatter(x, w, plan.axis, plan.config), (x, w)
+
+
+def _matmul_reduce_scatter_bwd(plan: _Plan, residuals, dy):
+    x, w = residuals
+    if plan.grad_weight.fuse:
+        dx, dwt = _fused_gradients(dy, w.T, x, plan.axis, plan.grad_input, plan.grad_weight)
+    else:
+        dx = _allgather_matmul(dy, w.T, plan.axis, plan.grad_input)
+        dwt = _allgather_grad_weight(dy, x, plan.axis, plan.grad_weight)
+    return _cotangent(dx, x), _cotangent(dwt.T, w)
+
+
+_matmul_reduce_scatter_vjp.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+
+
+def _cotangent(grad: jax.Array, primal: jax.Array) -> jax.Array:
+    """``grad`` as the cotangent of ``primal``: in its dtype, and summed ONCE over the mesh axes
+    that ``grad`` varies over and ``primal`` does not (the data axes of a weight gradient).
+
+    Without `check_vma` nothing is known to vary; `shard_map`'s transpose then sums the
+    cotangent of an input replicated over an axis, once, at its boundary.
+    """
+    grad = grad.astype(primal.dtype)
+    extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+    if extra:
+        grad = lax.psum(grad, extra)
+    return _vary_like(grad, primal)
+
+
+# ---- the kernels (plain JAX, differentiable by autodiff) ---------------------------------
+
+
+def _allgather_matmul(x, w, axis: str, config: Decomposition, *, keep: bool = False):
+    """``all_gather(x) @ w``; with ``keep``, also ``all_gather(x)`` (as the pair)."""
+    if config.method == "baseline":
+        if not keep:
+            return baseline_allgather_matmul_shard(x, w, axis=axis)
+        gathered = lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True)
+        return jnp.matmul(gathered, w), gathered
+    out, _, gathered = _gather_ring(x, axis=axis, config=config, rhs=w, keep=keep)
+    return (out, gathered) if keep else out
+
+
+def _allgather_grad_weight(u, v, axis: str, config: Decomposition) -> jax.Array:
+    """``all_gather(u)ᵀ @ v``, in the accumulator dtype of ``config``."""
+    if config.method == "baseline":
+        return baseline_allgather_grad_weight_shard(u, v, axis=axis)
+    _, acc, _ = _gather_ring(u, axis=axis, config=config, v=v, acc_dtype=_acc_dtype(config, u.dtype))
+    return acc
+
+
+def _fused_gradients(dy, wt, x, axis: str, grad_input: Decomposition, grad_weight: Decomposition):
+    """``(all_gather(dy) @ wt, all_gather(dy)ᵀ @ x)`` from one gather of ``dy``.
+
+    The gather is ``grad_input``'s (one `all_gather`, or its ring); ``grad_weight`` sets the
+    dtype of the dW accumulator.
+    """
+    if grad_input.method == "baseline":
+        gathered = lax.all_gather(dy, axis, axis=dy.ndim - 2, tiled=True)
+        return jnp.matmul(gathered, wt), _contract(gathered, x, _single_dtype(grad_weight))
+    dx, dwt, _ = _gather_ring(
+        dy, axis=axis, config=grad_input, rhs=wt, v=x, acc_dtype=_acc_dtype(grad_weight, dy.dtype)
+    )
+    return dx, dwt
+
+
+def _acc_dtype(config: Decomposition, dtype) -> jnp.dtype:
+    """The dtype of a ring's weight-gradient accumulator (the collective's default if unset)."""
+    mode = resolved_accumulate(config, collective="allgather_grad_weight", dtype=jnp.dtype(dtype).name)
+    return jnp.dtype(jnp.float32) if mode == "float32" else jnp.dtype(dtype)
+
+
+def _single_dtype(config: Decomposition):
+    """The output dtype of one whole local weight-gradient matmul (None: the input dtype)."""
+    return jnp.float32 if config.accumulate == "float32" else None
+
+
+def _contract(u: jax.Array, v: jax.Array, preferred=None) -> jax.Array:
+    """``uᵀ @ v`` over every dimension but the last: ``[..., R, A] x [..., R, B] -> [A, B]``."""
+    dims = tuple(range(u.ndim - 1))
+    return jnp.tensordot(u, v, axes=(dims, dims), preferred_element_type=preferred)
+
+
+def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition) -> jax.Array:
+    """``psum_scatter(x @ w)`` over the M rows (checked by the caller)."""
+    if config.method == "baseline":
+        return baseline_matmul_reduce_scatter_shard(x, w, axis=axis)
+    size = lax.axis_size(axis)
+    rows = x.shape[-2] // size
+    mode = resolved_accumulate(config, collective="matmul_reduce_scatter", dtype=jnp.dtype(x.dtype).name)
     acc_dtype = jnp.float32 if mode == "float32" else x.dtype
     ring = _Ring(axis, size, config)
     tiling = _Tiling((*x.shape[:-2], rows), config.chunks)
 
-    def partial(offset) -> Pieces:
+    def part(offset) -> Pieces:
         """This device's partial products for the output block ``i + offset``."""
         start = ((ring.index + offset) % size) * rows
         return tuple(
@@ -128,8 +360,8 @@ def matmul_reduce_scatter_shard(
     if config.direction == "unidirectional":
         # Accumulator travels to i+1; at step t device i adds its part of block i-t-1.
         acc = ring.loop(
-            lambda t, acc: add(ring.send_up(acc), partial(-t - 1)),
-            partial(-1),
+            lambda t, acc: add(ring.send_up(acc), part(-t - 1)),
+            part(-1),
             1,
             size,
         )
@@ -141,17 +373,146 @@ def matmul_reduce_scatter_shard(
         def middle(t, accs):
             acc_a, acc_b = accs
             return (
-                add(ring.send_up(acc_a), partial(hops_a - t)),
-                add(ring.send_down(acc_b), partial(t - hops_b)),
+                add(ring.send_up(acc_a), part(hops_a - t)),
+                add(ring.send_down(acc_b), part(t - hops_b)),
             )
 
-        acc_a, acc_b = ring.loop(middle, (partial(hops_a), partial(-hops_b)), 1, hops_b)
-        acc_a = add(ring.send_up(acc_a), partial(hops_a - hops_b))
+        acc_a, acc_b = ring.loop(middle, (part(hops_a), part(-hops_b)), 1, hops_b)
+        acc_a = add(ring.send_up(acc_a), part(hops_a - hops_b))
         acc_b = ring.send_down(acc_b)
         if hops_a > hops_b:
-            acc_a = add(ring.send_up(acc_a), partial(0))
+            acc_a = add(ring.send_up(acc_a), part(0))
         acc = add(acc_a, acc_b)
     return tiling.assemble(acc).astype(x.dtype)
+
+
+def _gather_ring(
+    u: jax.Array,
+    *,
+    axis: str,
+    config: Decomposition,
+    rhs: jax.Array | None = None,
+    v: jax.Array | None = None,
+    acc_dtype=None,
+    keep: bool = False,
+):
+    """Move the blocks of ``u`` round the ring once and use every block where it arrives.
+
+    For each block ``u_j`` (rows j of ``all_gather(u)``) a device holds, it computes what is
+    asked: with ``rhs``, rows j of ``all_gather(u) @ rhs``; with ``v``, adds ``u_jᵀ @ v[rows j]``
+    into an accumulator of ``acc_dtype`` that stays on the device; with ``keep``, rows j of
+    ``all_gather(u)`` itself.  Row results are written in place, or collected, concatenated and
+    rotated when ``config.accumulate == 'concat'``.
+
+    At step ``t`` device ``i`` holds block ``i+t`` (and, bidirectional, block ``i-t``); each step
+    starts the permutes that feed the next step, then uses the pieces it holds.
+
+    Returns:
+        ``(all_gather(u) @ rhs, all_gather(u)ᵀ @ v, all_gather(u))``, None where not asked.
+    """
+    size = lax.axis_size(axis)
+    ring = _Ring(axis, size, config)
+    tiling = _Tiling(u.shape[:-1], config.chunks)
+    rows = u.shape[-2]
+    concat = config.accumulate == "concat"
+    # per row result: (pieces -> one result per piece, its width, dtype, operands it varies like)
+    row_results: list[tuple[Callable[[Pieces], list[jax.Array]], int, Any, tuple]] = []
+    if rhs is not None:
+        row_results.append((lambda pieces: [jnp.matmul(p, rhs) for p in pieces], rhs.shape[-1],
+                            jnp.result_type(u, rhs), (u, rhs)))
+    if keep:
+        row_results.append((list, u.shape[-1], u.dtype, (u,)))
+    buffers = () if concat else tuple(
+        _vary_like(jnp.zeros((*u.shape[:-2], size * rows, width), dtype), *likes)
+        for _, width, dtype, likes in row_results
+    )
+    acc = None if v is None else _vary_like(jnp.zeros((u.shape[-1], v.shape[-1]), acc_dtype), u, v)
+    collected = len(row_results) if concat else 0
+
+    def use(state, pieces: Pieces, offset):
+        """Use block ``i + offset``: returns the new state and the collected results."""
+        buffers, acc = state
+        results = [fn(pieces) for fn, *_ in row_results]
+        if concat:
+            return (buffers, add_products(acc, pieces, offset)), tuple(tiling.assemble(r) for r in results)
+        start = ((ring.index + offset) % size) * rows
+        written = []
+        for buffer, result in zip(buffers, results, strict=True):
+            for (*lead, row), y in zip(tiling.offsets, result, strict=True):
+                buffer = lax.dynamic_update_slice(buffer, y, (*lead, start + row, 0))
+            written.append(buffer)
+        return (tuple(written), add_products(acc, pieces, offset)), ()
+
+    def add_products(acc, pieces: Pieces, offset):
+        if acc is None:
+            return None
+        start = ((ring.index + offset) % size) * rows
+        for (*lead, row), piece in zip(tiling.offsets, pieces, strict=True):
+            rows_of_v = lax.dynamic_slice(v, (*lead, start + row, 0), (*tiling.piece, v.shape[-1]))
+            acc = acc + _contract(piece, rows_of_v, acc_dtype)
+        return acc
+
+    own = tiling.split(u)
+    state = (buffers, acc)
+    if config.direction == "unidirectional":
+
+        def step(carry, t):
+            cur, state = carry
+            nxt = ring.send_down(cur)
+            state, ys = use(state, cur, t)
+            return (nxt, state), ys
+
+        (cur, state), ys = ring.scan(step, (own, state), 0, size - 1)
+        state, last = use(state, cur, size - 1)
+        columns = [[*_segment(_leaf(ys, j)), last[j]] for j in range(collected)]  # blocks i, ..., i+P-1
+        first = 0
+    else:
+        hops_a, hops_b = ring.hops  # stream a brings blocks i+t, stream b brings blocks i-t
+        a, b = ring.send_down(own), ring.send_up(own)
+        state, mid = use(state, own, 0)
+
+        def step_bi(carry, t):
+            a, b, state = carry
+            next_a, next_b = ring.send_down(a), ring.send_up(b)
+            state, ys_a = use(state, a, t)
+            state, ys_b = use(state, b, -t)
+            return (next_a, next_b, state), ys_a + ys_b
+
+        (a, b, state), ys = ring.scan(step_bi, (a, b, state), 1, hops_b)
+        last_a = ring.send_down(a) if hops_a > hops_b else None
+        state, end_a = use(state, a, hops_b)
+        state, end_b = use(state, b, -hops_b)
+        tail: tuple = ()
+        if last_a is not None:
+            state, tail = use(state, last_a, hops_a)
+        # blocks i-hops_b, ..., i-1, i, i+1, ..., i+hops_a
+        columns = [
+            [
+                end_b[j],
+                *_segment(_leaf(ys, collected + j), reverse=True),
+                mid[j],
+                *_segment(_leaf(ys, j)),
+                end_a[j],
+                *tail[j : j + 1],
+            ]
+            for j in range(collected)
+        ]
+        first = -hops_b
+    buffers, acc = state
+    if concat:
+        row_axis = u.ndim - 2
+        shift = ((ring.index + first) % size) * rows
+        outputs = [jnp.roll(jnp.concatenate(parts, axis=row_axis), shift, axis=row_axis) for parts in columns]
+    else:
+        outputs = list(buffers)
+    product = outputs.pop(0) if rhs is not None else None
+    gathered = outputs.pop(0) if keep else None
+    return product, acc, gathered
+
+
+def _leaf(ys, j: int):
+    """Output ``j`` of `_Ring.scan`'s collected results (None when the loop made no step)."""
+    return None if ys is None else ys[j]
 
 
 class _Tiling:
@@ -258,80 +619,8 @@ def _varying_axes(value: jax.Array) -> frozenset[str]:
     return manual.varying if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _vary_like(value: jax.Array, like: jax.Array) -> jax.Array:
-    """Mark a fresh array as varying over the same mesh axes as ``like`` (for `check_vma`)."""
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(value)))
+def _vary_like(value: jax.Array, *likes: jax.Array) -> jax.Array:
+    """Mark an array as varying over every mesh axis one of ``likes`` varies over (`check_vma`)."""
+    wanted = frozenset().union(*map(_varying_axes, likes))
+    missing = tuple(sorted(wanted - _varying_axes(value)))
     return lax.pcast(value, missing, to="varying") if missing else value
-
-
-def _allgather_update_slice(ring: _Ring, tiling: _Tiling, own: Pieces, products, x, w) -> jax.Array:
-    rows = x.shape[-2]
-    out = jnp.zeros((*x.shape[:-2], ring.size * rows, w.shape[-1]), jnp.result_type(x, w))
-    out = _vary_like(out, jnp.matmul(x[..., :1, :], w[:, :1]))
-
-    def write(out, pieces: Pieces, offset):
-        """Place the products of block ``i + offset`` at its rows."""
-        start = ((ring.index + offset) % ring.size) * rows
-        for (*lead, row), y in zip(tiling.offsets, products(pieces), strict=True):
-            out = lax.dynamic_update_slice(out, y, (*lead, start + row, 0))
-        return out
-
-    if ring.config.direction == "unidirectional":
-
-        def step(t, carry):
-            cur, out = carry
-            return ring.send_down(cur), write(out, cur, t)
-
-        cur, out = ring.loop(step, (own, out), 0, ring.size - 1)
-        return write(out, cur, ring.size - 1)
-
-    hops_a, hops_b = ring.hops  # stream a brings blocks i+t, stream b brings blocks i-t
-    a, b = ring.send_down(own), ring.send_up(own)
-    out = write(out, own, 0)
-
-    def step_bi(t, carry):
-        a, b, out = carry
-        next_a, next_b = ring.send_down(a), ring.send_up(b)
-        return next_a, next_b, write(write(out, a, t), b, -t)
-
-    a, b, out = ring.loop(step_bi, (a, b, out), 1, hops_b)
-    last_a = ring.send_down(a) if hops_a > hops_b else None
-    out = write(write(out, a, hops_b), b, -hops_b)
-    if last_a is not None:
-        out = write(out, last_a, hops_a)
-    return out
-
-
-def _allgather_concat(ring: _Ring, tiling: _Tiling, own: Pieces, products) -> jax.Array:
-    row_axis = own[0].ndim - 2
-    rows = own[0].shape[-2] * tiling.splits[-1]
-    block = lambda pieces: tiling.assemble(products(pieces))  # noqa: E731
-
-    if ring.config.direction == "unidirectional":
-        cur, (middle,) = ring.scan(lambda cur, t: (ring.send_down(cur), (block(cur),)), own, 0, ring.size - 1)
-        parts = [*_segment(middle), block(cur)]  # blocks i, i+1, ..., i+P-1
-        first = 0
-    else:
-        hops_a, hops_b = ring.hops
-        first_y = block(own)
-
-        def step_bi(carry, t):
-            a, b = carry
-            return (ring.send_down(a), ring.send_up(b)), (block(a), block(b))
-
-        (a, b), ys = ring.scan(step_bi, (ring.send_down(own), ring.send_up(own)), 1, hops_b)
-        ys_a, ys_b = ys if ys is not None else (None, None)
-        last_a = ring.send_down(a) if hops_a > hops_b else None
-        # blocks i-hops_b, ..., i-1, i, i+1, ..., i+hops_a
-        parts = [
-            block(b),
-            *_segment(ys_b, reverse=True),
-            first_y,
-            *_segment(ys_a),
-            block(a),
-            *([block(last_a)] if last_a is not None else []),
-        ]
-        first = -hops_b
-    gathered = jnp.concatenate(parts, axis=row_axis)
-    shift = ((ring.index + first) % ring.size) * rows
-    return jnp.roll(gathered, shift, axis=row_axis)

@@ -15,7 +15,11 @@ from collective_matmul.problem import Problem
 
 
 def candidates(problem: Problem, *, include_baseline: bool = True) -> list[Decomposition]:
-    """Every valid decomposition of ``problem`` (explicit fields, no duplicates)."""
+    """Every valid decomposition of ``problem`` (explicit fields, no duplicates).
+
+    ``fuse=True`` configs are not listed: fusion couples the input- and weight-gradient problems
+    of one op, so it is chosen by measuring the training step, not within one problem's study.
+    """
     accumulates = (
         ALLGATHER_ACCUMULATE if problem.collective == "allgather_matmul" else REDUCE_SCATTER_ACCUMULATE
     )

@@ -1,14 +1,16 @@
 # A cmtune worker.  ACCELERATOR=cpu (default), tpu (JAX's TPU build) or cuda (CUDA 12 GPUs).
+# It installs JAX and the worker's HTTP client, not the service's web and database stack.
 FROM python:3.11-slim
 ARG ACCELERATOR=cpu
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY cmtune ./cmtune
 COPY collective_matmul ./collective_matmul
 COPY tuner ./tuner
 COPY workers ./workers
 COPY service ./service
 COPY migrations ./migrations
-RUN pip install --no-cache-dir . && \
+RUN pip install --no-cache-dir '.[jax]' && \
     case "$ACCELERATOR" in \
       cpu) ;; \
       tpu) pip install --no-cache-dir 'jax[tpu]' ;; \

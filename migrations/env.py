@@ -1,12 +1,14 @@
-"""Alembic environment: runs against the connection or URL that service.migrate hands in."""
+"""Alembic environment: runs against the connection that `cmtune.service.migrate` hands in.
+
+The service passes its models' metadata in ``config.attributes`` (used by autogenerate), so the
+migrations import nothing of the service: revisions describe the schema in plain Alembic ops.
+"""
 
 from alembic import context
 from sqlalchemy import create_engine
 
-from service.models import Base
-
 config = context.config
-target_metadata = Base.metadata
+target_metadata = config.attributes.get("target_metadata")
 
 
 def run(connection) -> None:

@@ -10,7 +10,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.errors import UnavailableError
+from cmtune.service.errors import UnavailableError
 
 WRITE = {"cmtune_write": True}
 

@@ -1,49 +1,43 @@
-"""Domain errors; `register` turns each into its HTTP status in one place."""
+"""Errors and their HTTP statuses, mapped in one place (`register`).
+
+The domain errors of the study lifecycle live in `cmtune.tuner.errors`; the service adds the
+ones only a server has (authentication, an unreachable database).
+"""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from cmtune.tuner.errors import CmtuneError, ConflictError, InvalidError, NotFoundError
 
-class ServiceError(Exception):
-    status = 500
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+__all__ = ["ConflictError", "ForbiddenError", "InvalidError", "NotFoundError", "UnauthorizedError",
+           "UnavailableError", "register"]
 
 
-class NotFoundError(ServiceError):
-    status = 404
+class UnauthorizedError(CmtuneError):
+    """No token, or an unknown or revoked one."""
 
 
-class ConflictError(ServiceError):
-    """The request clashes with the stored state (a stale lease, a duplicate)."""
-
-    status = 409
+class ForbiddenError(CmtuneError):
+    """A token whose role may not do this."""
 
 
-class InvalidError(ServiceError):
-    """Well-formed but unusable input: the message says what to fix."""
-
-    status = 422
+class UnavailableError(CmtuneError):
+    """The database cannot be reached (the request may be retried)."""
 
 
-class UnauthorizedError(ServiceError):
-    status = 401
+STATUS = {NotFoundError: 404, ConflictError: 409, InvalidError: 422, UnauthorizedError: 401, ForbiddenError: 403,
+          UnavailableError: 503}
 
 
-class ForbiddenError(ServiceError):
-    status = 403
-
-
-class UnavailableError(ServiceError):
-    status = 503
+def status_of(exc: CmtuneError) -> int:
+    return next((code for kind, code in STATUS.items() if isinstance(exc, kind)), 500)
 
 
 def register(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
+    @app.exception_handler(CmtuneError)
+    async def _domain_error(request: Request, exc: CmtuneError) -> JSONResponse:
+        status = status_of(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse({"detail": exc.message}, status_code=status, headers=headers)

@@ -1,4 +1,4 @@
-"""Config look-up with the fallback order of DESIGN.md: exact, nearest, model, baseline.
+"""Config look-up with a stated fallback order: exact, nearest, model, baseline.
 
 Tuned configs of a hardware are cached per replica for ``config_cache_seconds`` (writes from
 this replica clear the cache at once; other replicas see them within that time).
@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from fastapi.concurrency import run_in_threadpool
 
-from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.bundle import TunedConfig, nearest
 from collective_matmul.costmodel import model_choice
-from service import repository as repo
-from service.db import Database
-from service.schemas import ConfigAnswer
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.wire import ConfigAnswer
+
+if TYPE_CHECKING:
+    from cmtune.service.store import SqlStore
 
 
 def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) -> ConfigAnswer:
@@ -30,13 +33,18 @@ def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) 
         return _from_tuned(problem, hardware, best, "nearest")
     choice = model_choice(problem, hardware)
     if choice is not None:
-        return ConfigAnswer(problem=problem, hardware=hardware, decomposition=choice, match="model")
-    return ConfigAnswer(problem=problem, hardware=hardware, decomposition=Decomposition.baseline(), match="baseline")
+        return _answer(problem, hardware, choice, "model")
+    return _answer(problem, hardware, Decomposition.baseline(), "baseline")
+
+
+def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, match: str, **extra) -> ConfigAnswer:
+    return ConfigAnswer(problem=problem, problem_key=problem.key, hardware=hardware, decomposition=decomposition,
+                        decomposition_id=decomposition.id, match=match, **extra)
 
 
 def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match: str) -> ConfigAnswer:
-    return ConfigAnswer(
-        problem=problem, hardware=hardware, decomposition=config.decomposition, match=match,
+    return _answer(
+        problem, hardware, config.decomposition, match,
         time_s=config.time_s if match == "exact" else None,
         baseline_s=config.baseline_s if match == "exact" else None,
         speedup=config.speedup if match == "exact" else None,
@@ -48,8 +56,8 @@ def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match
 class ConfigCache:
     """Tuned configs per hardware key, reloaded after ``ttl_s``; serialised answers memoised with them."""
 
-    def __init__(self, db: Database, ttl_s: float):
-        self.db, self.ttl_s = db, ttl_s
+    def __init__(self, store: SqlStore, ttl_s: float):
+        self.store, self.ttl_s = store, ttl_s
         self._entries: dict[str, tuple[float, dict[str, TunedConfig]]] = {}
         self._answers: dict[tuple[str, str], tuple[float, bytes]] = {}
         self._lock = threading.Lock()
@@ -94,9 +102,8 @@ class ConfigCache:
         entry = self._entries.get(key)
         if entry is not None and now - entry[0] < self.ttl_s:
             return entry[1]
-        with self.db.session() as session:
-            rows = repo.list_tuned(session=session, hardware_key=key)
-            configs = {row.problem.key: repo.to_tuned_config(row) for row in rows}
+        with self.store.read() as tx:
+            configs = {config.problem.key: config for config in tx.list_tuned(hardware=key)}
         with self._lock:
             self._entries[key] = (now, configs)
         return configs

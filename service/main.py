@@ -8,12 +8,15 @@ import time
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from service import errors, migrate
-from service.db import Database
-from service.deps import AppState
-from service.lookup import ConfigCache
-from service.routers import configs, dashboard, health, studies, submissions, trials, workers
-from service.settings import Settings, get_settings
+from cmtune import __version__
+from cmtune.service import errors, migrate
+from cmtune.service.db import Database
+from cmtune.service.deps import AppState
+from cmtune.service.lookup import ConfigCache
+from cmtune.service.routers import configs, dashboard, health, studies, submissions, trials, workers
+from cmtune.service.settings import Settings, get_settings
+from cmtune.service.store import SqlStore
+from cmtune.tuner.engine import Engine
 
 DESCRIPTION = """Tune collective-matmul decompositions on real devices and serve the best configs.
 
@@ -46,10 +49,11 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
     db = Database(settings.database_url)
     if prepare:
         prepare_database(db)
-    state = AppState(settings=settings, db=db, cache=ConfigCache(db, settings.config_cache_seconds))
-    app = FastAPI(title="cmtune", version="0.1.0", description=DESCRIPTION)
+    store = SqlStore(db)
+    state = AppState(settings=settings, store=store, engine=Engine(ready=settings.ready_proposals),
+                     cache=ConfigCache(store, settings.config_cache_seconds))
+    app = FastAPI(title="cmtune", version=__version__, description=DESCRIPTION)
     app.state.cmtune = state
-    app.state.token_cache = {}
     app.state.registry, latency = health.make_registry(state)
     errors.register(app)
     for module in (studies, workers, trials, configs, submissions, health, dashboard):
@@ -63,7 +67,7 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
 def serve_app() -> FastAPI:
     """Factory for each process of ``cmtune serve --workers N`` (settings from the environment).
 
-    The start-up heap (JAX, SQLAlchemy, pydantic) never dies: it is frozen out of the garbage
+    The start-up heap (SQLAlchemy, pydantic, Optuna) never dies: it is frozen out of the garbage
     collector's full passes, which would otherwise stall requests for tens of milliseconds.
     """
     app = create_app(get_settings(), prepare=False)

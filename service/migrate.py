@@ -10,13 +10,15 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-import migrations
+import cmtune.migrations as migrations
+from cmtune.service.models import Base
 
 
 def alembic_config(engine: Engine) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
     cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    cfg.attributes["target_metadata"] = Base.metadata  # for autogenerate; migrations import nothing of ours
     return cfg
 
 

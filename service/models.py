@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, MetaData, String, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Enum, Float, ForeignKey, Index, MetaData, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
+
+from collective_matmul.wire import Status, StudyState, TrialKind, TrialState
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -20,6 +23,18 @@ NAMING = {
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+class Role(StrEnum):
+    ADMIN = "admin"
+    WORKER = "worker"
+    READER = "reader"
+
+
+def enum_column(enum: type[StrEnum], name: str) -> Enum:
+    """A string column holding an Enum's values, with a CHECK constraint on every backend."""
+    return Enum(enum, name=name, native_enum=False, create_constraint=True, length=16,
+                values_callable=lambda e: [member.value for member in e], validate_strings=True)
 
 
 class UTCDateTime(TypeDecorator):
@@ -93,8 +108,9 @@ class Study(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"), index=True)
     hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"), index=True)
-    # pending -> running -> confirming -> completed; or cancelled / failed
-    state: Mapped[str] = mapped_column(String(16), index=True, default="pending")
+    # the transitions: cmtune.tuner.engine.STUDY_MOVES
+    state: Mapped[StudyState] = mapped_column(enum_column(StudyState, "study_state"), index=True,
+                                              default=StudyState.PENDING)
     settings: Mapped[dict[str, Any]]
     protocol: Mapped[dict[str, Any]]
     space_size: Mapped[int]
@@ -103,6 +119,10 @@ class Study(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     started_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
+    # progress, kept by the engine with each result (so listing studies reads no trials)
+    trials_done: Mapped[int] = mapped_column(default=0)
+    best_trial_id: Mapped[int | None]
+    best_ratio: Mapped[float | None] = mapped_column(Float)
 
     problem: Mapped[ProblemRow] = relationship()
     hardware: Mapped[HardwareRow] = relationship()
@@ -128,19 +148,25 @@ class Trial(Base):
     """One candidate timed once (``kind='search'``), or the confirmation round (``'confirm'``)."""
 
     __tablename__ = "trials"
-    __table_args__ = (UniqueConstraint("study_id", "number"),)
+    __table_args__ = (
+        UniqueConstraint("study_id", "number"),
+        # the lease claim's scan: pending trials in study and number order
+        Index("ix_trials_pending", "study_id", "number", postgresql_where=text("state = 'pending'"),
+              sqlite_where=text("state = 'pending'")),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), index=True)
     number: Mapped[int]
-    kind: Mapped[str] = mapped_column(String(16), default="search")
+    kind: Mapped[TrialKind] = mapped_column(enum_column(TrialKind, "trial_kind"), default=TrialKind.SEARCH)
     # the candidate (search) or the contenders (confirm), as Decomposition JSON objects
     decompositions: Mapped[list[Any]]
     decomposition_id: Mapped[str] = mapped_column(String(64))
-    # pending -> leased -> completed | failed
-    state: Mapped[str] = mapped_column(String(16), index=True, default="pending")
+    # the transitions: cmtune.tuner.engine.TRIAL_MOVES
+    state: Mapped[TrialState] = mapped_column(enum_column(TrialState, "trial_state"), index=True,
+                                              default=TrialState.PENDING)
     attempts: Mapped[int] = mapped_column(default=0)
-    status: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[Status | None] = mapped_column(enum_column(Status, "trial_status"))
     ratio: Mapped[float | None] = mapped_column(Float)
     measurements: Mapped[list[Any] | None]
     message: Mapped[str | None] = mapped_column(String(2000))
@@ -207,7 +233,7 @@ class Token(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
-    role: Mapped[str] = mapped_column(String(16))
+    role: Mapped[Role] = mapped_column(enum_column(Role, "token_role"))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)

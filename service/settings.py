@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description="leases per trial before it fails")
     worker_offline_seconds: float = Field(default=60.0, gt=0)
     config_cache_seconds: float = Field(default=2.0, ge=0, description="how long a replica caches look-ups")
+    token_cache_seconds: float = Field(default=5.0, ge=0, description="how long a replica trusts a token it "
+                                       "has checked (a revocation takes effect within this time)")
+    ready_proposals: int = Field(default=2, ge=1, le=32, description="search proposals the engine keeps "
+                                 "queued per study, so that a lease is a claim, not an ask")
     host: str = "127.0.0.1"
     port: int = Field(default=8470, ge=1, le=65535)
 

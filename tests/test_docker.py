@@ -11,8 +11,8 @@ import pytest
 import typer
 import yaml
 
-from service.cli import app
-from service.settings import Settings
+from cmtune.cli import app
+from cmtune.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -123,3 +123,25 @@ def test_check_invocation_catches_mistakes():
         check_invocation(["serv"])
     with pytest.raises(AssertionError, match="no option --device"):
         check_invocation(["worker", "--device", "auto"])
+
+
+def _installed_by(dockerfile: str) -> set[str]:
+    """The distributions a Dockerfile's `pip install '.[extras]'` brings from pyproject.toml (one level)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = re.search(r"pip install --no-cache-dir '\.\[([\w,]+)\]'", (DOCKER / dockerfile).read_text())
+    assert extras, f"{dockerfile} does not install the project with its extras"
+    requirements = list(project["dependencies"])
+    for extra in extras.group(1).split(","):
+        requirements += project["optional-dependencies"][extra]
+    return {re.split(r"[\[<>=!~ ;]", r)[0].lower() for r in requirements}
+
+
+def test_the_service_image_has_no_jax_and_the_worker_image_no_web_or_database_stack():
+    service = _installed_by("service.Dockerfile")
+    assert {"fastapi", "uvicorn", "sqlalchemy", "alembic", "psycopg"} <= service
+    assert not {"jax", "jaxlib"} & service
+    worker = _installed_by("worker.Dockerfile")
+    assert "jax" in worker and "httpx" in worker
+    assert not {"fastapi", "uvicorn", "sqlalchemy", "psycopg"} & worker

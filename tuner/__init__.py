@@ -1,1 +1,2 @@
-"""Tuner: the measurement protocol and the search over decompositions."""
+"""The tuner: the study engine and its store interface, the search, the measurement protocol, local runs
+(`cmtune tune|bench|problems`) and multi-process groups.  Importing it imports no JAX."""

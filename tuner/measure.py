@@ -13,102 +13,38 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
-from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul import (
-    Decomposition,
-    Hardware,
-    Problem,
-    allgather_matmul,
-    input_shardings,
-    matmul_reduce_scatter,
-)
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.ops import allgather_grad_weight, allgather_matmul, input_shardings, matmul_reduce_scatter
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.wire import Measurement, Protocol, Status, Timing, quartiles
 
-Status = Literal["ok", "invalid", "compile_error", "oom", "timeout", "error"]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
 RING_AXIS = "ring"
 
 # Builds the program for a candidate: (x, w) -> out, over the given mesh and axis.
 Program = Callable[[jax.Array, jax.Array], jax.Array]
 ProgramBuilder = Callable[[Problem, Decomposition, Mesh, str], Program]
-
-
-class Protocol(BaseModel):
-    """How one trial is measured."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    warmup: int = Field(default=2, ge=0, le=100)
-    repeats: int = Field(default=7, ge=1, le=1000)
-    seed: int = 0
-    timeout_s: float = Field(default=300.0, gt=0)
-
-
-class Timing(BaseModel):
-    """Samples of one program and their summary (seconds)."""
-
-    samples_s: list[float]
-    median_s: float
-    iqr_s: float
-    min_s: float
-    max_s: float
-
-    @classmethod
-    def of(cls, samples: list[float]) -> Timing:
-        q1, _, q3 = _quartiles(samples)
-        return cls(
-            samples_s=samples,
-            median_s=statistics.median(samples),
-            iqr_s=q3 - q1,
-            min_s=min(samples),
-            max_s=max(samples),
-        )
-
-
-class Measurement(BaseModel):
-    """The record of one trial; serialises to JSON and is stored as is."""
-
-    problem: Problem
-    decomposition: Decomposition
-    hardware: Hardware
-    status: Status
-    message: str = ""
-    compile_s: float | None = None
-    memory_bytes: int | None = None
-    rel_error: float | None = None
-    candidate: Timing | None = None
-    baseline: Timing | None = None
-    ratio: float | None = Field(default=None, description="median of candidate/baseline paired ratios")
-    ratio_iqr: float | None = None
-    protocol: Protocol = Protocol()
-
-    @property
-    def speedup(self) -> float | None:
-        """Baseline time over candidate time (> 1 is faster than the baseline)."""
-        return 1.0 / self.ratio if self.ratio else None
-
-    @property
-    def speedup_iqr(self) -> float:
-        """IQR of the speedup, to first order from the ratio's IQR (d(1/r) = dr / r**2)."""
-        return (self.ratio_iqr or 0.0) / self.ratio**2 if self.ratio else 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
+OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
+       "allgather_grad_weight": allgather_grad_weight}
 
 
 def default_program(problem: Problem, config: Decomposition, mesh: Mesh, axis: str) -> Program:
-    op = allgather_matmul if problem.collective == "allgather_matmul" else matmul_reduce_scatter
+    op = OPS[problem.collective]
     return lambda x, w: op(x, w, mesh=mesh, axis=axis, config=config)
+
+
+def operand_shapes(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Global shapes of a problem's two operands: ``x [m, k], w [k, n]``; ``u [m, k], v [m, n]`` (gw)."""
+    second = (problem.m, problem.n) if problem.collective == "allgather_grad_weight" else (problem.k, problem.n)
+    return (problem.m, problem.k), second
 
 
 def ring_mesh(devices=None) -> Mesh:
@@ -120,8 +56,8 @@ def ring_mesh(devices=None) -> Mesh:
 def classify_failure(exc: BaseException) -> Status:
     text = f"{type(exc).__name__}: {exc}".lower()
     if "resource_exhausted" in text or "out of memory" in text or "oom" in text.split():
-        return "oom"
-    return "error"
+        return Status.OOM
+    return Status.ERROR
 
 
 class Session:
@@ -159,8 +95,9 @@ class Session:
         sx, sw = input_shardings(p.collective, self.mesh, self.axis)
         kx, kw = jax.random.split(jax.random.key(self.protocol.seed))
         dtype = jnp.dtype(p.dtype)
-        x = jax.jit(lambda k: jax.random.normal(k, (p.m, p.k), dtype), out_shardings=sx)(kx)
-        w = jax.jit(lambda k: jax.random.normal(k, (p.k, p.n), dtype), out_shardings=sw)(kw)
+        x_shape, w_shape = operand_shapes(p)
+        x = jax.jit(lambda k: jax.random.normal(k, x_shape, dtype), out_shardings=sx)(kx)
+        w = jax.jit(lambda k: jax.random.normal(k, w_shape, dtype), out_shardings=sw)(kw)
         return x, w
 
     def _compile(self, config: Decomposition):
@@ -208,7 +145,7 @@ class Session:
         except Exception as exc:  # noqa: BLE001
             return Measurement(**record, status=classify_failure(exc), message=_message(exc))
         ratios = [c / b for c, b in zip(cand, base, strict=True)]
-        q1, ratio, q3 = _quartiles(ratios)
+        q1, ratio, q3 = quartiles(ratios)
         return Measurement(
             **record,
             status="timeout" if timed_out else "ok",
@@ -267,13 +204,6 @@ def _error_terms(a, b):
 def _relative_error(a: jax.Array, b: jax.Array) -> float:
     diff, norm = (float(v) for v in _error_terms(a, b))
     return diff / norm if norm else diff
-
-
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
 
 
 def _message(exc: BaseException) -> str:

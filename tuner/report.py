@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from tuner.measure import Measurement
+from collective_matmul.wire import Measurement
 
 
 def fmt_seconds(seconds: float | None) -> str:
@@ -46,19 +46,21 @@ def sweep_table(results: list[Measurement], *, title: str) -> Table:
     return table
 
 
-def tune_table(results, *, title: str) -> Table:
-    """One row per problem: the tuned decomposition and its evidence."""
+def tune_table(outcomes, *, title: str) -> Table:
+    """One row per study of `cmtune tune`: the tuned decomposition and its evidence."""
     table = Table(title=title)
     for name, justify in [
         ("problem", "left"), ("best decomposition", "left"), ("time", "right"), ("baseline", "right"),
         ("speedup (IQR)", "right"), ("trials", "right"), ("invalid/failed", "right"), ("stopped by", "left"),
     ]:
         table.add_column(name, justify=justify)
-    for r in results:
-        w = r.winner
+    for o in outcomes:
+        t = o.tuned
         table.add_row(
-            r.problem.key, w.decomposition.id, fmt_seconds(w.candidate.median_s),
-            fmt_seconds(w.baseline.median_s), speedup_text(w), f"{len(r.trials)} of {r.space_size}",
-            f"{r.invalid}/{r.failed}", r.stop_reason,
+            o.study.problem.key, t.decomposition.id if t else f"[red]{o.study.state}[/red]",
+            fmt_seconds(t.time_s if t else None), fmt_seconds(t.baseline_s if t else None),
+            f"{t.speedup:.2f}x ±{t.speedup_iqr / 2:.2f}" if t else "-",
+            f"{len(o.search)} of {o.study.space_size}",
+            f"{t.invalid}/{t.failed}" if t else "-", o.study.stop_reason or "-",
         )
     return table

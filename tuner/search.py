@@ -1,8 +1,8 @@
 """Search over decompositions: which candidate to time next, when to stop, who wins.
 
 `Searcher.ask` is a pure function of a study's recorded history (finished and in-flight
-trials), so the service can rebuild it from the database on every ask and any replica can ask.
-`tune` drives a `Searcher` locally over a `Runner`.
+trials), so the study engine (`cmtune.tuner.engine`) rebuilds it from its store for every ask,
+in `cmtune tune` and in any replica of the service alike.
 
 Order of asks:
 1. the baseline (every study measures it; it wins if nothing beats it);
@@ -20,27 +20,31 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
-from typing import Protocol as TypingProtocol
 
 import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul import Decomposition, Problem, candidates
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.costmodel import HardwareProfile, rank
-from tuner.measure import Measurement, Protocol
+from collective_matmul.costmodel import PROFILES, HardwareProfile, rank
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.problem import Problem
+from collective_matmul.space import candidates
+from collective_matmul.wire import Measurement, TunedConfig
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
 MAX_REPEATS = 8  # TPE proposals of already-seen candidates before the cost model's next choice is taken
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def default_budget(space_size: int) -> int:
+    """The trial budget when none is given: a quarter of the space, at least 4 trials."""
+    return max(4, -(-space_size // 4))
 
 
 class SearchSettings(BaseModel):
@@ -59,6 +63,8 @@ class SearchSettings(BaseModel):
                                   "(False: TPE's own random startup, as plain Optuna does)")
     confirm_top: int = Field(default=3, ge=0)
     confirm_repeats: int = Field(default=15, ge=1)
+    profile: str | None = Field(default=None, description="cost-model profile that orders the candidates "
+                                "(a name in collective_matmul.costmodel.PROFILES); None: by platform")
 
 
 @dataclass(frozen=True)
@@ -69,38 +75,34 @@ class Finished:
     ratio: float | None
 
 
+def _ring(config: Decomposition) -> str:
+    """Direction and unroll as one categorical value: their valid combinations differ by direction,
+    and one flat parameter keeps TPE to a single joint (multivariate) model without conditionals."""
+    return f"{config.direction}/{config.unroll}"
+
+
 def _space_distributions(space: Sequence[Decomposition]) -> dict[str, CategoricalDistribution]:
-    """The ring part of the space, factorised; unroll is per direction (its valid values differ)."""
+    """The ring part of the space, factorised into three categorical parameters."""
     rings = [c for c in space if c.method == "ring"]
-
-    def choices(field_name: str, direction: str | None = None) -> CategoricalDistribution:
-        values = [getattr(c, field_name) for c in rings if direction in (None, c.direction)]
-        return CategoricalDistribution(list(dict.fromkeys(values)))
-
-    dists = {name: choices(name) for name in ("direction", "chunks", "accumulate")}
-    for direction in dists["direction"].choices:
-        dists[f"unroll_{direction}"] = choices("unroll", direction)
-    return dists
+    values = {"ring": [_ring(c) for c in rings], "chunks": [c.chunks for c in rings],
+              "accumulate": [c.accumulate for c in rings]}
+    return {name: CategoricalDistribution(list(dict.fromkeys(v))) for name, v in values.items()}
 
 
 def _params(config: Decomposition) -> dict:
-    return {
-        "direction": config.direction,
-        "chunks": config.chunks,
-        "accumulate": config.accumulate,
-        f"unroll_{config.direction}": config.unroll,
-    }
+    return {"ring": _ring(config), "chunks": config.chunks, "accumulate": config.accumulate}
 
 
 class Searcher:
     """Proposes the next candidate of one study from its history."""
 
-    def __init__(self, problem: Problem, profile: HardwareProfile, settings: SearchSettings = SearchSettings()):
+    def __init__(self, problem: Problem, profile: HardwareProfile | str, settings: SearchSettings = SearchSettings()):
         self.problem = problem
         self.settings = settings
         self.space = candidates(problem)
-        self.by_model = rank(problem, self.space, profile)
+        self.by_model = rank(problem, self.space, PROFILES[profile] if isinstance(profile, str) else profile)
         self._dists = _space_distributions(self.space)
+        self._valid = set(self.space)
 
     @property
     def sampler(self) -> Sampler:
@@ -136,8 +138,7 @@ class Searcher:
                 optuna_sampler = optuna.samplers.RandomSampler(seed=seed)
             else:
                 optuna_sampler = optuna.samplers.TPESampler(
-                    seed=seed, multivariate=True, group=True, constant_liar=True,
-                    n_startup_trials=self.settings.startup,
+                    seed=seed, multivariate=True, constant_liar=True, n_startup_trials=self.settings.startup,
                 )
             study = optuna.create_study(direction="minimize", sampler=optuna_sampler)
             known: dict[Decomposition, float | None] = {}
@@ -152,7 +153,7 @@ class Searcher:
             for _ in range(MAX_REPEATS):
                 trial = study.ask()
                 config = self._suggest(trial)
-                if config not in seen:
+                if config not in seen and config in self._valid:
                     return config
                 if config in known and known[config] is not None:
                     study.tell(trial, known[config])  # teach it, then ask again
@@ -170,13 +171,15 @@ class Searcher:
 
     def _suggest(self, trial: optuna.Trial) -> Decomposition:
         d = self._dists
-        direction = trial.suggest_categorical("direction", d["direction"].choices)
-        return Decomposition(
-            direction=direction,
-            chunks=trial.suggest_categorical("chunks", d["chunks"].choices),
-            unroll=trial.suggest_categorical(f"unroll_{direction}", d[f"unroll_{direction}"].choices),
-            accumulate=trial.suggest_categorical("accumulate", d["accumulate"].choices),
-        )
+        direction, unroll = trial.suggest_categorical("ring", d["ring"].choices).split("/")
+        try:
+            return Decomposition(
+                direction=direction, unroll=unroll if unroll == "full" else int(unroll),
+                chunks=trial.suggest_categorical("chunks", d["chunks"].choices),
+                accumulate=trial.suggest_categorical("accumulate", d["accumulate"].choices),
+            )
+        except ValueError:  # a combination outside the space: told as failed, asked again
+            return Decomposition.baseline()
 
     def confirm_set(self, finished: Sequence[Finished]) -> list[Decomposition]:
         """The top candidates (by ratio) plus the baseline, for the confirmation round."""
@@ -209,40 +212,6 @@ def stop_reason(
         if since >= settings.patience:
             return "no improvement"
     return None
-
-
-class Runner(TypingProtocol):
-    """Times candidates: locally now, a worker fleet later."""
-
-    def run(self, problem: Problem, configs: Sequence[Decomposition], protocol: Protocol) -> list[Measurement]: ...
-
-    def agree(self, flag: bool) -> bool:
-        """True if any participant says so (multi-process runs must take the same branch)."""
-        ...
-
-
-class TuneResult(BaseModel):
-    """Outcome of one study."""
-
-    problem: Problem
-    winner: Measurement
-    trials: list[Measurement]
-    confirmation: list[Measurement]
-    stop_reason: str
-    space_size: int
-    elapsed_s: float
-
-    @property
-    def invalid(self) -> int:
-        return failure_counts(m.status for m in self.trials)[0]
-
-    @property
-    def failed(self) -> int:
-        return failure_counts(m.status for m in self.trials)[1]
-
-    def tuned_config(self) -> TunedConfig:
-        return tuned_config(self.problem, self.winner, trials=len(self.trials), invalid=self.invalid,
-                            failed=self.failed, space_size=self.space_size)
 
 
 def failure_counts(statuses: Iterable[str | None]) -> tuple[int, int]:
@@ -280,43 +249,3 @@ def tuned_config(problem: Problem, winner: Measurement, *, trials: int, invalid:
     )
 
 
-def finished_of(trials: Sequence[Measurement]) -> list[Finished]:
-    return [Finished(m.decomposition, m.ratio if m.ok else None) for m in trials]
-
-
-def tune(
-    problem: Problem,
-    runner: Runner,
-    profile: HardwareProfile,
-    *,
-    settings: SearchSettings = SearchSettings(),
-    protocol: Protocol = Protocol(),
-    on_trial: Callable[[Measurement], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> TuneResult:
-    """Search ``problem``'s space one candidate at a time, confirm the top, return the winner."""
-    started = clock()
-    searcher = Searcher(problem, profile, settings)
-    trials: list[Measurement] = []
-    while True:
-        finished = finished_of(trials)
-        reason = stop_reason(settings, finished, elapsed_s=clock() - started,
-                             exhausted=searcher.exhausted(finished))
-        if runner.agree(reason is not None):
-            reason = reason or "another process stopped"
-            break
-        (measurement,) = runner.run(problem, [searcher.ask(finished)], protocol)
-        trials.append(measurement)
-        if on_trial is not None:
-            on_trial(measurement)
-    contenders = searcher.confirm_set(finished_of(trials))
-    confirmation = runner.run(
-        problem, contenders, protocol.model_copy(update={"repeats": settings.confirm_repeats})
-    ) if len(contenders) > 1 else [m for m in trials if m.decomposition.method == "baseline"]
-    winner = pick_winner(confirmation)
-    if winner is None:
-        raise RuntimeError(f"{problem.key}: the baseline itself failed: {confirmation[0].message}")
-    return TuneResult(
-        problem=problem, winner=winner, trials=trials, confirmation=confirmation,
-        stop_reason=reason, space_size=len(searcher.space), elapsed_s=clock() - started,
-    )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from cmtune.tuner.measure import Session
 from collective_matmul import Decomposition, Problem, candidates
-from tuner.measure import Measurement, Protocol, Session
+from collective_matmul.wire import Measurement, Protocol
 
 
 def sweep(

@@ -1,1 +1,2 @@
-"""Worker side of cmtune: hardware detection and multi-process (multi-host) execution."""
+"""The worker daemon: registers with the service, leases trials, runs them on its devices (or its
+multi-host group), reports; `cmtune worker`."""

@@ -12,7 +12,6 @@ reports the slowest process's time (the measurement protocol takes the max acros
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import socket
@@ -23,9 +22,10 @@ from dataclasses import dataclass, field
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
-from collective_matmul import Decomposition, Hardware, Problem
-from tuner.local import LocalRunner
-from tuner.measure import Measurement, Protocol
+from cmtune.tuner.cluster import Group
+from cmtune.tuner.local import LocalRunner, follow
+from collective_matmul.problem import Hardware
+from collective_matmul.wire import HardwareIn, LeaseGranted, Measurement, ResultIn, WorkerCreate, WorkerPublic
 
 log = logging.getLogger("cmtune.worker")
 
@@ -79,7 +79,7 @@ class WorkerDaemon:
         self.max_trials, self.exit_when_idle = max_trials, exit_when_idle
         self.state = WorkerState()
         self._runner = LocalRunner()
-        self._group = _Group()
+        self._group = Group()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ class WorkerDaemon:
         """Serve until stopped; returns the number of trials done."""
         hardware = Hardware.detect()
         if not self._group.leader:
-            return self._follow()
+            return follow(self._group, self._runner)
         idle_since = time.monotonic()
         try:
             self.register(hardware)
@@ -124,12 +124,11 @@ class WorkerDaemon:
         return self.state.trials_done
 
     def register(self, hardware: Hardware) -> None:
-        body = {"name": self.name, "hardware": hardware.identity().model_dump(
-            include={"platform", "device_kind", "device_count", "process_count"}),
-                "software": {"jax": hardware.jax_version, "jaxlib": hardware.jaxlib_version}}
-        response = self.client.call("POST", "/v1/workers", json=body)
+        body = WorkerCreate(name=self.name, hardware=HardwareIn.of(hardware),
+                            software={"jax": hardware.jax_version, "jaxlib": hardware.jaxlib_version})
+        response = self.client.call("POST", "/v1/workers", json=body.model_dump(mode="json"))
         response.raise_for_status()
-        self.state.worker_id = response.json()["id"]
+        self.state.worker_id = WorkerPublic.model_validate(response.json()).id
         log.info("registered as worker %s on %s", self.state.worker_id, hardware.key)
 
     def unregister(self) -> None:
@@ -151,7 +150,7 @@ class WorkerDaemon:
 
     # -- trials --------------------------------------------------------------------------------
 
-    def lease(self) -> dict | None:
+    def lease(self) -> LeaseGranted | None:
         response = self.client.call("POST", f"/v1/workers/{self.state.worker_id}/lease")
         if response.status_code == 404:  # the service forgot us (e.g. a fresh database): join again
             self.register(Hardware.detect())
@@ -159,44 +158,24 @@ class WorkerDaemon:
         if response.status_code == 204:
             return None
         response.raise_for_status()
-        return response.json()
+        return LeaseGranted.model_validate(response.json())
 
-    def run_trial(self, grant: dict) -> None:
-        task = grant["trial"]
-        self.state.lease_id = grant["lease"]["id"]
-        self._group.send({"kind": "trial", "task": task})
-        results = execute(task, self._runner)
-        body = {"lease_id": self.state.lease_id}
-        body |= ({"measurement": results[0].model_dump(mode="json")} if task["kind"] == "search"
-                 else {"measurements": [m.model_dump(mode="json") for m in results]})
-        response = self.client.call("POST", f"/v1/trials/{task['id']}/result", json=body)
+    def run_trial(self, grant: LeaseGranted) -> None:
+        task = grant.trial
+        self.state.lease_id = grant.lease.id
+        self._group.send({"kind": "trial", "task": task.model_dump(mode="json")})
+        results = self._runner.run(task)
+        body = ResultIn.of(grant.lease.id, task.kind, results)
+        response = self.client.call("POST", f"/v1/trials/{task.id}/result", json=body.model_dump(mode="json"))
         self.state.lease_id = None
         if response.status_code == 409:
-            log.warning("trial %s: result refused (%s)", task["id"], response.json().get("detail"))
+            log.warning("trial %s: result refused (%s)", task.id, response.json().get("detail"))
             return
         response.raise_for_status()
         self.state.trials_done += 1
         for m in results:
-            log.info("trial %s study %s %s %s: %s", task["id"], task["study_id"], m.problem.key,
-                     m.decomposition.id, _summary(m))
-
-    def _follow(self) -> int:
-        """Processes other than 0: run whatever process 0 hands over, until it says stop."""
-        done = 0
-        while True:
-            message = self._group.receive()
-            if message["kind"] == "stop":
-                return done
-            if message["kind"] == "trial":
-                execute(message["task"], self._runner)
-                done += 1
-
-
-def execute(task: dict, runner: LocalRunner) -> list[Measurement]:
-    """Measure a leased trial's decompositions."""
-    return runner.run(Problem.model_validate(task["problem"]),
-                      [Decomposition.model_validate(d) for d in task["decompositions"]],
-                      Protocol.model_validate(task["protocol"]))
+            log.info("trial %s study %s %s %s: %s", task.id, task.study_id, m.problem.key, m.decomposition.id,
+                     _summary(m))
 
 
 def _summary(m: Measurement) -> str:
@@ -204,35 +183,3 @@ def _summary(m: Measurement) -> str:
         return f"{m.status}: {m.message[:200]}"
     return (f"{m.candidate.median_s * 1e3:.3f} ms vs baseline {m.baseline.median_s * 1e3:.3f} ms, "
             f"speedup {m.speedup:.2f}x")
-
-
-class _Group:
-    """Messages from process 0 to the others of a `jax.distributed` group (no-op alone)."""
-
-    MAX_BYTES = 1 << 16
-
-    def __init__(self):
-        import jax
-
-        self.size = jax.process_count()
-        self.leader = jax.process_index() == 0
-
-    def send(self, message: dict) -> None:
-        if self.size > 1:
-            self._broadcast(json.dumps(message).encode())
-
-    def receive(self) -> dict:
-        return json.loads(self._broadcast(b"").decode())
-
-    def _broadcast(self, payload: bytes) -> bytes:
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        if len(payload) > self.MAX_BYTES:
-            raise ValueError(f"message of {len(payload)} bytes is over {self.MAX_BYTES}")
-        buffer = np.zeros(self.MAX_BYTES + 4, np.uint8)
-        buffer[:4] = np.frombuffer(np.uint32(len(payload)).tobytes(), np.uint8)
-        buffer[4 : 4 + len(payload)] = np.frombuffer(payload, np.uint8)
-        out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-        length = int(np.frombuffer(out[:4].tobytes(), np.uint32)[0])
-        return out[4 : 4 + length].tobytes()

@@ -24,16 +24,8 @@ function el(tag, attrs = {}, ...children) {
 
 const ms = (s) => (s === null || s === undefined ? "–" : `${(s * 1e3).toFixed(3)} ms`);
 const x = (v) => (v === null || v === undefined ? "–" : `${v.toFixed(2)}×`);
-const problemKey = (p) => `${p.collective}:${p.m}x${p.k}x${p.n}:${p.dtype}:${p.axis_size}`;
-const hardwareKey = (h) => `${h.platform}:${h.device_kind}:${h.device_count}:${h.process_count}`;
-const SHORT = { unidirectional: "uni", bidirectional: "bi", update_slice: "dus", concat: "cat",
-                input_dtype: "in", float32: "f32" };
-function decompId(d) {
-  if (!d) return "–";
-  if (d.method === "baseline") return "baseline";
-  const unroll = d.unroll === "full" ? "full" : `u${d.unroll}`;
-  return `ring-${SHORT[d.direction]}-c${d.chunks}-${unroll}-${d.accumulate ? SHORT[d.accumulate] : "auto"}`;
-}
+// Keys, ids and savings come from the API (problem_key, hardware_key, decomposition_id, saved_s_*):
+// the page never re-derives them.
 const stateBadge = (state) => el("span", { class: `state ${state}` }, state);
 function ago(iso) {
   const seconds = (Date.now() - new Date(iso).getTime()) / 1000;
@@ -189,8 +181,8 @@ async function overview() {
   const columns = [
     { key: "id", label: "study", num: true, value: (s) => s.id, render: (s) => el("a", { href: `/ui/studies/${s.id}` }, `#${s.id}`) },
     { key: "state", label: "state", value: (s) => s.state, render: (s) => stateBadge(s.state) },
-    { key: "problem", label: "problem", value: (s) => problemKey(s.problem) },
-    { key: "hardware", label: "hardware", value: (s) => hardwareKey(s.hardware) },
+    { key: "problem", label: "problem", value: (s) => s.problem_key },
+    { key: "hardware", label: "hardware", value: (s) => s.hardware_key },
     { key: "progress", label: "progress (trials)", value: (s) => s.trials_done / s.trials_budget,
       render: (s) => el("span", { class: "progress" }, el("span", { class: "bar" }, el("span", { style: `width:${Math.min(100, 100 * s.trials_done / s.trials_budget)}%` })),
         `${s.trials_done} / ${s.trials_budget}${s.trials_running ? ` (+${s.trials_running} running)` : ""}`) },
@@ -204,11 +196,11 @@ async function overview() {
       el("div", { class: "card" }, el("div", { class: "muted" }, "running"), el("div", { class: "value" }, studies.items.filter((s) => s.state === "running").length)),
       el("div", { class: "card" }, el("div", { class: "muted" }, "completed"), el("div", { class: "value" }, studies.items.filter((s) => s.state === "completed").length)),
       el("div", { class: "card" }, el("div", { class: "muted" }, "workers online"), el("div", { class: "value", id: "workers-online" }, online))),
-    dataTable("studies", columns, studies.items, { onclick: (s) => go(`/ui/studies/${s.id}`), filter: (s) => `${s.state} ${problemKey(s.problem)} ${hardwareKey(s.hardware)}` }),
+    dataTable("studies", columns, studies.items, { onclick: (s) => go(`/ui/studies/${s.id}`), filter: (s) => `${s.state} ${s.problem_key} ${s.hardware_key}` }),
     models.length ? el("h2", {}, "Submitted models") : null,
     models.length ? el("ul", { id: "models" }, models.map((m) => el("li", {},
       el("a", { href: `/ui/submissions/${m.id}` }, `${m.name} on ${Object.entries(m.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
-      el("span", { class: "muted" }, ` · ${m.problems} problems · ${hardwareKey(m.hardware)}`)))) : null,
+      el("span", { class: "muted" }, ` · ${m.problems} problems · ${m.hardware_key}`)))) : null,
   ));
 }
 
@@ -230,12 +222,13 @@ async function studyPage(id) {
   keepFocus(() => main.replaceChildren(
     el("h1", {}, `Study #${study.id} `, stateBadge(study.state)),
     el("div", { class: "kv" },
-      el("span", { class: "muted" }, "problem"), el("span", { id: "study-problem" }, problemKey(study.problem)),
-      el("span", { class: "muted" }, "hardware"), el("span", {}, hardwareKey(study.hardware)),
+      el("span", { class: "muted" }, "problem"), el("span", { id: "study-problem" }, study.problem_key),
+      el("span", { class: "muted" }, "hardware"), el("span", {}, study.hardware_key),
       el("span", { class: "muted" }, "progress"), el("span", {}, `${study.trials_done} of ${study.trials_budget} trials (space ${study.space_size})`),
-      el("span", { class: "muted" }, "best so far"), el("span", {}, study.best ? `${decompId(study.best.decomposition)} · ${x(study.best.speedup)}` : "–"),
-      el("span", { class: "muted" }, "tuned config"), el("span", { id: "tuned" }, tuned ? `${decompId(tuned.decomposition)} · ${ms(tuned.time_s)} vs baseline ${ms(tuned.baseline_s)} · ${x(tuned.speedup)}` : "not yet"),
-      study.stop_reason ? [el("span", { class: "muted" }, "stopped by"), el("span", {}, study.stop_reason)] : null),
+      el("span", { class: "muted" }, "best so far"), el("span", {}, study.best ? `${study.best.decomposition_id} · ${x(study.best.speedup)}` : "–"),
+      el("span", { class: "muted" }, "tuned config"), el("span", { id: "tuned" }, tuned ? `${study.tuned_decomposition_id} · ${ms(tuned.time_s)} vs baseline ${ms(tuned.baseline_s)} · ${x(tuned.speedup)}` : "not yet"),
+      study.stop_reason ? [el("span", { class: "muted" }, "stopped by"), el("span", {}, study.stop_reason)] : null,
+      study.message ? [el("span", { class: "muted" }, "note"), el("span", { id: "study-message" }, study.message)] : null),
     el("div", { class: "plots" },
       el("div", { class: "plot" }, el("div", { class: "legend" }, "every finished trial's median time (blue), best so far (green), baseline (red)"), trialPlot(trials)),
       el("div", { class: "plot" }, el("div", { class: "legend" }, "time by chunks: unidirectional (blue), bidirectional (orange)"), fieldPlot(trials))),
@@ -249,7 +242,7 @@ async function workersPage() {
   const columns = [
     { key: "id", label: "worker", num: true, value: (w) => w.id },
     { key: "name", label: "name", value: (w) => w.name },
-    { key: "hardware", label: "hardware", value: (w) => hardwareKey(w.hardware) },
+    { key: "hardware", label: "hardware", value: (w) => w.hardware_key },
     { key: "status", label: "status", value: (w) => (w.online ? "online" : w.active ? "offline" : "left"), render: (w) => stateBadge(w.online ? "online" : w.active ? "offline" : "left") },
     { key: "heartbeat", label: "last heartbeat", value: (w) => w.last_heartbeat, render: (w) => ago(w.last_heartbeat) },
     { key: "trial", label: "current trial", num: true, value: (w) => w.current_trial_id },
@@ -263,11 +256,11 @@ async function configsPage() {
   const params = new URLSearchParams(location.search);
   const query = new URLSearchParams();
   for (const key of ["platform", "device_kind"]) if (params.get(key)) query.set(key, params.get(key));
-  const bundle = await api(`/v1/bundles?${query}`);
+  const tuned = await api(`/v1/tuned?${query}`);
   const columns = [
-    { key: "problem", label: "problem", value: (c) => problemKey(c.problem) },
-    { key: "hardware", label: "hardware", value: (c) => hardwareKey(c.hardware) },
-    { key: "decomposition", label: "decomposition", value: (c) => decompId(c.decomposition) },
+    { key: "problem", label: "problem", value: (c) => c.problem_key },
+    { key: "hardware", label: "hardware", value: (c) => c.hardware_key },
+    { key: "decomposition", label: "decomposition", value: (c) => c.decomposition_id },
     { key: "time", label: "time", num: true, value: (c) => c.time_s, render: (c) => ms(c.time_s) },
     { key: "baseline", label: "baseline", num: true, value: (c) => c.baseline_s, render: (c) => ms(c.baseline_s) },
     { key: "speedup", label: "speedup", num: true, value: (c) => c.speedup, render: (c) => el("span", { class: c.speedup > 1 ? "good" : "" }, x(c.speedup)) },
@@ -283,8 +276,9 @@ async function configsPage() {
       for (const name of ["platform", "device_kind"]) if (event.target[name].value) next.set(name, event.target[name].value);
       go(`/ui/configs?${next}`);
     } }, field("platform", "platform"), field("device_kind", "device kind"), el("button", { type: "submit" }, "Filter"),
-      el("button", { type: "button", id: "download", onclick: () => download(bundle) }, "Download bundle")),
-    dataTable("configs", columns, bundle.configs),
+      el("button", { type: "button", id: "download", onclick: async () => download(await api(`/v1/bundles?${query}`)) },
+        "Download bundle")),
+    dataTable("configs", columns, tuned),
   ));
 }
 
@@ -296,19 +290,19 @@ function download(bundle) {
 
 async function submissionPage(id) {
   const sub = await api(`/v1/submissions/${id}`);
-  const saved = (e) => (e.time_s !== null ? e.count * sub.layers * (e.baseline_s - e.time_s) : null);
   const columns = [
     { key: "roles", label: "roles", value: (e) => e.roles.join(", ") },
-    { key: "problem", label: "problem", value: (e) => problemKey(e.problem) },
-    { key: "study", label: "study", num: true, value: (e) => e.study_id, render: (e) => el("a", { href: `/ui/studies/${e.study_id}` }, `#${e.study_id}`) },
-    { key: "state", label: "state", value: (e) => e.study_state, render: (e) => stateBadge(e.study_state) },
-    { key: "decomposition", label: "tuned decomposition", value: (e) => decompId(e.decomposition) },
+    { key: "problem", label: "problem", value: (e) => e.problem_key },
+    { key: "study", label: "study", num: true, value: (e) => e.study_id,
+      render: (e) => (e.study_id ? el("a", { href: `/ui/studies/${e.study_id}` }, `#${e.study_id}`) : "tuned before") },
+    { key: "state", label: "state", value: (e) => e.study_state, render: (e) => (e.study_state ? stateBadge(e.study_state) : "–") },
+    { key: "decomposition", label: "tuned decomposition", value: (e) => e.decomposition_id },
     { key: "per_layer", label: "per layer", num: true, value: (e) => e.count },
     { key: "speedup", label: "speedup", num: true, value: (e) => e.speedup, render: (e) => el("span", { class: e.speedup > 1 ? "good" : "" }, x(e.speedup)) },
-    { key: "saved", label: "saved per step", num: true, value: saved, render: (e) => ms(saved(e)) },
+    { key: "saved", label: "saved per step", num: true, value: (e) => e.saved_s_per_step, render: (e) => ms(e.saved_s_per_step) },
   ];
   keepFocus(() => main.replaceChildren(
-    el("h1", {}, `Model ${sub.model.name || ""} on ${Object.entries(sub.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
+    el("h1", {}, `Model ${sub.name} on ${Object.entries(sub.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
     el("div", { class: "cards" },
       el("div", { class: "card" }, el("div", { class: "muted" }, "layers"), el("div", { class: "value" }, sub.layers)),
       el("div", { class: "card" }, el("div", { class: "muted" }, "estimated time saved per training step"),

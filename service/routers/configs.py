@@ -7,41 +7,37 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 from pydantic import ValidationError
 
-from collective_matmul import Hardware, Problem
-from collective_matmul.bundle import Bundle
-from service import repository as repo
-from service.deps import AdminDep, ReaderDep, SessionDep, StateDep
-from service.errors import InvalidError
-from service.schemas import ConfigAnswer, ConfigQuery, ConfigQueryBatch
+from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
+from cmtune.service.errors import InvalidError
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, TunedPublic
 
 router = APIRouter(tags=["configs"])
 
 
-def _hardware(platform: str, device_kind: str, device_count: int | None, process_count: int, axis_size: int):
+def _validated(model, **fields):
     try:
-        return Hardware(platform=platform, device_kind=device_kind, device_count=device_count or axis_size,
-                        process_count=process_count)
+        return model(**fields)
     except ValidationError as exc:
-        raise InvalidError(f"bad hardware: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+        raise InvalidError("; ".join(f"{'.'.join(map(str, e['loc'])) or model.__name__.lower()}: {e['msg']}"
+                                     for e in exc.errors())) from None
 
 
 @router.get("/v1/configs", response_model=ConfigAnswer)
 async def get_config(
     state: StateDep, _: ReaderDep,
-    collective: Annotated[str, Query(examples=["allgather_matmul"])],
+    collective: Annotated[str, Query(max_length=64, examples=["allgather_matmul"])],
     m: Annotated[int, Query(gt=0)], k: Annotated[int, Query(gt=0)], n: Annotated[int, Query(gt=0)],
-    dtype: Annotated[str, Query(examples=["bfloat16"])], axis_size: Annotated[int, Query(gt=0)],
-    platform: Annotated[str, Query(examples=["tpu"])], device_kind: Annotated[str, Query(examples=["TPU v5p"])],
+    dtype: Annotated[str, Query(max_length=16, examples=["bfloat16"])], axis_size: Annotated[int, Query(gt=0)],
+    platform: Annotated[str, Query(max_length=64, examples=["tpu"])],
+    device_kind: Annotated[str, Query(max_length=128, examples=["TPU v5p"])],
     device_count: Annotated[int | None, Query(gt=0, description="default: axis_size")] = None,
     process_count: Annotated[int, Query(gt=0)] = 1,
 ) -> ConfigAnswer:
     """The config for one problem: ``match`` says whether it is exact, nearest, model or baseline."""
-    try:
-        problem = Problem(collective=collective, m=m, k=k, n=n, dtype=dtype, axis_size=axis_size)
-    except ValidationError as exc:
-        raise InvalidError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'problem'}: {e['msg']}"
-                                     for e in exc.errors())) from None
-    hardware = _hardware(platform, device_kind, device_count, process_count, axis_size)
+    problem = _validated(Problem, collective=collective, m=m, k=k, n=n, dtype=dtype, axis_size=axis_size)
+    hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count or axis_size,
+                          process_count=process_count)
     await state.cache.ensure(hardware)
     return Response(state.cache.lookup_json(problem, hardware), media_type="application/json")
 
@@ -49,26 +45,33 @@ async def get_config(
 @router.post("/v1/configs/query", response_model=list[ConfigAnswer])
 def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep) -> list[ConfigAnswer]:
     """Many look-ups at once, answered in order."""
-    return [state.cache.lookup(q.problem, _query_hardware(q)) for q in body.queries]
+    return [state.cache.lookup(q.problem, _validated(
+        Hardware, platform=q.platform, device_kind=q.device_kind, device_count=q.device_count or q.problem.axis_size,
+        process_count=q.process_count)) for q in body.queries]
 
 
-def _query_hardware(q: ConfigQuery) -> Hardware:
-    return _hardware(q.platform, q.device_kind, q.device_count, q.process_count, q.problem.axis_size)
+@router.get("/v1/tuned", response_model=list[TunedPublic])
+def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Query(max_length=64)] = None,
+               device_kind: Annotated[str | None, Query(max_length=128)] = None) -> list[TunedPublic]:
+    """Every tuned config (filtered by hardware), with keys, ids and the study that tuned it."""
+    with store.read() as tx:
+        return [TunedPublic.of(row.config, row.study_id)
+                for row in tx.tuned_rows(platform=platform, device_kind=device_kind)]
 
 
 @router.get("/v1/bundles", response_model=Bundle)
-def export_bundle(session: SessionDep, _: ReaderDep, platform: str | None = None,
-                  device_kind: str | None = None) -> Bundle:
+def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Query(max_length=64)] = None,
+                  device_kind: Annotated[str | None, Query(max_length=128)] = None) -> Bundle:
     """Every tuned config (filtered by hardware) as a bundle file for offline use."""
-    rows = repo.list_tuned(session=session, platform=platform, device_kind=device_kind)
-    return Bundle(configs=[repo.to_tuned_config(r) for r in rows])
+    with store.read() as tx:
+        return Bundle(configs=tx.list_tuned(platform=platform, device_kind=device_kind))
 
 
 @router.post("/v1/bundles", status_code=201)
 def import_bundle(bundle: Bundle, state: StateDep, _: AdminDep) -> dict:
     """Store every config of a bundle (replacing entries of the same problem and hardware), all or nothing."""
-    with state.db.session(write=True) as session:
+    with state.store.write() as tx:
         for config in bundle.configs:
-            repo.upsert_tuned(session=session, config=config, study_id=None)
+            tx.save_tuned(config, study_id=None)
     state.cache.clear()
     return {"imported": len(bundle.configs)}

@@ -9,9 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import text
 
-from service import repository as repo
-from service.deps import StateDep
-from service.models import utcnow
+from cmtune.service.deps import StateDep
+from cmtune.service.models import utcnow
 
 router = APIRouter(tags=["health"])
 
@@ -19,9 +18,9 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz")
 def healthz(state: StateDep) -> dict:
     """200 when the service can reach its database."""
-    with state.db.session() as session:
-        session.execute(text("SELECT 1"))
-    return {"status": "ok", "database": state.db.engine.dialect.name}
+    with state.store.read() as tx:
+        tx.session.execute(text("SELECT 1"))
+    return {"status": "ok", "database": state.store.db.engine.dialect.name}
 
 
 @router.get("/metrics", include_in_schema=False)
@@ -38,14 +37,14 @@ class StoreCollector:
     def collect(self):
         studies = GaugeMetricFamily("cmtune_studies", "Studies by state", labels=["state"])
         trials = GaugeMetricFamily("cmtune_trials", "Trials by state", labels=["state"])
-        with self.state.db.session() as session:
-            for name, count in sorted(repo.count_studies_by_state(session=session).items()):
+        with self.state.store.read() as tx:
+            for name, count in sorted(tx.count_studies_by_state().items()):
                 studies.add_metric([name], count)
-            for name, count in sorted(repo.count_trials_by_state(session=session).items()):
+            for name, count in sorted(tx.count_trials_by_state().items()):
                 trials.add_metric([name], count)
-            leases = repo.count_active_leases(session=session)
+            leases = tx.count_active_leases()
             since = utcnow() - dt.timedelta(seconds=self.state.settings.worker_offline_seconds)
-            online = repo.count_workers_online(session=session, since=since)
+            online = tx.count_workers_online(since=since)
         yield studies
         yield trials
         yield GaugeMetricFamily("cmtune_leases_active", "Active leases", value=leases)

@@ -4,43 +4,52 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from collective_matmul import Decomposition
-from service import repository as repo
-from service.deps import ReaderDep, SessionDep
-from service.schemas import SubmissionEntry, SubmissionPublic, SubmissionSummary
+from cmtune.service.deps import ReaderDep, StoreDep
+from cmtune.service.errors import NotFoundError
+from collective_matmul.wire import SubmissionEntry, SubmissionPublic, SubmissionSummary
 
 router = APIRouter(prefix="/v1/submissions", tags=["submissions"])
 
 
 @router.get("", response_model=list[SubmissionSummary])
-def list_submissions(session: SessionDep, _: ReaderDep) -> list[SubmissionSummary]:
+def list_submissions(store: StoreDep, _: ReaderDep) -> list[SubmissionSummary]:
     """The newest submitted models (100 at most)."""
-    return [SubmissionSummary(id=s.id, name=s.model.get("name", "model"), mesh=s.mesh,
-                              hardware=repo.to_hardware(s.hardware), problems=len(s.entries), created_at=s.created_at)
-            for s in repo.list_submissions(session=session)]
+    with store.read() as tx:
+        return [SubmissionSummary(id=s["id"], name=s["model"].get("name", "model"), mesh=s["mesh"],
+                                  hardware=s["hardware"], hardware_key=s["hardware"].key,
+                                  problems=len(s["entries"]), created_at=s["created_at"])
+                for s in tx.submissions()]
 
 
 @router.get("/{submission_id}", response_model=SubmissionPublic)
-def get_submission(submission_id: int, session: SessionDep, _: ReaderDep) -> SubmissionPublic:
-    """Each role's problem, study and tuned speedup, and the estimated time saved per step."""
-    sub = repo.get_submission(session=session, submission_id=submission_id)
-    entries, saved, complete = [], 0.0, True
-    for entry in sub.entries:
-        tuned = repo.get_tuned(session=session, problem_id=entry.problem_id, hardware_id=sub.hardware_id)
-        if tuned is None:
-            complete = False
-        else:
-            saved += entry.count * (tuned.baseline_s - tuned.time_s)
-        entries.append(SubmissionEntry(
-            role=entry.roles[0], roles=entry.roles, count=entry.count, problem=repo.to_problem(entry.problem),
-            study_id=entry.study_id or 0, study_state=entry.study.state if entry.study else "imported",
-            speedup=tuned.speedup if tuned else None, time_s=tuned.time_s if tuned else None,
-            baseline_s=tuned.baseline_s if tuned else None,
-            decomposition=Decomposition.model_validate(tuned.decomposition) if tuned else None,
-        ))
-    layers = int(sub.model.get("layers", 1))
+def get_submission(submission_id: int, store: StoreDep, _: ReaderDep) -> SubmissionPublic:
+    """Each role's problem, study and tuned config, and the estimated time saved per step."""
+    with store.read() as tx:
+        found = tx.submissions(submission_id=submission_id, limit=1)
+        if not found:
+            raise NotFoundError(f"submission {submission_id} does not exist")
+        sub = found[0]
+        states = {s.id: s.state for s in (tx.study(e["study_id"]) for e in sub["entries"] if e["study_id"])}
+        layers = int(sub["model"].get("layers", 1))
+        entries = []
+        for e in sub["entries"]:
+            tuned = tx.tuned(e["problem"], sub["hardware"])
+            config = tuned.config if tuned else None
+            entries.append(SubmissionEntry(
+                role=e["roles"][0], roles=e["roles"], count=e["count"], problem=e["problem"],
+                problem_key=e["problem"].key, study_id=e["study_id"], study_state=states.get(e["study_id"]),
+                decomposition=config.decomposition if config else None,
+                decomposition_id=config.decomposition.id if config else None,
+                speedup=config.speedup if config else None, speedup_iqr=config.speedup_iqr if config else None,
+                time_s=config.time_s if config else None, baseline_s=config.baseline_s if config else None,
+                trials=config.trials if config else None, space_size=config.space_size if config else None,
+                saved_s_per_layer=e["count"] * (config.baseline_s - config.time_s) if config else None,
+                saved_s_per_step=e["count"] * layers * (config.baseline_s - config.time_s) if config else None,
+            ))
+    complete = bool(entries) and all(e.saved_s_per_layer is not None for e in entries)
     return SubmissionPublic(
-        id=sub.id, model=sub.model, mesh=sub.mesh, hardware=repo.to_hardware(sub.hardware),
-        created_at=sub.created_at, entries=entries, layers=layers,
-        saved_s_per_step=saved * layers if complete and entries else None,
+        id=sub["id"], name=sub["model"].get("name", "model"), model=sub["model"], mesh=sub["mesh"],
+        hardware=sub["hardware"], hardware_key=sub["hardware"].key, created_at=sub["created_at"], entries=entries,
+        layers=layers, complete=complete,
+        saved_s_per_step=sum(e.saved_s_per_step for e in entries) if complete else None,
     )

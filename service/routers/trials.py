@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.deps import StateDep, WorkerRoleDep
-from service.queue import report
-from service.schemas import ResultIn, ResultOut
+from cmtune.service import queue
+from cmtune.service.deps import StateDep, WorkerRoleDep
+from cmtune.service.errors import ConflictError
+from cmtune.service.models import utcnow
+from collective_matmul.wire import ResultIn, ResultOut
 
 router = APIRouter(prefix="/v1/trials", tags=["trials"])
 
 
 @router.post("/{trial_id}/result", response_model=ResultOut)
 def post_result(trial_id: int, body: ResultIn, state: StateDep, _: WorkerRoleDep) -> ResultOut:
-    """Store a result under its lease; the same report twice is harmless, a stale lease gets 409."""
-    kind = "search" if body.measurement is not None else "confirm"
-    measurements = [body.measurement] if body.measurement is not None else body.measurements
-    with state.db.session(write=True) as session:
-        trial, duplicate = report(session=session, trial_id=trial_id, lease_id=body.lease_id,
-                                  measurements=measurements, kind=kind)
-        result = ResultOut(trial_id=trial.id, state=trial.state, duplicate=duplicate)
-    if not duplicate:
+    """Store a result under its lease; the same report twice is harmless, a stale or late lease gets 409."""
+    with state.store.write() as tx:
+        outcome = queue.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
+                               results=body.results, kind=body.kind, now=utcnow())
+    if outcome.expired:  # the expiry is committed; the result is not
+        raise ConflictError(f"lease {body.lease_id} expired before its result arrived; trial {trial_id} went back "
+                            "to the queue: drop this result and lease again")
+    if not outcome.duplicate:
         state.cache.clear()
-    return result
+    return ResultOut(trial_id=outcome.trial.id, state=outcome.trial.state, duplicate=outcome.duplicate)

@@ -5,15 +5,15 @@ Launched by `test_multiprocess.py` through `workers.cluster.launch`; prints one 
 
 import json
 
-from workers.cluster import ClusterSpec, join
+from cmtune.tuner.cluster import ClusterSpec, join
 
 join(ClusterSpec.from_env())
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from cmtune.tuner.measure import Protocol, Session, default_program, ring_mesh  # noqa: E402
 from collective_matmul import Decomposition, Problem, input_shardings  # noqa: E402
-from tuner.measure import Protocol, Session, default_program, ring_mesh  # noqa: E402
 
 mesh = ring_mesh()
 report = {"process": jax.process_index(), "devices": jax.device_count(), "local": jax.local_device_count()}

@@ -9,6 +9,7 @@ from collective_matmul import Decomposition, Hardware, Problem, candidates, chec
 
 AG = Problem(collective="allgather_matmul", m=1024, k=256, n=512, dtype="bfloat16", axis_size=8)
 RS = Problem(collective="matmul_reduce_scatter", m=1024, k=512, n=256, dtype="bfloat16", axis_size=8)
+GW = Problem(collective="allgather_grad_weight", m=1024, k=256, n=512, dtype="bfloat16", axis_size=8)
 
 
 def test_decomposition_is_immutable_and_hashable():
@@ -18,7 +19,7 @@ def test_decomposition_is_immutable_and_hashable():
     assert len({d, Decomposition.from_json(d.to_json())}) == 1
 
 
-@pytest.mark.parametrize("problem", [AG, RS])
+@pytest.mark.parametrize("problem", [AG, RS, GW])
 def test_json_and_id_round_trip_every_candidate(problem):
     for config in candidates(problem):
         assert Decomposition.from_json(config.to_json()) == config
@@ -36,6 +37,38 @@ def test_stable_ids_and_canonical_json():
     )
 
 
+def test_fuse_id_and_json_round_trip():
+    fused = Decomposition(direction="bidirectional", chunks=4, unroll=2, accumulate="float32", fuse=True)
+    assert fused.id == "ring-bi-c4-u2-f32-fuse"
+    assert Decomposition.baseline(fuse=True).id == "baseline-fuse"
+    assert Decomposition(chunks=2, accumulate="float32", fuse=True).id == "ring-uni-c2-full-f32-fuse"
+    for config in (fused, Decomposition.baseline(fuse=True), Decomposition(fuse=True)):
+        assert Decomposition.from_id(config.id) == config
+        assert Decomposition.from_json(config.to_json()) == config
+    parsed = Decomposition.from_id("ring-uni-c2-full-f32-fuse")
+    assert parsed == Decomposition(chunks=2, accumulate="float32", fuse=True)
+    # only a fused config carries the field: unfused JSON is as it was before `fuse` existed
+    assert '"fuse":true' in fused.to_json()
+    assert "fuse" not in Decomposition.baseline().to_json()
+    assert Decomposition.from_json('{"method":"baseline"}') == Decomposition.baseline()
+    assert Decomposition.baseline(fuse=True) != Decomposition.baseline()
+    with pytest.raises(ValueError, match="not a decomposition id"):
+        Decomposition.from_id("baseline-fuse-fuse")
+
+
+def test_fuse_is_only_for_the_weight_gradient():
+    for config in (Decomposition.baseline(fuse=True), Decomposition(chunks=2, accumulate="float32", fuse=True)):
+        GW.check(config)
+        for problem in (AG, RS):
+            with pytest.raises(ValueError, match=f"fuse=True is not for {problem.collective}"):
+                problem.check(config)
+    # fusion couples two problems: it is never a candidate of one problem's study
+    assert not any(config.fuse for config in candidates(GW))
+    # the baseline takes fuse, but still no ring field
+    with pytest.raises(ValidationError, match=r"takes no ring fields; remove \['chunks'\]"):
+        Decomposition(method="baseline", fuse=True, chunks=2)
+
+
 def test_problem_key_parse_and_json():
     assert AG.key == "allgather_matmul:1024x256x512:bfloat16:8"
     assert Problem.parse(AG.key) == AG
@@ -45,6 +78,12 @@ def test_problem_key_parse_and_json():
         '{"axis_size":8,"collective":"allgather_matmul","dtype":"bfloat16","k":256,"m":1024,"n":512}'
     )
     assert Problem.model_validate_json(AG.canonical_json()) == AG
+    assert GW.key == "allgather_grad_weight:1024x256x512:bfloat16:8"
+    assert Problem.parse("gw:1024x256x512:bfloat16:8") == GW
+    assert Problem.parse("gw m=1024 k=256 n=512 dtype=bfloat16 axis_size=8") == GW
+    big = Problem.parse("gw:4096x1024x2048:float32:8")
+    assert (big.collective, big.m, big.k, big.n, big.block_rows) == ("allgather_grad_weight", 4096, 1024, 2048, 512)
+    assert Problem.parse(big.key) == big
 
 
 @pytest.mark.parametrize(
@@ -62,6 +101,15 @@ def test_problem_rejects_bad_input_with_reason(fields, message):
     base = AG.model_dump() | fields
     with pytest.raises(ValidationError, match=message):
         Problem.model_validate(base)
+
+
+def test_weight_gradient_problem_shards_m_and_n():
+    # u [m, k] is gathered (m sharded), v [m, n] is sharded on n; k is not sharded
+    assert Problem.model_validate(GW.model_dump() | {"k": 100}).k == 100
+    for name in ("m", "n"):
+        message = f"allgather_grad_weight: {name}=1004 is not divisible by axis_size=8"
+        with pytest.raises(ValidationError, match=message):
+            Problem.model_validate(GW.model_dump() | {name: 1004})
 
 
 def test_problem_parse_errors_say_what_to_write():
@@ -92,6 +140,10 @@ def test_decomposition_field_errors(config, problem, reason):
         (Decomposition(chunks=64), Problem.parse("ag:256x8x8:float32:8"), "chunks=64 does not divide a block of 32"),
         (Decomposition(accumulate="float32"), AG, "accumulate='float32' is not for allgather_matmul"),
         (Decomposition(accumulate="concat"), RS, "accumulate='concat' is not for matmul_reduce_scatter"),
+        (Decomposition(accumulate="update_slice"), GW, "accumulate='update_slice' is not for allgather_grad_weight"),
+        (Decomposition(accumulate="float32"), GW.model_copy(update={"dtype": "float32"}), "same program"),
+        (Decomposition(chunks=64), Problem.parse("gw:256x8x8:float32:8"), "chunks=64 does not divide a block of 32"),
+        (Decomposition(fuse=True), AG, "fuse=True is not for allgather_matmul"),
         (Decomposition(accumulate="float32"), RS.model_copy(update={"dtype": "float32"}), "same program"),
         (Decomposition(direction="bidirectional"), Problem.parse("ag:64x8x8:float32:2"), "axis_size >= 3"),
         (Decomposition(direction="bidirectional", unroll=1), Problem.parse("ag:64x8x8:float32:4"), "loops 0 times"),
@@ -114,6 +166,10 @@ def test_space_sizes():
     # 2 directions x 4 chunks x 3 unrolls x 2 accumulates + baseline
     assert len(candidates(AG)) == 49
     assert len(candidates(RS)) == 49
+    assert len(candidates(GW)) == 49
+    assert candidates(GW)[0] == Decomposition.baseline()
+    assert {c.accumulate for c in candidates(GW)} == {None, "input_dtype", "float32"}
+    assert len(candidates(GW.model_copy(update={"dtype": "float32"}))) == 25
     # float32 reduce-scatter: the float32 accumulator is the input dtype
     assert len(candidates(RS.model_copy(update={"dtype": "float32"}))) == 25
     # 4 devices: the bidirectional ring has no loop middle, so only unroll='full' remains

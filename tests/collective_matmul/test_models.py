@@ -15,16 +15,22 @@ def test_hand_computed_small_model():
     model = TransformerBlock(d_model=64, d_ff=128, heads=2, head_dim=16, gated_mlp=True,
                              seq_len=16, global_batch=8, dtype="float32")
     mesh = MeshSpec.parse("data=2,model=4")
-    # tokens per ring = 8 / 2 * 16 = 64; qkv width = 3 * 32 = 96; gated up width = 256
+    # tokens per ring = 8 / 2 * 16 = 64; qkv width = 3 * 32 = 96; gated up width = 256.
+    # Weight gradients contract the tokens: all-gather roles dW = all_gather(x)^T dy (k=K, n=N);
+    # reduce-scatter roles dW^T = all_gather(dy)^T x (k=N, n=K).
     assert by_key(model_problems(model, mesh)) == {
         "allgather_matmul:64x64x96:float32:4": (1, ("qkv",)),
         "matmul_reduce_scatter:64x96x64:float32:4": (1, ("qkv.grad_input",)),
+        "allgather_grad_weight:64x64x96:float32:4": (1, ("qkv.grad_weight",)),
         "matmul_reduce_scatter:64x32x64:float32:4": (1, ("attn_out",)),
         "allgather_matmul:64x64x32:float32:4": (1, ("attn_out.grad_input",)),
+        "allgather_grad_weight:64x64x32:float32:4": (1, ("attn_out.grad_weight",)),
         "allgather_matmul:64x64x256:float32:4": (1, ("mlp_up",)),
         "matmul_reduce_scatter:64x256x64:float32:4": (1, ("mlp_up.grad_input",)),
+        "allgather_grad_weight:64x64x256:float32:4": (1, ("mlp_up.grad_weight",)),
         "matmul_reduce_scatter:64x128x64:float32:4": (1, ("mlp_down",)),
         "allgather_matmul:64x64x128:float32:4": (1, ("mlp_down.grad_input",)),
+        "allgather_grad_weight:64x64x128:float32:4": (1, ("mlp_down.grad_weight",)),
     }
 
 
@@ -36,7 +42,11 @@ def test_ungated_mlp_dedups_up_and_down_gradient():
     assert found["allgather_matmul:32x64x128:bfloat16:8"] == (3, ("qkv", "mlp_up", "mlp_down.grad_input"))
     assert found["matmul_reduce_scatter:32x128x64:bfloat16:8"] == (
         3, ("qkv.grad_input", "mlp_up.grad_input", "mlp_down"))
-    assert sum(count for count, _ in found.values()) == 8
+    # mlp_down's dW^T [d_model, d_ff] has the shape of qkv's and mlp_up's dW [d_model, 128]
+    assert found["allgather_grad_weight:32x64x128:bfloat16:8"] == (
+        3, ("qkv.grad_weight", "mlp_up.grad_weight", "mlp_down.grad_weight"))
+    assert found["allgather_grad_weight:32x64x64:bfloat16:8"] == (1, ("attn_out.grad_weight",))
+    assert sum(count for count, _ in found.values()) == 12
 
 
 def test_presets_give_valid_problems():
@@ -45,7 +55,10 @@ def test_presets_give_valid_problems():
     # 1024 sequences / 16 * 4096 tokens; GQA qkv = (64 + 16) * 128 = 10240; SwiGLU up = 2 * 28672
     assert "allgather_matmul:262144x8192x10240:bfloat16:8" in keys
     assert "allgather_matmul:262144x8192x57344:bfloat16:8" in keys
-    assert sum(mp.count for mp in problems) == 8
+    assert keys["allgather_grad_weight:262144x8192x10240:bfloat16:8"] == (1, ("qkv.grad_weight",))
+    # mlp_down: x [tokens, d_ff], w [d_ff, d_model]; dW^T = all_gather(dy)^T x is [d_model, d_ff]
+    assert keys["allgather_grad_weight:262144x8192x28672:bfloat16:8"] == (1, ("mlp_down.grad_weight",))
+    assert sum(mp.count for mp in problems) == 12
     tiny = model_problems(PRESETS["tiny"], MeshSpec.parse("data=1,model=8"))
     assert all(mp.problem.m == 512 for mp in tiny)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.cluster import launch
+from cmtune.tuner.cluster import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 

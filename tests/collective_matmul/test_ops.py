@@ -157,7 +157,8 @@ def grads(collective, mesh, config, x, w, cotangent, batch_axis=None):
 
 @pytest.mark.parametrize("collective", list(OPS))
 def test_gradients_equal_baseline_gradients(collective):
-    """The backward pass of each ring (itself a ring) gives the baseline's gradients."""
+    """Every forward ring, with the default backward (which keeps the x a ring gathered), gives the
+    baseline's gradients; `test_backward.py` covers the backward configs."""
     mesh = mesh_1d()
     _, shapes, n, _ = SHAPES["flat"]
     x, w, expected = operands(collective, shapes[collective], n, "float32", seed=7)

@@ -13,10 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service import migrate
-from service import repository as repo
-from service.db import Database
-from service.launcher import running_server
+from cmtune.service.launcher import running_server
 from tests.service import conftest as contract
 from tests.service.conftest import HARDWARE
 
@@ -47,12 +44,7 @@ class Seeder:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('ui') / 'ui.sqlite'}"
-    db = Database(url)
-    migrate.upgrade(db.engine)
-    with db.session(write=True) as session:
-        tokens = {role: repo.create_token(session=session, name=role, role=role)[1]
-                  for role in ("admin", "worker", "reader")}
-    db.dispose()
+    tokens = contract.create_tokens(url)
     with running_server(database_url=url) as server:
         seed = Seeder(server.url, tokens["admin"], tokens["worker"])
         body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
@@ -92,7 +84,7 @@ def shot(page, name: str) -> None:
 
 def test_overview_lists_studies_and_workers(page, site):
     rows = page.locator("#studies tbody tr")
-    assert rows.count() == 6
+    assert rows.count() == 9  # the tiny preset: 9 unique problems (forward, input and weight gradients)
     assert "?token=" not in page.url  # the token went to local storage, not the address bar
     text = page.locator("main").inner_text()
     assert "completed" in text and "allgather_matmul:512x256x768:float32:8" in text
@@ -167,7 +159,7 @@ def test_workers_configs_and_model_pages(page, site):
 
     page.goto(f"{site['url']}/ui/submissions/{site['submission']}")
     page.wait_for_selector("#roles tbody tr")
-    assert page.locator("#roles tbody tr").count() == 6
+    assert page.locator("#roles tbody tr").count() == 9
     assert "mlp_up" in page.locator("#roles").inner_text()
     assert "when every study is done" in page.locator("#saved-per-step").inner_text()
     shot(page, "model")

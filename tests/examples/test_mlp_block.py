@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from cmtune.service.launcher import running_server
 from collective_matmul import (
     Bundle,
     Decomposition,
@@ -21,7 +22,6 @@ from collective_matmul import (
     ring_hardware,
 )
 from examples.mlp_block import init, train_step
-from service.launcher import running_server
 
 
 class Baseline:
@@ -89,17 +89,16 @@ def test_server_down_warns_once_and_falls_back(mesh, bundle_path):
 
 
 def test_lookups_against_a_real_server_are_cached(mesh, bundle_path, tmp_path):
-    from service import migrate
-    from service import repository as repo
-    from service.db import Database
+    from cmtune.service.db import Database
+    from cmtune.service.store import SqlStore
+    from tests.service.conftest import create_tokens
 
     url = f"sqlite:///{tmp_path / 'client.sqlite'}"
+    reader = create_tokens(url, ["reader"])["reader"]
     db = Database(url)
-    migrate.upgrade(db.engine)
-    with db.session(write=True) as session:
-        _, reader = repo.create_token(session=session, name="reader", role="reader")
+    with SqlStore(db).write() as tx:
         for config in Bundle.load(bundle_path).configs:
-            repo.upsert_tuned(session=session, config=config, study_id=None)
+            tx.save_tuned(config, study_id=None)
     db.dispose()
     with running_server(database_url=url) as server:
         tuned = Tuned(server.url, token=reader)

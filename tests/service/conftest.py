@@ -10,13 +10,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
+from cmtune.service import migrate
+from cmtune.service.db import Database
+from cmtune.service.main import create_app
+from cmtune.service.models import Role
+from cmtune.service.settings import Settings
+from cmtune.service.store import SqlStore
 from collective_matmul import Decomposition, Hardware, Problem
-from service import migrate
-from service import repository as repo
-from service.db import Database
-from service.main import create_app
-from service.settings import Settings
-from tuner.measure import Measurement, Timing
+from collective_matmul.wire import Measurement, Timing
 
 PG_URL = os.environ.get("CMTUNE_TEST_DATABASE_URL")
 HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process_count": 1}
@@ -51,20 +52,35 @@ class Api:
     worker: TestClient
     reader: TestClient
     anonymous: TestClient
-    db: Database
+    store: SqlStore
     settings: Settings
+
+    @property
+    def db(self) -> Database:
+        return self.store.db
+
+
+def create_tokens(url: str, roles=("admin", "worker", "reader")) -> dict[str, str]:
+    """Tokens for ``roles`` in the database at ``url`` (an SQLite file gets its schema first)."""
+    db = Database(url)
+    if db.engine.dialect.name == "sqlite":
+        migrate.upgrade(db.engine)
+    with SqlStore(db).write() as tx:
+        found = {role: tx.add_token(name=f"test-{role}", role=Role(role))[1] for role in roles}
+    db.dispose()
+    return found
 
 
 def make_api(url: str, **overrides) -> Api:
     settings = Settings(database_url=url, auth="token", config_cache_seconds=0, **overrides)
     app = create_app(settings)
-    db = app.state.cmtune.db
+    store = app.state.cmtune.store
     clients = {}
     for role in ("admin", "worker", "reader"):
-        with db.session(write=True) as session:
-            _, token = repo.create_token(session=session, name=f"test-{role}", role=role)
+        with store.write() as tx:
+            _, token = tx.add_token(name=f"test-{role}", role=Role(role))
         clients[role] = TestClient(app, headers={"Authorization": f"Bearer {token}"})
-    return Api(**clients, anonymous=TestClient(app), db=db, settings=settings)
+    return Api(**clients, anonymous=TestClient(app), store=store, settings=settings)
 
 
 @pytest.fixture

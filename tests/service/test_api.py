@@ -7,9 +7,9 @@ import time
 import pytest
 from sqlalchemy import func, select
 
+from cmtune.service.models import Study, Submission, Trial
 from collective_matmul import Decomposition
 from collective_matmul.bundle import Bundle
-from service.models import Study, Submission, Trial
 from tests.service.conftest import HARDWARE, PROBLEM, make_api, measurement, register, run_trial
 
 
@@ -39,17 +39,17 @@ def test_studies_from_a_model_and_mesh_with_submission(api):
     response = api.admin.post("/v1/studies", json=body)
     assert response.status_code == 201, response.text
     created = response.json()
-    assert len(created["studies"]) == 6  # tiny preset: 8 roles, 6 unique problems
+    assert len(created["studies"]) == 9  # tiny preset: 12 roles (4 forward, 4 grad_input, 4 grad_weight), 9 problems
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     roles = {e["role"] for e in sub["entries"]}
     assert {"qkv", "attn_out", "mlp_up", "mlp_up.grad_input"} <= roles
-    assert sum(e["count"] for e in sub["entries"]) == 8
+    assert sum(e["count"] for e in sub["entries"]) == 12
     assert sub["saved_s_per_step"] is None  # nothing tuned yet
     listed = api.reader.get("/v1/submissions").json()
-    assert [(s["id"], s["name"], s["problems"]) for s in listed] == [(created["submission_id"], "tiny", 6)]
+    assert [(s["id"], s["name"], s["problems"]) for s in listed] == [(created["submission_id"], "tiny", 9)]
     # the same model again links the existing studies instead of creating new ones
     again = api.admin.post("/v1/studies", json=body).json()
-    assert again["studies"] == [] and len(again["skipped"]) == 6
+    assert again["studies"] == [] and len(again["skipped"]) == 9
 
 
 def test_lease_result_tell_cycle(api):
@@ -64,7 +64,8 @@ def test_lease_result_tell_cycle(api):
     study = api.reader.get("/v1/studies/1").json()
     assert study["state"] == "running" and study["trials_done"] == 3
     trials = api.reader.get("/v1/studies/1/trials").json()
-    assert [t["state"] for t in trials] == ["completed"] * 3
+    # three results, and the engine keeps two proposals ready so that the next lease is a claim
+    assert [t["state"] for t in trials] == ["completed"] * 3 + ["pending"] * api.settings.ready_proposals
     assert trials[1]["speedup"] == pytest.approx(1 / trials[1]["ratio"])
     workers = api.reader.get("/v1/workers").json()
     assert workers[0]["trials_done"] == 3 and workers[0]["online"]
@@ -152,14 +153,12 @@ def test_idempotent_and_stale_reports(api):
 def test_config_fallbacks(api):
     from collective_matmul import Hardware, Problem
     from collective_matmul.bundle import TunedConfig
-    from service import repository as repo
 
     tuned_problem = Problem(**PROBLEM)
     config = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="update_slice")
-    with api.db.session(write=True) as session:
-        repo.upsert_tuned(session=session, study_id=None, config=TunedConfig(
-            problem=tuned_problem, hardware=Hardware(**HARDWARE), decomposition=config, time_s=1e-3,
-            baseline_s=2e-3, speedup=2.0))
+    with api.store.write() as tx:
+        tx.save_tuned(TunedConfig(problem=tuned_problem, hardware=Hardware(**HARDWARE), decomposition=config,
+                                  time_s=1e-3, baseline_s=2e-3, speedup=2.0), study_id=None)
     params = {**PROBLEM, "platform": "cpu", "device_kind": "cpu"}
     exact = api.reader.get("/v1/configs", params=params).json()
     assert (exact["match"], exact["speedup"]) == ("exact", 2.0)
@@ -302,3 +301,36 @@ def test_cancel_refuses_late_results_and_stops_leasing(api):
     assert late.status_code == 409 and "cancelled" in late.json()["detail"]
     assert api.worker.post(f"/v1/workers/{worker}/lease").status_code == 204
     assert api.admin.post(f"/v1/studies/{study_id}/cancel").status_code == 409
+
+
+def test_listing_studies_costs_the_same_queries_for_one_study_or_many(api):
+    """GET /v1/studies reads progress from the study rows: no query per study."""
+    from sqlalchemy import event
+
+    statements = []
+
+    def count(conn, cursor, statement, *args):
+        statements.append(statement)
+
+    def queries_for_listing() -> int:
+        statements.clear()
+        event.listen(api.db.engine, "before_cursor_execute", count)
+        try:
+            assert api.reader.get("/v1/studies", params={"limit": 500}).status_code == 200
+        finally:
+            event.remove(api.db.engine, "before_cursor_execute", count)
+        return len(statements)
+
+    create(api.admin)
+    worker = register(api.worker)
+    run_trial(api.worker, worker)
+    api.reader.get("/v1/studies")  # the reader's token is checked once, then cached
+    one = queries_for_listing()
+    first = list(statements)
+    for m in range(2, 22):
+        create(api.admin, problem=PROBLEM | {"m": 256 * m})
+    for _ in range(10):
+        run_trial(api.worker, worker)
+    assert api.reader.get("/v1/studies").json()["total"] == 21
+    many = queries_for_listing()
+    assert many == one <= 6, (first, statements)

@@ -9,34 +9,31 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, func, inspect, select
 
+from cmtune.service import migrate
+from cmtune.service.db import Database
+from cmtune.service.launcher import running_server
+from cmtune.service.main import SchemaOutOfDate, create_app
+from cmtune.service.models import Token
+from cmtune.service.settings import Settings
+from cmtune.service.store import SqlStore
+from cmtune.tuner.measure import Session
 from collective_matmul import Decomposition, Problem
-from service import migrate
-from service import repository as repo
-from service.db import Database
-from service.launcher import running_server
-from service.main import SchemaOutOfDate, create_app
-from service.settings import Settings
-from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, reset_postgres
-from tuner.measure import Protocol, Session
+from collective_matmul.wire import Protocol
+from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, create_tokens, reset_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def admin_token(url: str) -> str:
-    db = Database(url)
-    if db.engine.dialect.name == "sqlite":
-        migrate.upgrade(db.engine)
-    with db.session(write=True) as session:
-        _, token = repo.create_token(session=session, name="t", role="admin")
-    db.dispose()
-    return token
+    return create_tokens(url, ["admin"])["admin"]
 
 
 def test_32_concurrent_leases_never_share_a_trial(database_url):
     token = admin_token(database_url)
-    with running_server(database_url=database_url) as server:
+    # four studies with eight proposals ready each: 32 trials to claim at once
+    with running_server(database_url=database_url, extra_env={"CMTUNE_READY_PROPOSALS": "8"}) as server:
         client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         for m in (256, 512, 1024, 2048):  # four studies, so asks run in parallel across studies too
             body = {"problem": PROBLEM | {"m": m}, "hardware": HARDWARE, "budget": {"trials": 40}}
@@ -108,22 +105,22 @@ def test_serve_refuses_an_out_of_date_postgres_schema():
     reset_postgres(PG_URL)
     with pytest.raises(SchemaOutOfDate, match="run 'cmtune db upgrade'"):
         create_app(Settings(database_url=PG_URL))
-    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "1"], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "cmtune", "serve", "--port", "1"], cwd=ROOT,
                          env={"CMTUNE_DATABASE_URL": PG_URL, "PATH": "/usr/bin:/bin"} | _python_env(),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "cmtune db upgrade" in run.stdout
-    up = subprocess.run([sys.executable, "-m", "service.cli", "db", "upgrade"], cwd=ROOT,
+    up = subprocess.run([sys.executable, "-m", "cmtune", "db", "upgrade"], cwd=ROOT,
                         env={"CMTUNE_DATABASE_URL": PG_URL} | _python_env(), capture_output=True, text=True)
     assert up.returncode == 0, up.stderr
-    create_app(Settings(database_url=PG_URL)).state.cmtune.db.dispose()
+    create_app(Settings(database_url=PG_URL)).state.cmtune.store.db.dispose()
 
 
 def test_sqlite_file_is_upgraded_by_serve_and_auth_off_stays_on_loopback(tmp_path):
     url = f"sqlite:///{tmp_path / 'fresh' / 'cmtune.sqlite'}"
     app = create_app(Settings(database_url=url))
-    assert migrate.is_current(app.state.cmtune.db.engine)
-    app.state.cmtune.db.dispose()
-    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "0.0.0.0"], cwd=ROOT,
+    assert migrate.is_current(app.state.cmtune.store.db.engine)
+    app.state.cmtune.store.db.dispose()
+    run = subprocess.run([sys.executable, "-m", "cmtune", "serve", "--host", "0.0.0.0"], cwd=ROOT,
                          env={"CMTUNE_DATABASE_URL": url, "CMTUNE_AUTH": "off"} | _python_env(),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "refusing to listen on 0.0.0.0 with CMTUNE_AUTH=off" in " ".join(
@@ -132,14 +129,15 @@ def test_sqlite_file_is_upgraded_by_serve_and_auth_off_stays_on_loopback(tmp_pat
 
 def test_token_cli_stores_only_a_hash(tmp_path):
     url = f"sqlite:///{tmp_path / 'tok.sqlite'}"
-    run = subprocess.run([sys.executable, "-m", "service.cli", "token", "create", "--role", "reader"], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "cmtune", "token", "create", "--role", "reader"], cwd=ROOT,
                          env={"CMTUNE_DATABASE_URL": url} | _python_env(), capture_output=True, text=True)
     token = run.stdout.strip()
     assert run.returncode == 0 and token.startswith("cmt_")
     db = Database(url)
-    with db.session() as session:
-        row = repo.find_token(session=session, token=token)
-        assert row.role == "reader" and row.hash != token and token not in row.hash
+    with SqlStore(db).read() as tx:
+        assert tx.token(token).role == "reader"
+        stored = tx.session.scalar(select(Token.hash))
+        assert stored != token and token not in stored
     db.dispose()
 
 
@@ -155,18 +153,14 @@ def test_token_value_from_a_secret_is_idempotent(tmp_path):
     secret = "cmt_" + "x" * 40
     env = {"CMTUNE_DATABASE_URL": url} | _python_env()
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-m", "service.cli", "token", "create", "--role", "worker",
+        run = subprocess.run([sys.executable, "-m", "cmtune", "token", "create", "--role", "worker",
                               "--value", secret], cwd=ROOT, env=env, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
-    short = subprocess.run([sys.executable, "-m", "service.cli", "token", "create", "--role", "worker",
+    short = subprocess.run([sys.executable, "-m", "cmtune", "token", "create", "--role", "worker",
                             "--value", "short"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert short.returncode != 0 and "at least 24 characters" in short.stderr.replace("│", " ")
     db = Database(url)
-    with db.session() as session:
-        assert repo.find_token(session=session, token=secret).role == "worker"
-        from sqlalchemy import func, select
-
-        from service.models import Token
-
-        assert session.scalar(select(func.count()).select_from(Token)) == 1
+    with SqlStore(db).read() as tx:
+        assert tx.token(secret).role == "worker"
+        assert tx.session.scalar(select(func.count()).select_from(Token)) == 1
     db.dispose()

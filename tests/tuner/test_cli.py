@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cmtune(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "cmtune", *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from collective_matmul import Decomposition, Problem, candidates
+from cmtune.tuner.local import LocalRunner, LocalTuner
+from cmtune.tuner.measure import Session, default_program
+from cmtune.tuner.search import SearchSettings
+from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.costmodel import PROFILES, rank
-from tuner.local import LocalRunner
-from tuner.measure import Measurement, Protocol, Session, default_program
-from tuner.search import SearchSettings, tune
+from collective_matmul.wire import Measurement, Protocol, TrialKind
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")
 WRONG = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="concat")
@@ -87,17 +88,26 @@ def test_study_skips_wrong_and_broken_candidates_and_goes_on():
     def build(problem, config, mesh, axis):
         return sabotaged(problem, {wrong: WRONG, broken: BROKEN}.get(config, config), mesh, axis)
 
-    settings = SearchSettings(sampler="enumerate", max_trials=6, confirm_top=2, confirm_repeats=3)
-    result = tune(PROBLEM, LocalRunner(build=build), profile, settings=settings,
-                  protocol=Protocol(warmup=1, repeats=3))
-    statuses = {m.decomposition: m.status for m in result.trials}
+    settings = SearchSettings(sampler="enumerate", max_trials=6, confirm_top=2, confirm_repeats=3, profile="cpu")
+    result = LocalTuner(LocalRunner(build=build)).tune(PROBLEM, Hardware.detect(), settings,
+                                                        Protocol(warmup=1, repeats=3))
+    statuses = {t.decomposition: t.status for t in result.search}
     assert statuses[wrong] == "invalid" and statuses[broken] == "compile_error"
-    assert result.invalid == 1 and result.failed == 1 and len(result.trials) == 6
-    assert result.winner.decomposition not in (wrong, broken)
-    assert result.winner.ok
-    assert wrong not in [m.decomposition for m in result.confirmation]
+    assert result.tuned.invalid == 1 and result.tuned.failed == 1 and len(result.search) == 6
+    assert result.tuned.decomposition not in (wrong, broken)
+    (confirm,) = [t for t in result.trials if t.kind == TrialKind.CONFIRM]
+    assert wrong not in confirm.decompositions and all(m.ok for m in confirm.measurements)
 
 
 def test_mesh_size_must_match_the_ring():
     with pytest.raises(ValueError, match="needs a ring of 4 devices but the mesh has 8"):
         Session(Problem.parse("ag:64x8x8:float32:4"))
+
+
+def test_a_weight_gradient_problem_is_measured_like_the_others():
+    problem = Problem.parse("gw:256x64x128:float32:8")
+    session = Session(problem, protocol=Protocol(warmup=1, repeats=3))
+    assert session.x.shape == (256, 64) and session.w.shape == (256, 128)
+    m = session.measure(Decomposition(direction="bidirectional", chunks=2, accumulate="input_dtype"))
+    assert m.status == "ok", m.message
+    assert m.rel_error < 1e-5 and m.ratio > 0

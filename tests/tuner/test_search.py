@@ -1,19 +1,31 @@
-"""Search logic over a runner with known costs (a unit test of the search layer alone)."""
+"""Search logic over a runner with known costs: the engine's search, stop rules and confirmation.
+
+The runner is a test double (the search layer alone is under test); tests/tuner/test_engine.py
+runs the same engine over every store, and test_cli.py over real devices.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 
 import pytest
 
+from cmtune.tuner.local import LocalTuner
+from cmtune.tuner.search import Finished, Searcher, SearchSettings, stop_reason
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.costmodel import PROFILES
-from tuner.measure import Measurement, Protocol, Timing
-from tuner.search import Finished, Searcher, SearchSettings, stop_reason, tune
+from collective_matmul.wire import Measurement, Protocol, Timing
 
 PROBLEM = Problem.parse("ag:1024x256x1024:float32:8")  # 49 candidates
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
 PROFILE = PROFILES["cpu"]
+
+
+def tune(problem, runner, settings, clock=None):
+    """One study to its end with the engine over the in-memory store."""
+    tuner = LocalTuner(runner, clock=clock or (lambda: dt.datetime.now(dt.UTC)))
+    return tuner.tune(problem, HW, settings.model_copy(update={"profile": "cpu"}), Protocol(repeats=3))
 
 
 def record(problem, config, ratio, status="ok"):
@@ -33,9 +45,10 @@ class KnownCosts:
         self.costs, self.lucky, self.failing = costs, dict(lucky or {}), set(failing)
         self.calls: list[tuple[Decomposition, int]] = []
 
-    def run(self, problem, configs, protocol):
+    def run(self, task):
+        problem, protocol = task.problem, task.protocol
         out = []
-        for config in configs:
+        for config in task.decompositions:
             self.calls.append((config, protocol.repeats))
             if config in self.failing:
                 out.append(record(problem, config, None, status="compile_error"))
@@ -43,9 +56,6 @@ class KnownCosts:
             ratio = self.lucky.pop(config, None) or self.costs[config]
             out.append(record(problem, config, ratio))
         return out
-
-    def agree(self, flag):
-        return flag
 
 
 def random_costs(problem, seed):
@@ -59,11 +69,11 @@ def random_costs(problem, seed):
 def test_full_budget_finds_the_optimum_and_never_repeats(sampler):
     costs = random_costs(PROBLEM, 1)
     runner = KnownCosts(costs)
-    result = tune(PROBLEM, runner, PROFILE, settings=SearchSettings(sampler=sampler, seed=3))
-    timed = [m.decomposition for m in result.trials]
+    result = tune(PROBLEM, runner, SearchSettings(sampler=sampler, seed=3))
+    timed = [t.decomposition for t in result.search]
     assert len(timed) == len(set(timed)) == 49
-    assert result.stop_reason == "exhausted"
-    assert result.winner.decomposition == min(costs, key=costs.get)
+    assert result.study.stop_reason == "exhausted"
+    assert result.tuned.decomposition == min(costs, key=costs.get)
     assert timed[0] == Decomposition.baseline()
 
 
@@ -78,29 +88,30 @@ def test_tpe_beats_random_order_on_structured_costs():
     best = min(costs.values())
     for seed in range(3):
         settings = SearchSettings(sampler="tpe", seed=seed, max_trials=13, startup=4)
-        result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=settings)
-        assert result.winner.ratio <= best * 1.03
+        result = tune(PROBLEM, KnownCosts(costs), settings)
+        assert 1 / result.tuned.speedup <= best * 1.03
 
 
 def test_stop_rules():
     costs = random_costs(PROBLEM, 2)
-    result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(max_trials=7))
-    assert (len(result.trials), result.stop_reason) == (7, "trial budget")
+    result = tune(PROBLEM, KnownCosts(costs), SearchSettings(max_trials=7))
+    assert (len(result.search), result.study.stop_reason) == (7, "trial budget")
 
-    ticks = iter(range(1000))
-    result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(max_seconds=5),
-                  clock=lambda: float(next(ticks)))
-    assert result.stop_reason == "time budget"
-    assert len(result.trials) == 4  # the clock advances once per ask
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    ticks = iter(range(10_000))
+    result = tune(PROBLEM, KnownCosts(costs), SearchSettings(max_seconds=5),
+                  clock=lambda: start + dt.timedelta(seconds=next(ticks)))
+    assert result.study.stop_reason == "time budget"
+    assert 1 < len(result.search) < 10  # the clock advances a second per engine call
 
     flat = {c: 1.0 for c in candidates(PROBLEM)}
-    result = tune(PROBLEM, KnownCosts(flat), PROFILE, settings=SearchSettings(patience=5))
-    assert (len(result.trials), result.stop_reason) == (6, "no improvement")
+    result = tune(PROBLEM, KnownCosts(flat), SearchSettings(patience=5))
+    assert (len(result.search), result.study.stop_reason) == (6, "no improvement")
 
     small = Problem.parse("ag:64x8x8:float32:4")
-    result = tune(small, KnownCosts(random_costs(small, 3)), PROFILE, settings=SearchSettings())
-    assert result.stop_reason == "exhausted"
-    assert len(result.trials) == len(candidates(small))
+    result = tune(small, KnownCosts(random_costs(small, 3)), SearchSettings())
+    assert result.study.stop_reason == "exhausted"
+    assert len(result.search) == len(candidates(small))
 
 
 def test_stop_reason_unit():
@@ -118,10 +129,10 @@ def test_confirmation_round_overturns_a_lucky_sample():
     truly_best = Decomposition(direction="unidirectional", chunks=4, unroll="full", accumulate="update_slice")
     costs[lucky], costs[truly_best] = 0.9, 0.8
     runner = KnownCosts(costs, lucky={lucky: 0.5})
-    result = tune(PROBLEM, runner, PROFILE, settings=SearchSettings(sampler="enumerate", confirm_repeats=21))
-    first_round_best = min(result.trials, key=lambda m: m.ratio)
+    result = tune(PROBLEM, runner, SearchSettings(sampler="enumerate", confirm_repeats=21))
+    first_round_best = min(result.search, key=lambda t: t.ratio)
     assert first_round_best.decomposition == lucky
-    assert result.winner.decomposition == truly_best
+    assert result.tuned.decomposition == truly_best
     confirmed = [c for c, repeats in runner.calls if repeats == 21]
     assert confirmed[0] == Decomposition.baseline() and lucky in confirmed and truly_best in confirmed
 
@@ -129,25 +140,26 @@ def test_confirmation_round_overturns_a_lucky_sample():
 def test_baseline_wins_when_nothing_beats_it():
     costs = {c: 1.3 for c in candidates(PROBLEM)}
     costs[Decomposition.baseline()] = 1.0
-    result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(max_trials=10))
-    assert result.winner.decomposition == Decomposition.baseline()
+    result = tune(PROBLEM, KnownCosts(costs), SearchSettings(max_trials=10))
+    assert result.tuned.decomposition == Decomposition.baseline()
+    assert result.tuned.speedup == 1.0
 
 
 def test_failures_are_recorded_and_the_study_goes_on():
     costs = random_costs(PROBLEM, 4)
     failing = [c for c in candidates(PROBLEM) if c.chunks == 8]
-    result = tune(PROBLEM, KnownCosts(costs, failing=failing), PROFILE, settings=SearchSettings(sampler="enumerate"))
-    assert len(result.trials) == 49
-    assert result.failed == len(failing)
-    assert result.winner.decomposition not in failing
+    result = tune(PROBLEM, KnownCosts(costs, failing=failing), SearchSettings(sampler="enumerate"))
+    assert len(result.search) == 49
+    assert result.tuned.failed == len(failing)
+    assert result.tuned.decomposition not in failing
 
 
 def test_deterministic_given_a_seed():
     costs = random_costs(PROBLEM, 5)
 
     def sequence(seed):
-        result = tune(PROBLEM, KnownCosts(costs), PROFILE, settings=SearchSettings(seed=seed, max_trials=15))
-        return [m.decomposition.id for m in result.trials]
+        result = tune(PROBLEM, KnownCosts(costs), SearchSettings(seed=seed, max_trials=15))
+        return [t.decomposition.id for t in result.search]
 
     assert sequence(1) == sequence(1)
     assert sequence(1) != sequence(2)

@@ -12,11 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service import migrate
-from service import repository as repo
-from service.db import Database
-from service.launcher import running_server, stop, wait_ready
-from workers.cluster import free_port
+from cmtune.service.launcher import running_server, stop, wait_ready
+from cmtune.tuner.cluster import free_port
+from tests.service.conftest import create_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = {"collective": "allgather_matmul", "m": 256, "k": 64, "n": 128, "dtype": "float32", "axis_size": 8}
@@ -27,17 +25,12 @@ def hardware(processes: int = 1) -> dict:
 
 
 def tokens(url: str) -> dict[str, str]:
-    db = Database(url)
-    migrate.upgrade(db.engine)
-    with db.session(write=True) as session:
-        found = {role: repo.create_token(session=session, name=role, role=role)[1] for role in ("admin", "worker")}
-    db.dispose()
-    return found
+    return create_tokens(url, ("admin", "worker"))
 
 
 def start_worker(server: str, token: str, *extra: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--server", server, "--token", token,
+        [sys.executable, "-m", "cmtune", "worker", "--server", server, "--token", token,
          "--poll-seconds", "0.2", "--heartbeat-seconds", "0.5", *extra],
         cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT, env=os.environ | {"JAX_PLATFORMS": "cpu"},
     )
@@ -116,7 +109,7 @@ def test_service_restart_mid_study(tmp_path):
     tok = tokens(url)
     port = free_port()
     env = os.environ | {"CMTUNE_DATABASE_URL": url, "CMTUNE_AUTH": "token"}
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "cmtune", "serve", "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     worker = None
@@ -159,7 +152,7 @@ def test_two_process_worker_group_completes_a_study(tmp_path):
 
 
 def test_demo_runs_to_its_table(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--trials", "2", "--data-dir", str(tmp_path)],
+    run = subprocess.run([sys.executable, "-m", "cmtune", "demo", "--trials", "2", "--data-dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=os.environ | {"COLUMNS": "200"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -1,11 +1,14 @@
-"""Multi-process JAX clusters: join one (multi-host) or launch one on loopback (development).
+"""Devices and multi-process JAX clusters: join one (multi-host) or launch one on loopback.
 
 A TPU pod slice is several hosts running one SPMD program.  Here the same path runs as N local
 processes that join `jax.distributed` over gloo on 127.0.0.1, each with its own CPU devices.
+In such a group, process 0 takes every decision and hands it to the others with `Group`, so no
+decision can depend on one process's timings.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -60,6 +63,46 @@ def join(spec: ClusterSpec) -> None:
         num_processes=spec.num_processes,
         process_id=spec.process_id,
     )
+
+
+DEVICES_HELP = "virtual:N (N virtual CPU devices in this process) or processes:N (N local gloo processes)"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """``auto``, ``virtual:N`` or ``processes:N`` as given on the command line."""
+
+    kind: str
+    count: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceSpec:
+        kind, _, count = text.partition(":")
+        if kind not in ("virtual", "processes", "auto") or (kind != "auto" and not count.isdigit()) \
+                or (kind != "auto" and int(count) < 1):
+            raise ValueError(f"{text!r}: expected {DEVICES_HELP}, or auto")
+        return cls(kind, int(count) if count else 0)
+
+    @property
+    def needs_group(self) -> bool:
+        """True when this process must re-run itself as a group (and is not in one already)."""
+        return self.kind == "processes" and ClusterSpec.from_env() is None
+
+
+def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
+    """Set JAX up for ``spec`` before any device is touched; a group member joins its group.
+
+    ``auto_virtual``: how many virtual CPU devices ``auto`` means (0: whatever JAX finds).
+    """
+    cluster = ClusterSpec.from_env()
+    if cluster is not None:
+        join(cluster)
+        return
+    count = spec.count if spec.kind == "virtual" else auto_virtual if spec.kind == "auto" else 0
+    if count > 0:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", count)
 
 
 def free_port() -> int:
@@ -133,3 +176,46 @@ def launch(
         tail = failed[0].stderr[-3000:]
         raise RuntimeError(f"process {failed[0].process_id} exited {failed[0].returncode}:\n{tail}")
     return results
+
+
+class Group:
+    """Messages from process 0 to the others of a `jax.distributed` group (no-op alone).
+
+    Every process must call `send` (process 0) or `receive` (the others) together: a broadcast
+    is a collective.
+    """
+
+    MAX_BYTES = 1 << 16
+
+    def __init__(self):
+        import jax
+
+        self.size = jax.process_count()
+        self.leader = jax.process_index() == 0
+
+    def send(self, message: dict) -> None:
+        if self.size > 1:
+            self._broadcast(json.dumps(message).encode())
+
+    def receive(self) -> dict:
+        return json.loads(self._broadcast(b"").decode())
+
+    def share(self, message: dict | None) -> dict:
+        """Process 0's ``message`` on every process (the others pass None)."""
+        if self.leader:
+            self.send(message)
+            return message
+        return self.receive()
+
+    def _broadcast(self, payload: bytes) -> bytes:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        if len(payload) > self.MAX_BYTES:
+            raise ValueError(f"message of {len(payload)} bytes is over {self.MAX_BYTES}")
+        buffer = np.zeros(self.MAX_BYTES + 4, np.uint8)
+        buffer[:4] = np.frombuffer(np.uint32(len(payload)).tobytes(), np.uint8)
+        buffer[4 : 4 + len(payload)] = np.frombuffer(payload, np.uint8)
+        out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+        length = int(np.frombuffer(out[:4].tobytes(), np.uint32)[0])
+        return out[4 : 4 + length].tobytes()

@@ -1,0 +1,5 @@
+"""`python -m cmtune`: the `cmtune` command."""
+
+from cmtune.cli import main
+
+main()

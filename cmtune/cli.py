@@ -1,0 +1,143 @@
+"""The `cmtune` command: every part's subcommands under one root, plus the API clients and the demo.
+
+Each part keeps its commands beside its code: `cmtune.tuner.cli` (tune, bench, problems),
+`cmtune.workers.cli` (worker), `cmtune.service.cli` (serve, token, db).  `submit` and `status`
+are clients of the REST API and need neither the service nor JAX.  This module is the only one
+that imports every part.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cmtune.service.cli import app as service_app
+from cmtune.tuner.cli import app as tuner_app
+from cmtune.tuner.cli import problems_from_options
+from cmtune.workers.cli import app as workers_app
+
+app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True)
+app.add_typer(tuner_app)
+app.add_typer(workers_app)
+app.add_typer(service_app)
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+SERVER = typer.Option(envvar="CMTUNE_SERVER", help="service URL")
+
+
+def main() -> None:
+    app(prog_name="cmtune")
+
+
+@app.command()
+def demo(
+    keep_serving: Annotated[bool, typer.Option(help="leave the service (and worker) up afterwards")] = False,
+    trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 6,
+    port: Annotated[int | None, typer.Option(help="service port (default: a free one)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="where the demo puts its SQLite file (default: temp)")] = None,
+) -> None:
+    """The end-to-end demo: service + local worker (8 virtual devices) tune the tiny preset."""
+    import tempfile
+
+    from cmtune.demo import run_demo
+
+    directory = Path(data_dir or tempfile.mkdtemp(prefix="cmtune-demo-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    run_demo(directory, trials=trials, port=port, keep_serving=keep_serving, console=console)
+
+
+def _api(server: str, token: str | None):
+    import httpx
+
+    return httpx.Client(base_url=server.rstrip("/"), timeout=30,
+                        headers={"Authorization": f"Bearer {token}"} if token else {})
+
+
+def _check(response) -> dict | list:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        console.print(f"[red]{response.status_code}: {detail}[/red]")
+        raise typer.Exit(1)
+    return response.json()
+
+
+@app.command()
+def submit(
+    server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
+    token: Annotated[str | None, typer.Option(
+        envvar="CMTUNE_TOKEN", help="an admin token (CMTUNE_TOKEN keeps it out of ps)")] = None,
+    problem: Annotated[list[str] | None, typer.Option(help="problem spec (repeatable)")] = None,
+    model: Annotated[str | None, typer.Option(help="preset name or JSON file (with --mesh)")] = None,
+    mesh: Annotated[str | None, typer.Option(help="e.g. data=1,model=8")] = None,
+    tensor_axis: Annotated[str | None, typer.Option()] = None,
+    platform: Annotated[str, typer.Option(help="hardware to tune on")] = "cpu",
+    device_kind: Annotated[str, typer.Option()] = "cpu",
+    process_count: Annotated[int, typer.Option(min=1)] = 1,
+    trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
+    force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
+) -> None:
+    """Submit problems, or a model + mesh, to a running service."""
+    from collective_matmul import MeshSpec, TransformerBlock
+    from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate, StudyCreated
+
+    targets = problems_from_options(problem, model, mesh, tensor_axis)
+    hardware = HardwareIn(platform=platform, device_kind=device_kind, device_count=targets[0].axis_size,
+                          process_count=process_count)
+    common = dict(hardware=hardware, budget=Budget(trials=trials), force=force)
+    if model:
+        spec = MeshSpec.parse(mesh, tensor_axis)
+        # a file is read here, on the client: the API takes a preset name or an inline shape
+        shape = model if model in _presets() else TransformerBlock.load(model)
+        bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis), **common)]
+    else:
+        bodies = [StudyCreate(problem=p, **common) for p in targets]
+    with _api(server, token) as client:
+        for body in bodies:
+            created = StudyCreated.model_validate(_check(client.post(
+                "/v1/studies", json=body.model_dump(mode="json", exclude_none=True))))
+            for study in created.studies:
+                console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials)")
+            for skip in created.skipped:
+                console.print(f"skipped {skip.problem}: {skip.reason} (study {skip.study_id})")
+            if created.submission_id:
+                console.print(f"submission {created.submission_id}")
+
+
+def _presets() -> set[str]:
+    from collective_matmul import PRESETS
+
+    return set(PRESETS)
+
+
+@app.command()
+def status(
+    server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
+    token: Annotated[str | None, typer.Option(
+        envvar="CMTUNE_TOKEN", help="a reader token (CMTUNE_TOKEN keeps it out of ps)")] = None,
+    state: Annotated[str | None, typer.Option(help="only studies in this state")] = None,
+) -> None:
+    """Studies and workers of a running service."""
+    from rich.table import Table
+
+    from collective_matmul.wire import StudyPage, WorkerPublic
+
+    with _api(server, token) as client:
+        studies = StudyPage.model_validate(_check(client.get("/v1/studies", params={"state": state} if state else {})))
+        workers = [WorkerPublic.model_validate(w) for w in _check(client.get("/v1/workers"))]
+    table = Table(title=f"studies on {server} ({studies.total})")
+    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned"):
+        table.add_column(col)
+    for s in studies.items:
+        best = f"{s.best.speedup:.2f}x" if s.best else "-"
+        tuned = f"{s.tuned_decomposition_id} {s.tuned.speedup:.2f}x" if s.tuned else "-"
+        table.add_row(str(s.id), s.state, s.problem_key, s.hardware_key,
+                      f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned)
+    console.print(table)
+    console.print(f"workers online: {sum(w.online for w in workers)} of {len(workers)} registered")

@@ -1,0 +1,567 @@
+"""The SQL store: the engine's store interface on SQLite or PostgreSQL, plus the service's own tables.
+
+Every route reaches the database one way: ``with store.read() as tx`` or ``with store.write() as
+tx`` (one transaction; see `cmtune.service.db`), then `SqlTx` methods, which return domain records
+(`StudyRecord`, `TrialRecord`, `TunedConfig`, ...) or plain values, never ORM rows.  The engine
+(`cmtune.tuner.engine`) takes the same ``tx`` as its `StoreTx`.
+
+The hot paths (claim, result, history) are single Core statements.  A study's problem, hardware,
+settings and protocol never change after it is created, so each process keeps them in memory
+and a study read fetches only its mutable columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import hashlib
+import secrets
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from cmtune.service.db import Database
+from cmtune.service.models import (
+    HardwareRow,
+    Lease,
+    ProblemRow,
+    Role,
+    Study,
+    Submission,
+    SubmissionStudy,
+    Token,
+    Trial,
+    TunedConfigRow,
+    Worker,
+)
+from cmtune.tuner.errors import NotFoundError
+from cmtune.tuner.search import SearchSettings
+from cmtune.tuner.store import StudyRecord, TrialRecord
+from collective_matmul.bundle import TunedConfig
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.wire import (
+    ACTIVE_STUDY_STATES,
+    Measurement,
+    Protocol,
+    StudyState,
+    TrialKind,
+    TrialState,
+)
+
+studies, trials, leases, workers = Study.__table__, Trial.__table__, Lease.__table__, Worker.__table__
+problems, hardware_t, tuned_t, tokens = ProblemRow.__table__, HardwareRow.__table__, TunedConfigRow.__table__, \
+    Token.__table__
+ACTIVE = [s.value for s in ACTIVE_STUDY_STATES]
+
+
+@functools.lru_cache(maxsize=4096)
+def decomposition_of(decomposition_id: str) -> Decomposition:
+    """A search trial's candidate from its stored id (ids round-trip; checked when stored)."""
+    return Decomposition.from_id(decomposition_id)
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """The parts of a study that never change after it is created."""
+
+    problem: Problem
+    hardware: Hardware
+    hardware_id: int
+    problem_id: int
+    settings: SearchSettings
+    protocol: Protocol
+    space_size: int
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    id: int
+    name: str
+    role: Role
+    revoked: bool
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: int
+    name: str
+    hardware: Hardware
+    software: dict
+    registered_at: dt.datetime
+    last_heartbeat: dt.datetime
+    active: bool
+    trials_done: int
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    id: str
+    trial_id: int
+    worker_id: int
+    expires_at: dt.datetime
+    active: bool
+
+
+@dataclass(frozen=True)
+class TunedRow:
+    """A stored tuned config and the study that produced it."""
+
+    config: TunedConfig
+    study_id: int | None
+
+
+class SqlStore:
+    """The database behind the service, and per-process caches of what never changes."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self.fixed: dict[int, _Fixed] = {}
+
+    @contextmanager
+    def transaction(self, *, write: bool = False) -> Iterator[SqlTx]:
+        with self.db.session(write=write) as session:
+            yield SqlTx(session, self)
+
+    def read(self):
+        return self.transaction(write=False)
+
+    def write(self):
+        return self.transaction(write=True)
+
+
+class SqlTx:
+    """One transaction: the engine's `StoreTx` and the service's queries."""
+
+    def __init__(self, session: Session, store: SqlStore):
+        self.session = session
+        self.store = store
+        self._postgres = session.get_bind().dialect.name == "postgresql"
+
+    def _one(self, statement):
+        return self.session.execute(statement).one_or_none()
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def hardware_id(self, hardware: Hardware, *, create: bool = False) -> int | None:
+        key = hardware.identity().key
+        found = self.session.scalar(select(hardware_t.c.id).where(hardware_t.c.key == key))
+        if found is None and create:
+            hw = hardware.identity()
+            found = self.session.execute(insert(hardware_t).values(
+                key=key, platform=hw.platform, device_kind=hw.device_kind, device_count=hw.device_count,
+                process_count=hw.process_count).returning(hardware_t.c.id)).scalar_one()
+        return found
+
+    def problem_id(self, problem: Problem, *, create: bool = False) -> int | None:
+        found = self.session.scalar(select(problems.c.id).where(problems.c.key == problem.key))
+        if found is None and create:
+            found = self.session.execute(insert(problems).values(key=problem.key, **problem.model_dump())
+                                         .returning(problems.c.id)).scalar_one()
+        return found
+
+    # --- the engine's store interface ---------------------------------------------------------
+
+    def add_study(self, *, problem, hardware, settings, protocol, space_size, now) -> StudyRecord:
+        hardware_id = self.hardware_id(hardware, create=True)
+        problem_id = self.problem_id(problem, create=True)
+        study_id = self.session.execute(insert(studies).values(
+            problem_id=problem_id, hardware_id=hardware_id, state=StudyState.PENDING,
+            settings=settings.model_dump(mode="json"), protocol=protocol.model_dump(mode="json"),
+            space_size=space_size, created_at=now, trials_done=0).returning(studies.c.id)).scalar_one()
+        return self.study(study_id)
+
+    # created_at tells a cached study from a row that reused its id after a rollback (SQLite)
+    _MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_reason, studies.c.message,
+                studies.c.started_at, studies.c.finished_at, studies.c.trials_done, studies.c.best_trial_id,
+                studies.c.best_ratio)
+
+    def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
+        query = select(*self._MUTABLE).where(studies.c.id == study_id)
+        row = self._one(query.with_for_update() if lock else query)
+        if row is None:
+            raise NotFoundError(f"study {study_id} does not exist")
+        return self._study_record(self._fixed(study_id, row.created_at), row)
+
+    def _fixed(self, study_id: int, created_at: dt.datetime) -> _Fixed:
+        fixed = self.store.fixed.get(study_id)
+        if fixed is None or fixed.created_at != created_at:
+            row = self._one(
+                select(studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c.created_at,
+                       studies.c.hardware_id, studies.c.problem_id, *_problem_columns(), *_hardware_columns())
+                .join(problems, problems.c.id == studies.c.problem_id)
+                .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
+                .where(studies.c.id == study_id))
+            if row is None:
+                raise NotFoundError(f"study {study_id} does not exist")
+            fixed = _Fixed(_problem(row), _hardware(row), row.hardware_id, row.problem_id,
+                           SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
+                           row.space_size, row.created_at)
+            self.store.fixed[study_id] = fixed
+        return fixed
+
+    @staticmethod
+    def _study_record(fixed: _Fixed, row) -> StudyRecord:
+        return StudyRecord(
+            id=row.id, problem=fixed.problem, hardware=fixed.hardware, settings=fixed.settings,
+            protocol=fixed.protocol, space_size=fixed.space_size, state=StudyState(row.state),
+            created_at=fixed.created_at, stop_reason=row.stop_reason, message=row.message,
+            started_at=row.started_at, finished_at=row.finished_at, trials_done=row.trials_done,
+            best_trial_id=row.best_trial_id, best_ratio=row.best_ratio)
+
+    _TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
+              trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
+              trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at)
+
+    def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
+        columns = (*self._TRIAL, trials.c.measurements) if measurements else self._TRIAL
+        rows = self.session.execute(select(*columns).where(trials.c.study_id == study_id).order_by(trials.c.number))
+        return [_trial_record(row, measurements) for row in rows]
+
+    def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
+        query = select(*self._TRIAL, trials.c.measurements).where(trials.c.id == trial_id)
+        row = self._one(query.with_for_update() if lock else query)
+        if row is None:
+            raise NotFoundError(f"trial {trial_id} does not exist")
+        return _trial_record(row, True)
+
+    def add_trials(self, study_id, kind, candidates, now) -> list[TrialRecord]:
+        number = self.session.scalar(select(func.max(trials.c.number)).where(trials.c.study_id == study_id)) or 0
+        added = []
+        for configs in candidates:
+            number += 1
+            configs = tuple(configs)
+            if kind == TrialKind.SEARCH and decomposition_of(configs[0].id) != configs[0]:
+                raise ValueError(f"{configs[0]!r} does not round-trip through its id {configs[0].id!r}")
+            record = TrialRecord(id=0, study_id=study_id, number=number, kind=kind, decompositions=configs,
+                                 state=TrialState.PENDING, created_at=now)
+            trial_id = self.session.execute(insert(trials).values(
+                study_id=study_id, number=number, kind=kind, state=TrialState.PENDING, attempts=0, created_at=now,
+                decompositions=[d.model_dump(mode="json") for d in configs],
+                decomposition_id=record.decomposition_id).returning(trials.c.id)).scalar_one()
+            added.append(dataclasses.replace(record, id=trial_id))
+        return added
+
+    def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
+        query = (select(trials.c.id).join(studies, studies.c.id == trials.c.study_id)
+                 .where(trials.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
+                 .order_by(trials.c.study_id, trials.c.number).limit(1))
+        if study_ids is not None:
+            query = query.where(trials.c.study_id.in_(list(study_ids)))
+        if hardware is not None:
+            query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
+                .where(hardware_t.c.key == hardware.identity().key)
+        # PostgreSQL: concurrent claims skip each other's row; SQLite: the write transaction is exclusive
+        trial_id = self.session.scalar(query.with_for_update(of=trials, skip_locked=True))
+        if trial_id is None:
+            return None
+        self.session.execute(update(trials).where(trials.c.id == trial_id).values(
+            state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=worker_id))
+        return self.trial(trial_id)
+
+    def update_study(self, study_id: int, **changes) -> None:
+        self.session.execute(update(studies).where(studies.c.id == study_id).values(**changes))
+
+    def update_trial(self, trial_id: int, **changes) -> None:
+        if changes.get("measurements") is not None:
+            changes["measurements"] = [m.model_dump(mode="json") for m in changes["measurements"]]
+        self.session.execute(update(trials).where(trials.c.id == trial_id).values(**changes))
+
+    def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
+        problem_id = self.problem_id(config.problem, create=True)
+        hardware_id = self.hardware_id(config.hardware, create=True)
+        values = dict(
+            decomposition=config.decomposition.model_dump(mode="json"), time_s=config.time_s,
+            baseline_s=config.baseline_s, speedup=config.speedup, speedup_iqr=config.speedup_iqr,
+            trials=config.trials, invalid=config.invalid, failed=config.failed, space_size=config.space_size,
+            software={"jax": config.jax_version, "jaxlib": config.jaxlib_version},
+            updated_at=dt.datetime.now(dt.UTC), study_id=study_id,
+        )
+        where = and_(tuned_t.c.problem_id == problem_id, tuned_t.c.hardware_id == hardware_id)
+        existing = self.session.scalar(select(tuned_t.c.id).where(where).with_for_update())
+        if existing is None:
+            self.session.execute(insert(tuned_t).values(problem_id=problem_id, hardware_id=hardware_id, **values))
+        else:
+            self.session.execute(update(tuned_t).where(tuned_t.c.id == existing).values(**values))
+
+    # --- studies for the API ------------------------------------------------------------------
+
+    def find_study(self, problem: Problem, hardware: Hardware) -> StudyRecord | None:
+        """The newest study of this (problem, hardware) that is active or completed."""
+        problem_id, hardware_id = self.problem_id(problem), self.hardware_id(hardware)
+        if problem_id is None or hardware_id is None:
+            return None
+        study_id = self.session.scalar(
+            select(studies.c.id).where(studies.c.problem_id == problem_id, studies.c.hardware_id == hardware_id,
+                                       studies.c.state.in_([*ACTIVE, StudyState.COMPLETED.value]))
+            .order_by(studies.c.id.desc()).limit(1))
+        return self.study(study_id) if study_id is not None else None
+
+    def list_studies(self, *, state: StudyState | None, hardware: str | None, offset: int,
+                     limit: int) -> tuple[list[StudyRecord], int]:
+        """A page of studies, newest first, and the total; two queries whatever the page size."""
+        query = select(*self._MUTABLE, studies.c.settings, studies.c.protocol, studies.c.space_size,
+                       studies.c.created_at, studies.c.hardware_id, studies.c.problem_id, *_problem_columns(),
+                       *_hardware_columns()).join(problems, problems.c.id == studies.c.problem_id) \
+            .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
+        count = select(func.count()).select_from(studies)
+        if state is not None:
+            query, count = query.where(studies.c.state == state), count.where(studies.c.state == state)
+        if hardware:
+            query = query.where(hardware_t.c.key == hardware)
+            count = count.join(hardware_t, hardware_t.c.id == studies.c.hardware_id).where(hardware_t.c.key == hardware)
+        total = self.session.scalar(count)
+        records = []
+        for row in self.session.execute(query.order_by(studies.c.id.desc()).offset(offset).limit(limit)):
+            fixed = self.store.fixed.get(row.id)
+            if fixed is None or fixed.created_at != row.created_at:
+                fixed = _Fixed(
+                _problem(row), _hardware(row), row.hardware_id, row.problem_id,
+                    SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
+                    row.space_size, row.created_at)
+                self.store.fixed[row.id] = fixed
+            records.append(self._study_record(fixed, row))
+        return records, int(total or 0)
+
+    def leased_counts(self, study_ids: Sequence[int]) -> dict[int, int]:
+        """Trials currently leased, per study."""
+        if not study_ids:
+            return {}
+        return dict(self.session.execute(
+            select(trials.c.study_id, func.count()).where(trials.c.study_id.in_(list(study_ids)),
+                                                          trials.c.state == TrialState.LEASED)
+            .group_by(trials.c.study_id)).all())
+
+    def trial_decompositions(self, trial_ids: Sequence[int]) -> dict[int, Decomposition]:
+        """The candidates of search trials, by id (for the best-so-far of a page of studies)."""
+        if not trial_ids:
+            return {}
+        rows = self.session.execute(select(trials.c.id, trials.c.decomposition_id)
+                                    .where(trials.c.id.in_(list(trial_ids))))
+        return {row.id: decomposition_of(row.decomposition_id) for row in rows}
+
+    def tuned_of_studies(self, study_ids: Sequence[int]) -> dict[int, TunedConfig]:
+        """The tuned configs written by these studies."""
+        if not study_ids:
+            return {}
+        return {row.study_id: row.config for row in self._tuned(tuned_t.c.study_id.in_(list(study_ids)))}
+
+    def count_studies_by_state(self) -> dict[str, int]:
+        return {str(s): n for s, n in self.session.execute(
+            select(studies.c.state, func.count()).group_by(studies.c.state)).all()}
+
+    def count_trials_by_state(self) -> dict[str, int]:
+        return {str(s): n for s, n in self.session.execute(
+            select(trials.c.state, func.count()).group_by(trials.c.state)).all()}
+
+    # --- tuned configs ------------------------------------------------------------------------
+
+    def _tuned(self, *conditions) -> list[TunedRow]:
+        rows = self.session.execute(
+            select(tuned_t, *_problem_columns(), *_hardware_columns())
+            .join(problems, problems.c.id == tuned_t.c.problem_id)
+            .join(hardware_t, hardware_t.c.id == tuned_t.c.hardware_id)
+            .where(*conditions).order_by(tuned_t.c.id))
+        return [TunedRow(_tuned_config(row), row.study_id) for row in rows]
+
+    def tuned(self, problem: Problem, hardware: Hardware) -> TunedRow | None:
+        found = self._tuned(problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key)
+        return found[0] if found else None
+
+    def list_tuned(self, *, platform: str | None = None, device_kind: str | None = None,
+                   hardware: str | None = None) -> list[TunedConfig]:
+        return [row.config for row in self.tuned_rows(platform=platform, device_kind=device_kind, hardware=hardware)]
+
+    def tuned_rows(self, *, platform: str | None = None, device_kind: str | None = None,
+                   hardware: str | None = None) -> list[TunedRow]:
+        conditions = []
+        if platform:
+            conditions.append(hardware_t.c.platform == platform)
+        if device_kind:
+            conditions.append(hardware_t.c.device_kind == device_kind)
+        if hardware:
+            conditions.append(hardware_t.c.key == hardware)
+        return self._tuned(*conditions)
+
+    # --- workers and leases -------------------------------------------------------------------
+
+    def add_worker(self, *, name: str, hardware: Hardware, software: dict, now: dt.datetime) -> int:
+        return self.session.execute(insert(workers).values(
+            name=name, hardware_id=self.hardware_id(hardware, create=True), software=software, registered_at=now,
+            last_heartbeat=now, active=True, trials_done=0).returning(workers.c.id)).scalar_one()
+
+    def worker(self, worker_id: int) -> WorkerInfo:
+        """An active worker; `NotFoundError` (register again) otherwise."""
+        found = self.workers(worker_id=worker_id)
+        if not found:
+            raise NotFoundError(f"worker {worker_id} is not registered; register again with POST /v1/workers")
+        return found[0]
+
+    def workers(self, *, include_inactive: bool = False, worker_id: int | None = None) -> list[WorkerInfo]:
+        query = select(workers, *_hardware_columns()).join(hardware_t, hardware_t.c.id == workers.c.hardware_id)
+        if not include_inactive:
+            query = query.where(workers.c.active.is_(True))
+        if worker_id is not None:
+            query = query.where(workers.c.id == worker_id)
+        return [WorkerInfo(id=r.id, name=r.name, hardware=_hardware(r), software=r.software,
+                           registered_at=r.registered_at, last_heartbeat=r.last_heartbeat, active=r.active,
+                           trials_done=r.trials_done)
+                for r in self.session.execute(query.order_by(workers.c.id))]
+
+    def update_worker(self, worker_id: int, **changes) -> None:
+        self.session.execute(update(workers).where(workers.c.id == worker_id).values(**changes))
+
+    def count_workers_online(self, *, since: dt.datetime) -> int:
+        return int(self.session.scalar(select(func.count()).select_from(workers).where(
+            workers.c.active.is_(True), workers.c.last_heartbeat >= since)) or 0)
+
+    def add_lease(self, *, trial_id: int, worker_id: int, now: dt.datetime, seconds: float) -> LeaseInfo:
+        lease = LeaseInfo(id=str(uuid.uuid4()), trial_id=trial_id, worker_id=worker_id,
+                          expires_at=now + dt.timedelta(seconds=seconds), active=True)
+        self.session.execute(insert(leases).values(created_at=now, **dataclasses.asdict(lease)))
+        return lease
+
+    def lease(self, lease_id: str, *, lock: bool = False) -> LeaseInfo | None:
+        query = select(leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active) \
+            .where(leases.c.id == lease_id)
+        row = self._one(query.with_for_update() if lock else query)
+        return LeaseInfo(**row._mapping) if row is not None else None
+
+    def update_lease(self, lease_id: str, **changes) -> None:
+        self.session.execute(update(leases).where(leases.c.id == lease_id).values(**changes))
+
+    def active_leases(self, *, expired_before: dt.datetime | None = None, worker_id: int | None = None,
+                      study_id: int | None = None) -> list[LeaseInfo]:
+        """Active leases (expired ones, a worker's, or a study's), locked for this transaction."""
+        query = select(leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active) \
+            .where(leases.c.active.is_(True))
+        if expired_before is not None:
+            query = query.where(leases.c.expires_at < expired_before)
+        if worker_id is not None:
+            query = query.where(leases.c.worker_id == worker_id)
+        if study_id is not None:
+            query = query.where(leases.c.trial_id.in_(select(trials.c.id).where(trials.c.study_id == study_id)))
+        return [LeaseInfo(**row._mapping) for row in self.session.execute(
+            query.order_by(leases.c.created_at).with_for_update(skip_locked=True))]
+
+    def current_trials(self) -> dict[int, int]:
+        """worker id -> the trial it holds an active lease on."""
+        rows = self.session.execute(select(leases.c.worker_id, leases.c.trial_id).where(leases.c.active.is_(True)))
+        return {worker_id: trial_id for worker_id, trial_id in rows}
+
+    def count_active_leases(self) -> int:
+        return int(self.session.scalar(select(func.count()).select_from(leases).where(leases.c.active.is_(True)))
+                   or 0)
+
+    # --- submissions --------------------------------------------------------------------------
+
+    def add_submission(self, *, model: dict, mesh: dict, hardware: Hardware, now: dt.datetime) -> int:
+        return self.session.execute(insert(Submission.__table__).values(
+            model=model, mesh=mesh, hardware_id=self.hardware_id(hardware, create=True), created_at=now)
+            .returning(Submission.__table__.c.id)).scalar_one()
+
+    def link_submission(self, *, submission_id: int, study_id: int | None, problem: Problem, roles: Sequence[str],
+                        count: int) -> None:
+        self.session.execute(insert(SubmissionStudy.__table__).values(
+            submission_id=submission_id, study_id=study_id, problem_id=self.problem_id(problem, create=True),
+            roles=list(roles), count=count))
+
+    def submissions(self, *, limit: int = 100, submission_id: int | None = None) -> list[dict]:
+        """Submissions, newest first: id, model, mesh, hardware, created_at and entries."""
+        sub, link = Submission.__table__, SubmissionStudy.__table__
+        query = select(sub, *_hardware_columns()).join(hardware_t, hardware_t.c.id == sub.c.hardware_id)
+        if submission_id is not None:
+            query = query.where(sub.c.id == submission_id)
+        rows = self.session.execute(query.order_by(sub.c.id.desc()).limit(limit)).all()
+        if not rows:
+            return []
+        entries: dict[int, list[dict]] = {row.id: [] for row in rows}
+        for e in self.session.execute(
+                select(link.c.submission_id, link.c.study_id, link.c.roles, link.c.count, *_problem_columns())
+                .join(problems, problems.c.id == link.c.problem_id)
+                .where(link.c.submission_id.in_(list(entries))).order_by(link.c.id)):
+            entries[e.submission_id].append({"study_id": e.study_id, "roles": list(e.roles), "count": e.count,
+                                             "problem": _problem(e)})
+        return [{"id": r.id, "model": r.model, "mesh": r.mesh, "hardware": _hardware(r), "created_at": r.created_at,
+                 "entries": entries[r.id]} for r in rows]
+
+    # --- tokens -------------------------------------------------------------------------------
+
+    def add_token(self, *, name: str, role: Role, value: str | None = None) -> tuple[int, str]:
+        """A new token (random unless ``value``); only its SHA-256 is stored.  Returns its id and the token."""
+        plain = value or "cmt_" + secrets.token_urlsafe(32)
+        token_id = self.session.execute(insert(tokens).values(
+            name=name, role=role, hash=hash_token(plain), created_at=dt.datetime.now(dt.UTC), revoked=False)
+            .returning(tokens.c.id)).scalar_one()
+        return token_id, plain
+
+    def tokens(self) -> list[TokenInfo]:
+        return [TokenInfo(id=r.id, name=r.name, role=Role(r.role), revoked=r.revoked, created_at=r.created_at)
+                for r in self.session.execute(select(tokens.c.id, tokens.c.name, tokens.c.role, tokens.c.revoked,
+                                                     tokens.c.created_at).order_by(tokens.c.id))]
+
+    def revoke_token(self, token_id: int) -> TokenInfo:
+        """Mark a token revoked (kept for the record); `NotFoundError` if there is none."""
+        if self.session.execute(update(tokens).where(tokens.c.id == token_id).values(revoked=True)).rowcount == 0:
+            raise NotFoundError(f"token {token_id} does not exist; see 'cmtune token list'")
+        return next(t for t in self.tokens() if t.id == token_id)
+
+    def token(self, token: str) -> TokenInfo | None:
+        """The token's record (revoked ones too), by its hash."""
+        row = self._one(select(tokens.c.id, tokens.c.name, tokens.c.role, tokens.c.revoked, tokens.c.created_at)
+                        .where(tokens.c.hash == hash_token(token)))
+        return TokenInfo(id=row.id, name=row.name, role=Role(row.role), revoked=row.revoked,
+                         created_at=row.created_at) if row is not None else None
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _problem_columns():
+    return (problems.c.collective, problems.c.m, problems.c.k, problems.c.n, problems.c.dtype, problems.c.axis_size)
+
+
+def _hardware_columns():
+    return (hardware_t.c.platform, hardware_t.c.device_kind, hardware_t.c.device_count, hardware_t.c.process_count)
+
+
+def _problem(row) -> Problem:
+    return Problem(collective=row.collective, m=row.m, k=row.k, n=row.n, dtype=row.dtype, axis_size=row.axis_size)
+
+
+def _hardware(row) -> Hardware:
+    return Hardware(platform=row.platform, device_kind=row.device_kind, device_count=row.device_count,
+                    process_count=row.process_count)
+
+
+def _trial_record(row, with_measurements: bool) -> TrialRecord:
+    kind = TrialKind(row.kind)
+    if kind == TrialKind.SEARCH:
+        decompositions = (decomposition_of(row.decomposition_id),)
+    else:
+        decompositions = tuple(Decomposition.model_validate(d) for d in row.decompositions)
+    measurements = None
+    if with_measurements and row.measurements is not None:
+        measurements = tuple(Measurement.model_validate(m) for m in row.measurements)
+    return TrialRecord(
+        id=row.id, study_id=row.study_id, number=row.number, kind=kind, decompositions=decompositions,
+        state=TrialState(row.state), created_at=row.created_at, attempts=row.attempts, status=row.status,
+        ratio=row.ratio, measurements=measurements, message=row.message, worker_id=row.worker_id,
+        result_lease_id=row.result_lease_id, finished_at=row.finished_at)
+
+
+def _tuned_config(row) -> TunedConfig:
+    return TunedConfig(
+        problem=_problem(row), hardware=_hardware(row), decomposition=Decomposition.model_validate(row.decomposition),
+        time_s=row.time_s, baseline_s=row.baseline_s, speedup=row.speedup, speedup_iqr=row.speedup_iqr,
+        trials=row.trials, invalid=row.invalid, failed=row.failed, space_size=row.space_size,
+        jax_version=row.software.get("jax", ""), jaxlib_version=row.software.get("jaxlib", ""),
+        tuned_at=row.updated_at.isoformat(timespec="seconds"))

@@ -1,0 +1,43 @@
+"""One process of a 2-process `cmtune tune`, with this process's clocks perturbed on purpose.
+
+Launched by test_multiprocess_tune.py through `cmtune.tuner.cluster.launch`.  Process 1's
+``time.perf_counter`` and ``time.monotonic`` run at a different, jittery rate, so any decision
+taken from a local timing would differ between the processes (and their SPMD programs would
+diverge and hang).  Every process writes the trials it ran, in order, to ``$CMTUNE_TEST_OUT.<pid>``.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+from cmtune.tuner.cluster import ClusterSpec
+
+spec = ClusterSpec.from_env()
+if spec.process_id == 1:
+    rng = random.Random(1)
+    real_perf, real_mono = time.perf_counter, time.monotonic
+    start_perf, start_mono = real_perf(), real_mono()
+    # 3x fast and jittery: every interval this process measures is wrong, differently each time
+    time.perf_counter = lambda: start_perf + (real_perf() - start_perf) * (3 + rng.random())
+    time.monotonic = lambda: start_mono + (real_mono() - start_mono) * (3 + rng.random())
+
+from cmtune.tuner import local  # noqa: E402
+from cmtune.tuner.cli import app  # noqa: E402
+
+ran = []
+run = local.LocalRunner.run
+
+
+def recording(self, task):
+    ran.append([task.problem.key, [d.id for d in task.decompositions]])
+    return run(self, task)
+
+
+local.LocalRunner.run = recording
+try:
+    app(sys.argv[1:], prog_name="cmtune", standalone_mode=False)
+finally:
+    with open(f"{os.environ['CMTUNE_TEST_OUT']}.{spec.process_id}", "w") as out:
+        json.dump(ran, out)

@@ -1,0 +1,280 @@
+"""The engine's contract suite: one lifecycle over every store (memory, SQLite, PostgreSQL).
+
+The results are synthetic (the engine is under test, not the devices): a deterministic
+landscape of ratios, failures on demand.  Every test runs once per store, and the first test
+checks that every store drives the same study to the same decisions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from sqlalchemy import create_engine
+
+from cmtune.service import migrate
+from cmtune.service.db import Database
+from cmtune.service.store import SqlStore
+from cmtune.tuner.engine import Engine, profile_name_for, study_settings
+from cmtune.tuner.errors import ConflictError, InvalidError
+from cmtune.tuner.search import SearchSettings, default_budget
+from cmtune.tuner.store import InMemoryStore
+from collective_matmul import Decomposition, Hardware, Problem, candidates
+from collective_matmul.wire import Measurement, Protocol, Status, StudyState, Timing, TrialKind, TrialState
+from tests.service.conftest import PG_URL, reset_postgres
+
+PROBLEM = Problem.parse("ag:256x64x128:float32:8")  # 49 candidates
+HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
+START = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "memory":
+        yield InMemoryStore()
+        return
+    if request.param == "sqlite":
+        db = Database(f"sqlite:///{tmp_path / 'engine.sqlite'}")
+    else:
+        if not PG_URL:
+            pytest.skip("PostgreSQL contract run needs CMTUNE_TEST_DATABASE_URL")
+        reset_postgres(PG_URL)
+        migrate.upgrade(create_engine(PG_URL))
+        db = Database(PG_URL)
+    migrate.upgrade(db.engine)
+    yield SqlStore(db)
+    db.dispose()
+
+
+def ratio_of(config: Decomposition) -> float:
+    """bidirectional, 2 chunks, full unroll is best (0.7); the baseline is 1 by definition."""
+    if config.method == "baseline":
+        return 1.0
+    return (0.7 + (0.1 if config.direction == "unidirectional" else 0) + 0.02 * abs(config.chunks - 2)
+            + (0.03 if config.unroll != "full" else 0) + (0.01 if config.accumulate == "concat" else 0))
+
+
+def measured(config: Decomposition, status: Status = Status.OK, problem: Problem = PROBLEM) -> Measurement:
+    hardware = HW.model_copy(update={"jax_version": "0.10.2"})
+    if status != Status.OK:
+        return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status, message="boom")
+    ratio = ratio_of(config)
+    return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status,
+                       candidate=Timing.of([1e-3 * ratio] * 3), baseline=Timing.of([1e-3] * 3), ratio=ratio,
+                       ratio_iqr=0.0)
+
+
+class Driver:
+    """Claims and reports trials like a fleet of workers would, through the engine only."""
+
+    def __init__(self, store, engine: Engine | None = None):
+        self.store, self.engine = store, engine or Engine(ready=1)
+        self.now = START
+
+    def tick(self, seconds: float = 1.0) -> dt.datetime:
+        self.now += dt.timedelta(seconds=seconds)
+        return self.now
+
+    def create(self, settings: SearchSettings, problem: Problem = PROBLEM) -> int:
+        with self.store.transaction(write=True) as tx:
+            return self.engine.create_study(tx, problem=problem, hardware=HW, settings=settings,
+                                            protocol=Protocol(repeats=3), now=self.tick()).id
+
+    def claim(self, study_id: int):
+        with self.store.transaction(write=True) as tx:
+            return self.engine.claim(tx, study_ids=[study_id], now=self.tick())
+
+    def report(self, trial, fail: set = frozenset()) -> None:
+        results = [measured(c, Status.COMPILE_ERROR if c in fail else Status.OK) for c in trial.decompositions]
+        with self.store.transaction(write=True) as tx:
+            self.engine.record(tx, trial.id, results, now=self.tick())
+
+    def run(self, study_id: int, fail: set = frozenset()) -> list[str]:
+        """Claim and report until the study is final; the ids of what was timed, in order."""
+        timed = []
+        while (trial := self.claim(study_id)) is not None:
+            timed.append(trial.decomposition_id)
+            self.report(trial, fail)
+        return timed
+
+    def study(self, study_id: int):
+        with self.store.transaction() as tx:
+            return tx.study(study_id), tx.trials(study_id, measurements=True)
+
+    def tuned(self, study_id: int):
+        with self.store.transaction() as tx:
+            if isinstance(tx, InMemoryStore):
+                return tx.tuned.get((PROBLEM.key, HW.key))
+            found = tx.tuned(PROBLEM, HW)
+            return found.config if found else None
+
+
+def settings(**changes) -> SearchSettings:
+    return SearchSettings(profile="cpu", **changes)
+
+
+def test_a_study_runs_to_its_tuned_config_and_every_store_decides_alike(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=12, confirm_top=2))
+    timed = driver.run(study_id)
+    study, trials = driver.study(study_id)
+    assert study.state == StudyState.COMPLETED and study.stop_reason == "trial budget"
+    assert timed[0] == "baseline" and timed[-1] == "confirm:3" and len(timed) == 13
+    assert study.trials_done == 12 and study.best_ratio == min(ratio_of(t.decomposition) for t in trials[:12])
+    tuned = driver.tuned(study_id)
+    assert tuned.decomposition == min((t.decomposition for t in trials[:12]), key=ratio_of)
+    assert tuned.trials == 12 and tuned.space_size == 49
+    # the same study on a fresh in-memory store takes exactly the same decisions
+    reference = Driver(InMemoryStore())
+    assert reference.run(reference.create(settings(max_trials=12, confirm_top=2))) == timed
+
+
+def test_default_budget_and_profile_come_from_one_place():
+    chosen = study_settings(PROBLEM, HW)
+    assert chosen.max_trials == default_budget(49) == 13
+    assert chosen.profile == profile_name_for(HW) == "cpu"
+    assert study_settings(PROBLEM, HW, trials=5).max_trials == 5
+    # an unknown platform gets a fixed profile too: the order never depends on a timing
+    other = Hardware(platform="neuron", device_kind="trn1", device_count=8)
+    assert study_settings(PROBLEM, other).profile == study_settings(PROBLEM, other).profile
+
+
+def test_only_the_baseline_ran_completes_with_the_baseline(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=1))
+    assert driver.run(study_id) == ["baseline"]  # no confirmation round for a lone baseline
+    study, _ = driver.study(study_id)
+    assert study.state == StudyState.COMPLETED
+    tuned = driver.tuned(study_id)
+    assert tuned.decomposition == Decomposition.baseline() and tuned.speedup == 1.0
+
+
+def test_a_failed_baseline_fails_the_study_with_the_reason(store):
+    driver = Driver(store, Engine(ready=2))
+    study_id = driver.create(settings(max_trials=8))
+    first, second = driver.claim(study_id), driver.claim(study_id)
+    assert first.decomposition == Decomposition.baseline()
+    driver.report(first, fail={Decomposition.baseline()})
+    with driver.store.transaction() as tx:  # the search stopped: no new proposal, the unclaimed one dropped
+        assert [t.state for t in tx.trials(study_id)] == [TrialState.COMPLETED, TrialState.LEASED]
+    driver.report(second, fail={second.decomposition})
+    study, _ = driver.study(study_id)
+    assert study.state == StudyState.FAILED and study.stop_reason == "baseline failed"
+    assert "not even the baseline" in study.message and "compile_error" in study.message
+    assert driver.tuned(study_id) is None
+
+
+def test_ready_proposals_make_claims_distinct_and_are_refilled(store):
+    driver = Driver(store, Engine(ready=3))
+    study_id = driver.create(settings(max_trials=20))
+    claimed = [driver.claim(study_id) for _ in range(3)]
+    assert len({t.decomposition for t in claimed}) == 3
+    assert driver.claim(study_id) is None  # a claim never asks: the next proposals come with a result
+    driver.report(claimed[0])
+    with driver.store.transaction() as tx:
+        pending = [t for t in tx.trials(study_id) if t.state == TrialState.PENDING]
+    assert len(pending) == 3  # topped up to three ready, all new candidates
+    assert not {t.decomposition for t in pending} & {t.decomposition for t in claimed}
+    study, _ = driver.study(study_id)
+    assert study.state == StudyState.RUNNING and study.started_at is not None
+
+
+def test_an_abandoned_confirmation_completes_from_the_search_trials(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=4, confirm_top=2))
+    while (trial := driver.claim(study_id)).kind == TrialKind.SEARCH:
+        driver.report(trial)
+    with driver.store.transaction(write=True) as tx:  # its leases expired max_attempts times
+        driver.engine.abandon(tx, trial, status=Status.TIMEOUT, message="lease expired 3 times", now=driver.tick())
+    study, trials = driver.study(study_id)
+    assert study.state == StudyState.COMPLETED
+    assert "confirmation round got no result" in study.message and "search trials" in study.message
+    assert trials[-1].state == TrialState.FAILED
+    assert driver.tuned(study_id).decomposition == min((t.decomposition for t in trials[:4]), key=ratio_of)
+
+
+def test_an_abandoned_search_trial_counts_and_the_study_goes_on(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=3))
+    trial = driver.claim(study_id)
+    with driver.store.transaction(write=True) as tx:
+        driver.engine.abandon(tx, trial, status=Status.TIMEOUT, message="lease expired", now=driver.tick())
+    timed = driver.run(study_id)
+    study, trials = driver.study(study_id)
+    assert study.state == StudyState.COMPLETED and study.trials_done == 3
+    assert trials[0].state == TrialState.FAILED and len(timed) == 3  # two more candidates, then the round
+
+
+def test_patience_drops_proposals_nobody_claimed(store):
+    driver = Driver(store, Engine(ready=2))
+    study_id = driver.create(settings(patience=2, sampler="enumerate"))
+    first = driver.claim(study_id)
+    driver.report(first)  # the baseline: best so far
+    worse = [driver.claim(study_id), driver.claim(study_id)]
+    for trial in worse:
+        with driver.store.transaction(write=True) as tx:
+            driver.engine.record(tx, trial.id, [measured(trial.decomposition).model_copy(update={"ratio": 1.5})],
+                                 now=driver.tick())
+    study, trials = driver.study(study_id)
+    assert study.stop_reason == "no improvement"
+    assert [t.state for t in trials if t.kind == TrialKind.SEARCH].count(TrialState.CANCELLED) == 2
+    assert study.state == StudyState.CONFIRMING
+
+
+def test_time_budget_counts_from_the_first_claim(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_seconds=30, sampler="enumerate"))
+    driver.tick(3600)  # an hour in the queue before any worker came: not spent
+    trial = driver.claim(study_id)
+    driver.report(trial)
+    study, _ = driver.study(study_id)
+    assert study.state == StudyState.RUNNING
+    driver.tick(60)
+    driver.report(driver.claim(study_id))
+    study, _ = driver.study(study_id)
+    assert study.stop_reason == "time budget" and study.state == StudyState.CONFIRMING
+
+
+def test_results_must_match_the_trial_and_transitions_are_guarded(store):
+    driver = Driver(store, Engine(ready=2))
+    study_id = driver.create(settings(max_trials=6))
+    trial = driver.claim(study_id)
+    with driver.store.transaction() as tx:
+        pending = next(t for t in tx.trials(study_id) if t.state == TrialState.PENDING)
+    with pytest.raises(ConflictError, match="not leased"), driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, pending.id, [measured(pending.decomposition)], now=driver.tick())
+    other = Decomposition(direction="bidirectional", chunks=4)
+    with pytest.raises(InvalidError, match="the result is for"), driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, [measured(other)], now=driver.tick())
+    wrong_problem = measured(trial.decomposition, problem=Problem.parse("ag:512x64x128:float32:8"))
+    with pytest.raises(InvalidError, match="is for allgather_matmul:256x64x128"), \
+            driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, [wrong_problem], now=driver.tick())
+    with pytest.raises(InvalidError, match="is a search trial: send 'measurement'"), \
+            driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, [measured(trial.decomposition)], now=driver.tick(),
+                             kind=TrialKind.CONFIRM)
+    with driver.store.transaction(write=True) as tx:
+        driver.engine.cancel(tx, study_id, now=driver.tick())
+    study, trials = driver.study(study_id)
+    assert study.state == StudyState.CANCELLED
+    assert {t.state for t in trials} == {TrialState.CANCELLED}
+    with pytest.raises(ConflictError, match="cancelled"), driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, [measured(trial.decomposition)], now=driver.tick())
+    with pytest.raises(ConflictError, match="only pending, running or confirming"), \
+            driver.store.transaction(write=True) as tx:
+        driver.engine.cancel(tx, study_id, now=driver.tick())
+
+
+def test_a_small_space_is_enumerated_to_exhaustion(store):
+    small = Problem.parse("ag:64x8x8:float32:4")
+    driver = Driver(store)
+    study_id = driver.create(settings(), problem=small)
+    timed = []
+    while (trial := driver.claim(study_id)) is not None:
+        timed.append(trial.decomposition_id)
+        with driver.store.transaction(write=True) as tx:
+            driver.engine.record(tx, trial.id, [measured(c, problem=small) for c in trial.decompositions],
+                                 now=driver.tick())
+    study, _ = driver.study(study_id)
+    assert study.stop_reason == "exhausted" and len(timed) == len(candidates(small)) + 1

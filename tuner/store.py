@@ -1,0 +1,196 @@
+"""The study store: the interface the engine works over, its domain records, and the in-memory store.
+
+Like OSS Vizier's datastore and Optuna's `BaseStorage`, the store returns frozen domain records,
+never database rows, and knows nothing of the lifecycle: the engine (`cmtune.tuner.engine`) owns
+every decision.  Two implementations: `InMemoryStore` here (what `cmtune tune` uses) and the SQL
+store of the service (`cmtune.service.store`), both checked by one contract suite
+(tests/tuner/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Protocol as TypingProtocol
+
+from cmtune.tuner.errors import NotFoundError
+from cmtune.tuner.search import SearchSettings
+from collective_matmul.bundle import TunedConfig
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.wire import Measurement, Protocol, Status, StudyState, TrialKind, TrialState
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True)
+class StudyRecord:
+    """One study as stored: its key, settings, state and progress."""
+
+    id: int
+    problem: Problem
+    hardware: Hardware
+    settings: SearchSettings
+    protocol: Protocol
+    space_size: int
+    state: StudyState
+    created_at: dt.datetime
+    stop_reason: str | None = None
+    message: str | None = None
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+    trials_done: int = 0
+    best_trial_id: int | None = None
+    best_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One trial as stored; ``measurements`` only when asked for (they are large)."""
+
+    id: int
+    study_id: int
+    number: int
+    kind: TrialKind
+    decompositions: tuple[Decomposition, ...]
+    state: TrialState
+    created_at: dt.datetime
+    attempts: int = 0
+    status: Status | None = None
+    ratio: float | None = None
+    measurements: tuple[Measurement, ...] | None = None
+    message: str | None = None
+    worker_id: int | None = None
+    result_lease_id: str | None = None
+    finished_at: dt.datetime | None = None
+
+    @property
+    def decomposition(self) -> Decomposition:
+        """The candidate of a search trial (the baseline, first, of a confirmation)."""
+        return self.decompositions[0]
+
+    @property
+    def decomposition_id(self) -> str:
+        return self.decomposition.id if self.kind == TrialKind.SEARCH else f"confirm:{len(self.decompositions)}"
+
+
+class StoreTx(TypingProtocol):
+    """One transaction of a store: what the engine reads and writes."""
+
+    def add_study(self, *, problem: Problem, hardware: Hardware, settings: SearchSettings, protocol: Protocol,
+                  space_size: int, now: dt.datetime) -> StudyRecord: ...
+
+    def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
+        """The study (locked for this transaction if asked); `NotFoundError` if there is none."""
+        ...
+
+    def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
+        """Every trial of a study in number order."""
+        ...
+
+    def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord: ...
+
+    def add_trials(self, study_id: int, kind: TrialKind, candidates: Sequence[Sequence[Decomposition]],
+                   now: dt.datetime) -> list[TrialRecord]:
+        """New pending trials, numbered after the study's last one."""
+        ...
+
+    def claim(self, *, study_ids: Sequence[int] | None, hardware: Hardware | None, worker_id: int | None,
+              now: dt.datetime) -> TrialRecord | None:
+        """Atomically move the oldest pending trial to leased (attempts + 1, worker set), or None.
+
+        Candidates: trials of ``study_ids``, else of every active study on ``hardware``; the
+        oldest study first, then trial number.  Concurrent claims never get the same trial.
+        """
+        ...
+
+    def update_study(self, study_id: int, **changes) -> None: ...
+
+    def update_trial(self, trial_id: int, **changes) -> None: ...
+
+    def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
+        """Store (or replace) the tuned config of ``config``'s (problem, hardware)."""
+        ...
+
+
+class Store(TypingProtocol):
+    def transaction(self, *, write: bool = False) -> AbstractContextManager[StoreTx]: ...
+
+
+class InMemoryStore:
+    """A store in this process's memory: `cmtune tune` and unit tests.
+
+    Transactions are serialised by one lock and applied at once (no rollback: the engine checks
+    before it writes).
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.studies: dict[int, StudyRecord] = {}
+        self._trials: dict[int, TrialRecord] = {}
+        self.tuned: dict[tuple[str, str], TunedConfig] = {}
+
+    @contextmanager
+    def transaction(self, *, write: bool = False) -> Iterator[InMemoryStore]:
+        with self._lock:
+            yield self
+
+    def add_study(self, *, problem, hardware, settings, protocol, space_size, now) -> StudyRecord:
+        study = StudyRecord(id=len(self.studies) + 1, problem=problem, hardware=hardware, settings=settings,
+                            protocol=protocol, space_size=space_size, state=StudyState.PENDING, created_at=now)
+        self.studies[study.id] = study
+        return study
+
+    def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
+        try:
+            return self.studies[study_id]
+        except KeyError:
+            raise NotFoundError(f"study {study_id} does not exist") from None
+
+    def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
+        found = sorted((t for t in self._trials.values() if t.study_id == study_id), key=lambda t: t.number)
+        return found if measurements else [dataclasses.replace(t, measurements=None) for t in found]
+
+    def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
+        try:
+            return self._trials[trial_id]
+        except KeyError:
+            raise NotFoundError(f"trial {trial_id} does not exist") from None
+
+    def add_trials(self, study_id, kind, candidates, now) -> list[TrialRecord]:
+        number = max((t.number for t in self._trials.values() if t.study_id == study_id), default=0)
+        added = []
+        for configs in candidates:
+            number += 1
+            trial = TrialRecord(id=len(self._trials) + 1, study_id=study_id, number=number, kind=kind,
+                                decompositions=tuple(configs), state=TrialState.PENDING, created_at=now)
+            self._trials[trial.id] = trial
+            added.append(trial)
+        return added
+
+    def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
+        studies = [s for s in sorted(self.studies.values(), key=lambda s: s.id) if s.state.active
+                   and (study_ids is None or s.id in study_ids)
+                   and (hardware is None or s.hardware.key == hardware.identity().key)]
+        for study in studies:
+            pending = [t for t in self.trials(study.id) if t.state == TrialState.PENDING]
+            if pending:
+                self.update_trial(pending[0].id, state=TrialState.LEASED, attempts=pending[0].attempts + 1,
+                                  worker_id=worker_id)
+                return self.trial(pending[0].id)
+        return None
+
+    def update_study(self, study_id: int, **changes) -> None:
+        self.studies[study_id] = dataclasses.replace(self.study(study_id), **changes)
+
+    def update_trial(self, trial_id: int, **changes) -> None:
+        self._trials[trial_id] = dataclasses.replace(self.trial(trial_id), **changes)
+
+    def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
+        self.tuned[config.key] = config

@@ -1,0 +1,55 @@
+"""`cmtune worker`: the worker daemon's command (needs JAX and the service's URL, not the service)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from cmtune.tuner.cluster import DEVICES_HELP
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command()
+def worker(
+    server: Annotated[str, typer.Option(envvar="CMTUNE_SERVER", help="service URL")] = "http://127.0.0.1:8470",
+    token: Annotated[str | None, typer.Option(
+        envvar="CMTUNE_TOKEN", help="a worker token (CMTUNE_TOKEN keeps it out of ps)")] = None,
+    devices: Annotated[str, typer.Option(help=DEVICES_HELP + "; auto = the devices JAX finds")] = "auto",
+    name: Annotated[str | None, typer.Option(help="default: the host name")] = None,
+    coordinator: Annotated[str | None, typer.Option(help="HOST:PORT of process 0 (multi-host)")] = None,
+    num_processes: Annotated[int | None, typer.Option(help="processes in the group (multi-host)")] = None,
+    process_id: Annotated[int | None, typer.Option(help="this process's index (multi-host)")] = None,
+    poll_seconds: Annotated[float, typer.Option(min=0.05, help="wait between empty lease requests")] = 2.0,
+    heartbeat_seconds: Annotated[float, typer.Option(min=0.05)] = 10.0,
+    max_trials: Annotated[int | None, typer.Option(min=1, help="leave after this many trials")] = None,
+    local_devices: Annotated[int, typer.Option(min=1, help="virtual CPU devices per process (processes:N)")] = 4,
+    exit_when_idle: Annotated[bool, typer.Option(help="leave when no trial is offered for 5 s")] = False,
+) -> None:
+    """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
+    import logging
+
+    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure, join, launch
+    from cmtune.workers.daemon import WorkerDaemon
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        spec = DeviceSpec.parse(devices)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    if spec.needs_group:
+        results = launch(spec.count, ["-m", "cmtune.workers", *sys.argv[1:]], local_devices=local_devices,
+                         timeout_s=7 * 24 * 3600, stream=True)
+        raise typer.Exit(max(r.returncode for r in results))
+    if coordinator is not None:
+        if num_processes is None or process_id is None:
+            raise typer.BadParameter("--coordinator needs --num-processes and --process-id")
+        join(ClusterSpec(coordinator=coordinator, num_processes=num_processes, process_id=process_id))
+    else:
+        configure(spec)
+    daemon = WorkerDaemon(server, token, name=name, poll_s=poll_seconds, heartbeat_s=heartbeat_seconds,
+                          max_trials=max_trials, exit_when_idle=exit_when_idle)
+    daemon.install_signal_handlers()
+    daemon.run()
