@@ -1,6 +1,6 @@
 # Two commands take a fresh clone to a result:
-#   make demo   — tune the tiny model preset on 8 virtual CPU devices and print the table
-#   make test   — run the test suite
+#   make demo   — the service and a 2-process worker tune the demo model, then time its whole step
+#   make test   — the test suite (the slowest cases, marked `slow`, run in CI: make test-slow)
 # Both create .venv from pyproject.toml on first use.
 
 PYTHON ?= python3
@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-slow bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,10 @@ demo: $(STAMP)
 	$(BIN)/cmtune demo
 
 test: $(STAMP)
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ops.py

@@ -38,22 +38,23 @@ HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process
 
 def prepare(url: str) -> str:
     from cmtune.service import migrate
-    from cmtune.service import repository as repo
     from cmtune.service.db import Database
+    from cmtune.service.models import Role
+    from cmtune.service.store import SqlStore
     from collective_matmul import Decomposition, Hardware, Problem
     from collective_matmul.bundle import TunedConfig
 
     db = Database(url)
     migrate.downgrade(db.engine, "base") if migrate.current_revision(db.engine) else None
     migrate.upgrade(db.engine)
-    with db.session(write=True) as session:
-        _, token = repo.create_token(session=session, name="bench", role="admin")
+    with SqlStore(db).write() as tx:
+        _, token = tx.add_token(name="bench", role=Role.ADMIN)
         for m in (256, 512, 1024, 2048, 4096, 8192):
             for collective in ("allgather_matmul", "matmul_reduce_scatter"):
                 problem = Problem(collective=collective, m=m, k=1024, n=1024, dtype="bfloat16", axis_size=8)
-                repo.upsert_tuned(session=session, study_id=None, config=TunedConfig(
+                tx.save_tuned(TunedConfig(
                     problem=problem, hardware=Hardware(**HARDWARE), time_s=1e-3, baseline_s=1.2e-3, speedup=1.2,
-                    decomposition=Decomposition(direction="bidirectional", chunks=2, accumulate=None)))
+                    decomposition=Decomposition(direction="bidirectional", chunks=2, accumulate=None)), study_id=None)
     db.dispose()
     return token
 
@@ -325,6 +326,8 @@ def main() -> None:
     for r in results:
         for load, label in (("closed", "closed loop (max)"), ("paced", "paced at 1000/s")):
             rounds = r[load]
+            if not rounds:
+                continue
             cells = [_spread([x[f] for x in rounds], fmt) for f, fmt in
                      (("rps", "{:.0f}"), ("p50_ms", "{:.1f} ms"), ("p99_ms", "{:.1f} ms"))]
             inside = (f"<= {statistics.median(x['server_p99_ms'] for x in rounds):g} ms"

@@ -27,6 +27,7 @@ app.add_typer(service_app)
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 SERVER = typer.Option(envvar="CMTUNE_SERVER", help="service URL")
+TOKEN_FILE = typer.Option(help="read the token from this file (CMTUNE_TOKEN works too; both keep it out of ps)")
 
 
 def main() -> None:
@@ -36,23 +37,30 @@ def main() -> None:
 @app.command()
 def demo(
     keep_serving: Annotated[bool, typer.Option(help="leave the service (and worker) up afterwards")] = False,
-    trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 6,
+    model: Annotated[str, typer.Option(help="the preset to tune and measure")] = "demo",
+    trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 4,
+    repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per trial")] = 5,
+    ablation: Annotated[bool, typer.Option(help="also time each role set back to the baseline (slower)")] = False,
     port: Annotated[int | None, typer.Option(help="service port (default: a free one)")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="where the demo puts its SQLite file (default: temp)")] = None,
 ) -> None:
-    """The end-to-end demo: service + local worker (8 virtual devices) tune the tiny preset."""
+    """The end-to-end demo: the service and a 2-process worker tune a model, then time its whole step."""
     import tempfile
 
     from cmtune.demo import run_demo
 
     directory = Path(data_dir or tempfile.mkdtemp(prefix="cmtune-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
-    run_demo(directory, trials=trials, port=port, keep_serving=keep_serving, console=console)
+    run_demo(directory, model=model, trials=trials, repeats=repeats, ablation=ablation, port=port,
+             keep_serving=keep_serving, console=console)
 
 
-def _api(server: str, token: str | None):
+def _api(server: str, token: str | None, token_file: Path | None = None):
     import httpx
 
+    from cmtune.workers.cli import read_token_file
+
+    token = token or read_token_file(token_file)
     return httpx.Client(base_url=server.rstrip("/"), timeout=30,
                         headers={"Authorization": f"Bearer {token}"} if token else {})
 
@@ -63,6 +71,8 @@ def _check(response) -> dict | list:
             detail = response.json().get("detail", response.text)
         except ValueError:
             detail = response.text
+        if isinstance(detail, list):  # a 422: what to fix, field by field
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
         console.print(f"[red]{response.status_code}: {detail}[/red]")
         raise typer.Exit(1)
     return response.json()
@@ -73,6 +83,7 @@ def submit(
     server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
     token: Annotated[str | None, typer.Option(
         envvar="CMTUNE_TOKEN", help="an admin token (CMTUNE_TOKEN keeps it out of ps)")] = None,
+    token_file: Annotated[Path | None, TOKEN_FILE] = None,
     problem: Annotated[list[str] | None, typer.Option(help="problem spec (repeatable)")] = None,
     model: Annotated[str | None, typer.Option(help="preset name or JSON file (with --mesh)")] = None,
     mesh: Annotated[str | None, typer.Option(help="e.g. data=1,model=8")] = None,
@@ -98,7 +109,7 @@ def submit(
         bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis), **common)]
     else:
         bodies = [StudyCreate(problem=p, **common) for p in targets]
-    with _api(server, token) as client:
+    with _api(server, token, token_file) as client:
         for body in bodies:
             created = StudyCreated.model_validate(_check(client.post(
                 "/v1/studies", json=body.model_dump(mode="json", exclude_none=True))))
@@ -121,6 +132,7 @@ def status(
     server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
     token: Annotated[str | None, typer.Option(
         envvar="CMTUNE_TOKEN", help="a reader token (CMTUNE_TOKEN keeps it out of ps)")] = None,
+    token_file: Annotated[Path | None, TOKEN_FILE] = None,
     state: Annotated[str | None, typer.Option(help="only studies in this state")] = None,
 ) -> None:
     """Studies and workers of a running service."""
@@ -128,7 +140,7 @@ def status(
 
     from collective_matmul.wire import StudyPage, WorkerPublic
 
-    with _api(server, token) as client:
+    with _api(server, token, token_file) as client:
         studies = StudyPage.model_validate(_check(client.get("/v1/studies", params={"state": state} if state else {})))
         workers = [WorkerPublic.model_validate(w) for w in _check(client.get("/v1/workers"))]
     table = Table(title=f"studies on {server} ({studies.total})")

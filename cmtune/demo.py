@@ -1,8 +1,14 @@
-"""`cmtune demo`: a service, a local worker and the tiny preset, end to end, on this machine.
+"""`cmtune demo`: a service, a worker group and a model, end to end, on this machine.
 
-The demo drives both parts only through their public commands and the REST API: tokens from
-`cmtune token create`, the service from `cmtune serve`, the worker from `cmtune worker` (its
-token in the environment, never on a command line).
+1. The service starts on a fresh SQLite file; tokens come from `cmtune token create`.
+2. A worker runs as a 2-process gloo cluster (`--devices processes:2`, 4 virtual CPU devices each):
+   the multi-host path of a TPU pod slice.  Its token is in its environment, never on a command line.
+3. The demo model is submitted on a ``data=1,model=8`` mesh: one study per collective matmul of its
+   training step (forward, input and weight gradients), then the step study, which times the
+   whole training step with the tuned configs against plain autodiff and the all-baseline step.
+4. The demo ends with the op table (what each role picked, and by how much) and the measured step.
+
+It drives both parts only through their public commands and the REST API.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ from collective_matmul.wire import (
     Budget,
     HardwareIn,
     MeshIn,
+    StepOptions,
     StudyCreate,
     StudyCreated,
     StudyPage,
     SubmissionPublic,
 )
 
-DEVICES = 8
+DEVICES, PROCESSES = 8, 2
 
 
 def make_tokens(database_url: str) -> dict[str, str]:
@@ -44,42 +51,59 @@ def make_tokens(database_url: str) -> dict[str, str]:
     return tokens
 
 
-def run_demo(directory: Path, *, trials: int, port: int | None, keep_serving: bool, console: Console) -> None:
+def run_demo(directory: Path, *, model: str, trials: int, repeats: int, ablation: bool, port: int | None,
+             keep_serving: bool, console: Console) -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
     url = f"sqlite:///{directory / 'cmtune.sqlite'}"
     tokens = make_tokens(url)
     console.print(f"service database: {directory / 'cmtune.sqlite'}")
+    started = time.monotonic()
     with running_server(database_url=url, port=port) as server:
         worker = subprocess.Popen(
             [sys.executable, "-m", "cmtune.workers", "worker", "--server", server.url, "--devices",
-             f"virtual:{DEVICES}", "--name", "demo-worker", "--poll-seconds", "0.5", "--heartbeat-seconds", "5"],
-            env=os.environ | {"CMTUNE_TOKEN": tokens["worker"]},
+             f"processes:{PROCESSES}", "--local-devices", str(DEVICES // PROCESSES), "--name", "demo-worker",
+             "--restart", "--poll-seconds", "0.5", "--heartbeat-seconds", "5"],
+            env=os.environ | {"CMTUNE_TOKEN": tokens["worker"]}, start_new_session=True,
             stdout=open(directory / "worker.log", "w"), stderr=subprocess.STDOUT,
         )
         try:
             with httpx.Client(base_url=server.url, timeout=60,
                               headers={"Authorization": f"Bearer {tokens['admin']}"}) as api:
-                body = StudyCreate(model="tiny", mesh=MeshIn(axes={"data": 1, "model": DEVICES}),
-                                   hardware=HardwareIn(platform="cpu", device_kind="cpu", device_count=DEVICES),
-                                   budget=Budget(trials=trials))
+                body = StudyCreate(
+                    model=model, mesh=MeshIn(axes={"data": 1, "model": DEVICES}),
+                    hardware=HardwareIn(platform="cpu", device_kind="cpu", device_count=DEVICES,
+                                        process_count=PROCESSES),
+                    budget=Budget(trials=trials), repeats=repeats, confirm_top=2,
+                    step=StepOptions(ablation=ablation, repeats=max(repeats, 7)))
                 response = api.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True))
                 response.raise_for_status()
                 created = StudyCreated.model_validate(response.json())
-                console.print(f"submitted the tiny preset on a 1x{DEVICES} mesh: submission {created.submission_id}, "
-                              f"{len(created.studies)} studies; worker log: {directory / 'worker.log'}")
+                console.print(f"submitted {model} on a data=1,model={DEVICES} mesh (submission "
+                              f"{created.submission_id}): {len(created.studies) - 1} studies, then the step; the "
+                              f"worker is a {PROCESSES}-process gloo cluster; its log: {directory / 'worker.log'}")
                 _follow(api, worker, console)
-                console.print(_table(api, created.submission_id))
+                sub = SubmissionPublic.model_validate(api.get(f"/v1/submissions/{created.submission_id}").json())
+                console.print(_ops_table(sub))
+                console.print(_step_table(sub))
+            console.print(f"done in {time.monotonic() - started:.0f} s")
             console.print(f"dashboard: {server.url}/ui/submissions/{created.submission_id}?token={tokens['reader']}")
             console.print(f"API docs:  {server.url}/docs")
             if keep_serving:
                 console.print(f"serving at {server.url} (admin token {tokens['admin']}); Ctrl-C to stop")
                 _wait_for_interrupt()
         finally:
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGTERM)
-                try:
-                    worker.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    stop(worker)
+            _stop_worker(worker)
+
+
+def _stop_worker(worker: subprocess.Popen) -> None:
+    """SIGTERM to the worker's whole process group (supervisor, launcher, processes), then SIGKILL."""
+    if worker.poll() is None:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            stop(worker)
 
 
 def _follow(api: httpx.Client, worker: subprocess.Popen, console: Console) -> None:
@@ -90,20 +114,22 @@ def _follow(api: httpx.Client, worker: subprocess.Popen, console: Console) -> No
             if worker.poll() is not None:
                 raise RuntimeError(f"the demo worker exited with {worker.returncode}; see worker.log")
             studies = StudyPage.model_validate(api.get("/v1/studies", params={"limit": 500}).json()).items
-            total = sum(s.trials_budget + 1 for s in studies)
-            done = sum(s.trials_done + (s.state == "completed") for s in studies)
-            progress.update(task, total=total, completed=done,
-                            description=f"tuning: {sum(s.state == 'completed' for s in studies)}/{len(studies)} "
-                                        "studies done")
+            search = [s for s in studies if s.kind == "search"]
+            step = [s for s in studies if s.kind == "step"]
+            total = sum(s.trials_budget + 1 for s in search) + len(step)
+            done = sum(s.trials_done + (not s.state.active) for s in search) + sum(not s.state.active for s in step)
+            finished = sum(not s.state.active for s in search)
+            phase = "measuring the whole step" if finished == len(search) else \
+                f"tuning: {finished}/{len(search)} studies done"
+            progress.update(task, total=total, completed=done, description=phase)
             if not any(s.state.active for s in studies):
                 return
             time.sleep(0.5)
 
 
-def _table(api: httpx.Client, submission: int) -> Table:
-    sub = SubmissionPublic.model_validate(api.get(f"/v1/submissions/{submission}").json())
-    table = Table(title=f"tuned configs for {sub.name} on {sub.hardware_key} "
-                        f"(speedup = baseline / candidate, median of paired runs ± half IQR)")
+def _ops_table(sub: SubmissionPublic) -> Table:
+    table = Table(title=f"tuned collective matmuls of {sub.name} on {sub.hardware_key} "
+                        "(speedup = baseline / tuned, median of paired runs ± half IQR)")
     for col, justify in [("roles", "left"), ("problem", "left"), ("tuned decomposition", "left"),
                          ("time", "right"), ("baseline", "right"), ("speedup", "right"), ("trials", "right")]:
         table.add_column(col, justify=justify)
@@ -115,9 +141,56 @@ def _table(api: httpx.Client, submission: int) -> Table:
                       f"{e.baseline_s * 1e3:.2f} ms", f"{e.speedup:.2f}x ±{e.speedup_iqr / 2:.2f}",
                       f"{e.trials}/{e.space_size}")
     if sub.saved_s_per_step is not None:
-        table.caption = (f"estimated time saved per training step ({sub.layers} layers): "
-                         f"{sub.saved_s_per_step * 1e3:.2f} ms")
+        table.caption = (f"estimated from the ops: {sub.saved_s_per_step * 1e3:.1f} ms saved per training step "
+                         f"({sub.layers} layers)")
     return table
+
+
+def _step_table(sub: SubmissionPublic) -> Table:
+    step = sub.step
+    table = Table(title=f"the whole training step of {sub.name}, measured "
+                        f"(speedup = reference / variant, median of paired rounds, IQR in brackets)")
+    for col, justify in [("variant", "left"), ("step time", "right"), ("vs plain autodiff", "right"),
+                         ("compile", "right")]:
+        table.add_column(col, justify=justify)
+    if step is None or not step.variants:
+        table.caption = f"no step measurement: {step.message if step else 'not requested'}"
+        return table
+    reference = next(v for v in step.variants if v.name == "autodiff")
+    for v in step.variants:
+        name = v.name + ("  (runs)" if v.name == step.variant else "")
+        if not v.ok:
+            table.add_row(name, f"[red]{v.status}[/red]", v.message[:60], "-")
+            continue
+        paired = _paired(v, reference)
+        table.add_row(name, f"{v.timing.median_s * 1e3:.0f} ms", paired,
+                      f"{v.compile_s:.1f} s" if v.compile_s is not None else "-")
+    lines = []
+    if step.vs_autodiff is not None:
+        lines.append(f"measured step speedup: {step.vs_autodiff.median:.2f}x (IQR {step.vs_autodiff.low:.2f}-"
+                     f"{step.vs_autodiff.high:.2f}) over plain autodiff")
+    if step.vs_baseline is not None:
+        lines.append(f"{step.vs_baseline.median:.2f}x (IQR {step.vs_baseline.low:.2f}-{step.vs_baseline.high:.2f}) "
+                     "over the all-baseline custom VJP")
+    if step.measured_saved_s_per_step is not None and sub.saved_s_per_step is not None:
+        lines.append(f"saved per step: {step.measured_saved_s_per_step * 1e3:.0f} ms measured, "
+                     f"{sub.saved_s_per_step * 1e3:.0f} ms estimated from the ops")
+    lines += [f"{o.role}: {o.reason}" for o in sub.overrides]
+    table.caption = "; ".join(lines[:2]) + ("\n" + "\n".join(lines[2:]) if lines[2:] else "")
+    return table
+
+
+def _paired(variant, reference) -> str:
+    import statistics
+
+    ratios = [r / v for r, v in zip(reference.timing.samples_s, variant.timing.samples_s, strict=False)]
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    return f"{statistics.median(ratios):.2f}x ({q[0]:.2f}-{q[2]:.2f})"
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM ends the demo like Ctrl-C: the server and the worker it started stop on the way out."""
+    raise KeyboardInterrupt
 
 
 def _wait_for_interrupt() -> None:

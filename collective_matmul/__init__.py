@@ -11,6 +11,21 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
+    "AUTODIFF": "block",
+    "ROLES": "block",
+    "Autodiff": "block",
+    "ConfigSource": "block",
+    "FixedConfigs": "block",
+    "OpConfigs": "decomposition",
+    "apply": "block",
+    "check_block": "block",
+    "configs_per_role": "block",
+    "init_params": "block",
+    "loss": "block",
+    "loss_and_grads": "block",
+    "param_shardings": "block",
+    "activation_sharding": "block",
+    "train_step": "block",
     "Bundle": "bundle",
     "TunedConfig": "bundle",
     "Lookup": "client",
@@ -26,6 +41,7 @@ _EXPORTS = {
     "allgather_matmul": "ops",
     "input_shardings": "ops",
     "matmul_reduce_scatter": "ops",
+    "plain_baseline": "ops",
     "problem_of": "ops",
     "Hardware": "problem",
     "Problem": "problem",
@@ -40,6 +56,21 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AUTODIFF",
+    "ROLES",
+    "Autodiff",
+    "ConfigSource",
+    "FixedConfigs",
+    "OpConfigs",
+    "apply",
+    "check_block",
+    "configs_per_role",
+    "init_params",
+    "loss",
+    "loss_and_grads",
+    "param_shardings",
+    "activation_sharding",
+    "train_step",
     "Bundle",
     "TunedConfig",
     "Lookup",
@@ -55,6 +86,7 @@ __all__ = [
     "allgather_matmul",
     "input_shardings",
     "matmul_reduce_scatter",
+    "plain_baseline",
     "problem_of",
     "Hardware",
     "Problem",
@@ -83,15 +115,32 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from collective_matmul.block import (
+        AUTODIFF,
+        ROLES,
+        Autodiff,
+        ConfigSource,
+        FixedConfigs,
+        activation_sharding,
+        apply,
+        check_block,
+        configs_per_role,
+        init_params,
+        loss,
+        loss_and_grads,
+        param_shardings,
+        train_step,
+    )
     from collective_matmul.bundle import Bundle, TunedConfig
     from collective_matmul.client import Lookup, Tuned, ring_hardware
-    from collective_matmul.decomposition import Decomposition
+    from collective_matmul.decomposition import Decomposition, OpConfigs
     from collective_matmul.models import PRESETS, MeshSpec, ModelProblem, TransformerBlock, model_problems
     from collective_matmul.ops import (
         allgather_grad_weight,
         allgather_matmul,
         input_shardings,
         matmul_reduce_scatter,
+        plain_baseline,
         problem_of,
     )
     from collective_matmul.problem import Hardware, Problem, check_decomposition

@@ -10,11 +10,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.models import ROLES
 from collective_matmul.problem import Hardware, Problem
 
 BUNDLE_FORMAT = "cmtune.bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2 adds per-model, per-role overrides; version 1 files still load
 
 
 def utc_now() -> str:
@@ -59,26 +60,59 @@ def nearest(problem: Problem, configs: Iterable[TunedConfig]) -> TunedConfig | N
                                         for f in ("m", "k", "n")), c.problem.key))
 
 
+class RoleOverride(BaseModel):
+    """What one role of one model runs on one hardware, decided by measuring the whole step.
+
+    Tuned configs are keyed by (problem, hardware), and one problem can serve several roles; when
+    the step measurement finds a role faster set back to the baseline (or with its weight
+    gradient fused), that holds for this model only, and this record says so and why.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(min_length=1, max_length=200, description="the model's name (TransformerBlock.name)")
+    role: Literal[ROLES]
+    hardware: Hardware = Field(description="identity only")
+    configs: OpConfigs
+    reason: str = Field(max_length=2000)
+    step_speedup: float | None = Field(default=None, gt=0, description="the step with this choice, over plain "
+                                                                          "autodiff (median of paired runs)")
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.model, self.role, self.hardware.key
+
+
 class Bundle(BaseModel):
-    """A versioned list of tuned configs; the format is in docs/tuning.md ("Bundle format")."""
+    """A versioned list of tuned configs and role overrides; the format is in docs/tuning.md ("Bundle format")."""
 
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["cmtune.bundle"] = BUNDLE_FORMAT
-    version: Literal[1] = BUNDLE_VERSION
+    version: Literal[1, 2] = BUNDLE_VERSION
     created_at: str = Field(default_factory=utc_now)
     configs: list[TunedConfig] = Field(default_factory=list)
+    overrides: list[RoleOverride] = Field(default_factory=list)
 
     def add(self, config: TunedConfig) -> None:
         """Add or replace the entry for the same (problem, hardware)."""
         self.configs = [c for c in self.configs if c.key != config.key] + [config]
 
+    def add_override(self, override: RoleOverride) -> None:
+        """Add or replace the override for the same (model, role, hardware)."""
+        self.overrides = [o for o in self.overrides if o.key != override.key] + [override]
+
     def lookup(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
         key = (problem.key, hardware.key)
         return next((c for c in self.configs if c.key == key), None)
 
+    def override(self, model: str, role: str, hardware: Hardware) -> RoleOverride | None:
+        key = (model, role, hardware.identity().key)
+        return next((o for o in self.overrides if o.key == key), None)
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+        """Write the file (always the current version: an old one gains the new, empty fields)."""
+        Path(path).write_text(self.model_copy(update={"version": BUNDLE_VERSION}).model_dump_json(indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Bundle:
@@ -91,5 +125,5 @@ class Bundle(BaseModel):
         try:
             return cls.model_validate_json(text)
         except ValueError as exc:
-            raise ValueError(f"{path}: not a cmtune bundle (format {BUNDLE_FORMAT!r}, version "
+            raise ValueError(f"{path}: not a cmtune bundle (format {BUNDLE_FORMAT!r}, version 1 or "
                              f"{BUNDLE_VERSION}): {exc}") from None

@@ -127,3 +127,28 @@ class Decomposition(BaseModel):
 
     def __str__(self) -> str:
         return self.id
+
+
+# What plain autodiff of the baseline does for a weight gradient: keep the gathered operand of an
+# all-gather matmul, gather dy once for both gradients of a matmul reduce-scatter.
+DEFAULT_GRAD_WEIGHT = Decomposition.baseline(fuse=True)
+
+
+class OpConfigs(BaseModel):
+    """The three configs of one op call: its forward and the two halves of its backward."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    forward: Decomposition = Decomposition.baseline()
+    grad_input: Decomposition = Decomposition.baseline()
+    grad_weight: Decomposition = DEFAULT_GRAD_WEIGHT
+
+    @property
+    def is_baseline(self) -> bool:
+        """True if these are the defaults (what autodiff of the baseline does)."""
+        return self == OpConfigs()
+
+    @property
+    def ids(self) -> str:
+        """``forward / grad_input / grad_weight`` decomposition ids."""
+        return f"{self.forward.id} / {self.grad_input.id} / {self.grad_weight.id}"

@@ -112,6 +112,8 @@ class MeshSpec(BaseModel):
             name, sep, size = part.partition("=")
             if not sep or not name or not size.isdigit():
                 raise ValueError(f"cannot parse mesh {text!r}: expected name=size pairs like 'data=1,model=8'")
+            if name in axes:
+                raise ValueError(f"mesh {text!r} names axis {name!r} twice: give each axis once")
             axes[name] = int(size)
         if tensor_axis is None:
             tensor_axis = "model" if "model" in axes else list(axes)[-1]
@@ -131,8 +133,17 @@ class ModelProblem(BaseModel):
 Role = Literal["qkv", "attn_out", "mlp_up", "mlp_down"]
 
 
-def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem]:
-    """The deduplicated collective-matmul problems of one training step, per layer.
+ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")
+SLOTS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
+_DUAL = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
+
+
+def role_problems(model: TransformerBlock, mesh: MeshSpec) -> dict[str, dict[str, Problem]]:
+    """Each role's three problems, ``{role: {"forward" | "grad_input" | "grad_weight": problem}}``.
+
+    The forward's (collective, k, n) per role; the input gradient is the dual collective with k
+    and n swapped; the weight gradient contracts the tokens: ``allgather_grad_weight`` with k, n
+    = K, N for an all-gather matmul and N, K for a matmul reduce-scatter.
 
     Raises:
         ValueError: if the batch or a dimension does not divide over the mesh.
@@ -143,36 +154,52 @@ def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem
             "data-parallel shards of the mesh"
         )
     tokens = model.global_batch // mesh.batch_shards * model.seq_len
-    p = mesh.tensor_size
-    # (role, collective, k, n) of the forward pass; the input gradient swaps the collective and
-    # k/n; the weight gradient contracts the tokens (k, n as the gathered operand and the other).
     forward = [
         ("qkv", "allgather_matmul", model.d_model, model.qkv_dim),
         ("attn_out", "matmul_reduce_scatter", model.attn_dim, model.d_model),
         ("mlp_up", "allgather_matmul", model.d_model, model.mlp_up_dim),
         ("mlp_down", "matmul_reduce_scatter", model.d_ff, model.d_model),
     ]
-    swap = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
-    found: dict[str, tuple[Problem, list[str]]] = {}
+    found: dict[str, dict[str, Problem]] = {}
     for role, collective, k, n in forward:
         grad_weight = (k, n) if collective == "allgather_matmul" else (n, k)
-        for name, coll, kk, nn in (
-            (role, collective, k, n),
-            (f"{role}.grad_input", swap[collective], n, k),
-            (f"{role}.grad_weight", "allgather_grad_weight", *grad_weight),
-        ):
+        specs = {"forward": (collective, k, n), "grad_input": (_DUAL[collective], n, k),
+                 "grad_weight": ("allgather_grad_weight", *grad_weight)}
+        found[role] = {}
+        for slot, (coll, kk, nn) in specs.items():
+            name = role if slot == "forward" else f"{role}.{slot}"
             try:
-                problem = Problem(collective=coll, m=tokens, k=kk, n=nn, dtype=model.dtype, axis_size=p)
+                found[role][slot] = Problem(collective=coll, m=tokens, k=kk, n=nn, dtype=model.dtype,
+                                            axis_size=mesh.tensor_size)
             except ValueError as exc:
                 raise ValueError(f"{model.name} {name}: {exc}") from None
-            found.setdefault(problem.key, (problem, []))[1].append(name)
+    return found
+
+
+def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem]:
+    """The deduplicated collective-matmul problems of one training step, per layer.
+
+    Raises:
+        ValueError: if the batch or a dimension does not divide over the mesh.
+    """
+    found: dict[str, tuple[Problem, list[str]]] = {}
+    for role, slots in role_problems(model, mesh).items():
+        for slot, problem in slots.items():
+            found.setdefault(problem.key, (problem, []))[1].append(role if slot == "forward" else f"{role}.{slot}")
     return [ModelProblem(problem=prob, count=len(roles), roles=tuple(roles)) for prob, roles in found.values()]
 
 
 PRESETS: dict[str, TransformerBlock] = {
-    # Small enough to tune on 8 virtual CPU devices in minutes.
+    # Small enough to tune on 8 virtual CPU devices in minutes (8 heads: the block runs on a ring of 8).
     "tiny": TransformerBlock(
-        name="tiny", d_model=256, d_ff=1024, heads=4, head_dim=64, seq_len=128, global_batch=4,
+        name="tiny", d_model=256, d_ff=1024, heads=8, head_dim=32, seq_len=128, global_batch=4,
+        dtype="float32", layers=2,
+    ),
+    # The demo's model: MLP-heavy, sized so that on a 2-core machine over the 2-process gloo cluster
+    # some roles pick rings (the reduce-scatters, whose baseline is expensive across processes) and
+    # others the baseline, and a step takes about 2 s.
+    "demo": TransformerBlock(
+        name="demo", d_model=1024, d_ff=2048, heads=8, head_dim=16, seq_len=512, global_batch=4,
         dtype="float32", layers=2,
     ),
     # Brown et al. 2020, Table 2.1; batch in sequences (3.2M tokens / 2048).

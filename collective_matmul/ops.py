@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Problem
+from collective_matmul.reference import baseline_allgather_matmul_shard, baseline_matmul_reduce_scatter_shard
 from collective_matmul.ring import (
     allgather_grad_weight_shard,
     allgather_matmul_shard,
@@ -147,6 +148,30 @@ def allgather_grad_weight(
     kernel = partial(allgather_grad_weight_shard, axis=axis, config=config)
     body = kernel if batch_axis is None else lambda a, b: lax.psum(kernel(a, b), batch_axis)
     return _run(body, u, v, mesh=mesh, specs=specs)
+
+
+def plain_baseline(
+    collective: str,
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    batch_axis: BatchAxis = None,
+) -> jax.Array:
+    """The baseline collective matmul in plain JAX: no custom VJP, JAX's autodiff makes the backward.
+
+    What a user has without cmtune (``shard_map`` of the `collective_matmul.reference` kernel);
+    the reference of a step measurement.  Same layouts and errors as `allgather_matmul` /
+    `matmul_reduce_scatter`.
+    """
+    kernels = {"allgather_matmul": (baseline_allgather_matmul_shard, ("N", -1, "w")),
+               "matmul_reduce_scatter": (baseline_matmul_reduce_scatter_shard, ("K", -1, "x"))}
+    if collective not in kernels:
+        raise ValueError(f"plain_baseline: unknown collective {collective!r}; expected one of {sorted(kernels)}")
+    kernel, sharded = kernels[collective]
+    lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), sharded))
+    return _run(partial(kernel, axis=axis), x, w, mesh=mesh, specs=_specs(collective, lead, axis))
 
 
 def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:

@@ -22,6 +22,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # Largest single dimension accepted: 2**24 rows of tokens is far beyond any one ring today,
 # and anything larger is almost surely a unit mistake (bytes for elements, say).
 MAX_DIM = 1 << 24
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 _ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter", "gw": "allgather_grad_weight"}
 # The dimensions each collective shards over the ring (besides m, always sharded).
@@ -78,6 +79,22 @@ class Problem(BaseModel):
     @property
     def flops(self) -> int:
         return 2 * self.m * self.k * self.n
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes one device holds to time this problem: its shards of both inputs, two results (the
+        baseline's reference and a candidate's) and the baseline's largest intermediate (the whole
+        gathered operand, or the unreduced product of a reduce-scatter).  A lower bound: a program's
+        temporaries come on top."""
+        p, elt = self.axis_size, _BYTES[self.dtype]
+        m, k, n = self.m, self.k, self.n
+        if self.collective == "allgather_matmul":  # x [m/P, k], w [k, n/P] -> [m, n/P]; gathers x [m, k]
+            elements = m // p * k + k * n // p + 2 * m * n // p + m * k
+        elif self.collective == "matmul_reduce_scatter":  # x [m, k/P], w [k/P, n] -> [m/P, n]; product [m, n]
+            elements = m * k // p + k // p * n + 2 * m // p * n + m * n
+        else:  # u [m/P, k], v [m, n/P] -> [k, n/P]; gathers u [m, k]
+            elements = m // p * k + m * n // p + 2 * k * n // p + m * k
+        return elements * elt
 
     def canonical_json(self) -> str:
         return _canonical(self)

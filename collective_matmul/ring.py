@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.problem import check_decomposition, resolved_accumulate, ring_hops
 from collective_matmul.reference import (
     baseline_allgather_grad_weight_shard,
@@ -53,9 +53,6 @@ from collective_matmul.reference import (
 
 Pieces = tuple[jax.Array, ...]
 
-# What plain autodiff of the baseline does for the weight gradient: keep the gathered operand of
-# an all-gather matmul, gather dy once for both gradients of a matmul reduce-scatter.
-DEFAULT_GRAD_WEIGHT = Decomposition.baseline(fuse=True)
 _DUAL = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
 
 

@@ -16,20 +16,21 @@ saved) so that no client re-implements them.  Importing this module imports pyda
 from __future__ import annotations
 
 import datetime as dt
+import math
 import statistics
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from collective_matmul.bundle import Bundle, TunedConfig
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
+from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 
 __all__ = [
-    "Bundle", "Decomposition", "Hardware", "Measurement", "Problem", "Protocol", "Status", "StudyState", "Timing",
-    "TrialKind", "TrialState", "TunedConfig",
+    "Bundle", "Decomposition", "Hardware", "Measurement", "OpConfigs", "Problem", "Protocol", "RoleOverride", "Status",
+    "StepMeasurement", "StepVariant", "StudyKind", "StudyState", "Timing", "TrialKind", "TrialState", "TunedConfig",
 ]
 
 # --- states -----------------------------------------------------------------------------------
@@ -68,10 +69,19 @@ class TrialState(StrEnum):
 
 
 class TrialKind(StrEnum):
-    """What a trial times: one search candidate, or the confirmation round of the top ones."""
+    """What a trial times: one search candidate, the confirmation round of the top ones, or a whole
+    training step (the step study of a submitted model)."""
 
     SEARCH = "search"
     CONFIRM = "confirm"
+    STEP = "step"
+
+
+class StudyKind(StrEnum):
+    """A search over one problem's decompositions, or the step measurement of a submitted model."""
+
+    SEARCH = "search"
+    STEP = "step"
 
 
 class Status(StrEnum):
@@ -107,14 +117,39 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-class Timing(BaseModel):
-    """Samples of one program and their summary (seconds)."""
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+Version = Annotated[str, StringConstraints(max_length=128)]
+LeaseId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 
-    samples_s: list[float]
-    median_s: float
-    iqr_s: float
-    min_s: float
-    max_s: float
+# Times and ratios a worker reports: finite, and times above zero (a result that is neither is refused)
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MAX_SAMPLES = 100_000
+_RELATIVE = 1e-6  # how far a reported summary may sit from the one its samples give (float rounding)
+
+
+def _agrees(reported: float, computed: float) -> bool:
+    return math.isclose(reported, computed, rel_tol=_RELATIVE, abs_tol=1e-12)
+
+
+class Timing(BaseModel):
+    """Samples of one program and their summary (seconds); the summary must be the samples'."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    samples_s: list[Seconds] = Field(min_length=1, max_length=MAX_SAMPLES)
+    median_s: Seconds
+    iqr_s: float = Field(ge=0, allow_inf_nan=False)
+    min_s: Seconds
+    max_s: Seconds
+
+    @model_validator(mode="after")
+    def _summary_of_the_samples(self) -> Timing:
+        q1, median, q3 = quartiles(self.samples_s)
+        for name, computed in (("median_s", median), ("iqr_s", q3 - q1), ("min_s", min(self.samples_s)),
+                               ("max_s", max(self.samples_s))):
+            if not _agrees(getattr(self, name), computed):
+                raise ValueError(f"{name}={getattr(self, name)!r} disagrees with samples_s, which give {computed!r}")
+        return self
 
     @classmethod
     def of(cls, samples: list[float]) -> Timing:
@@ -123,21 +158,44 @@ class Timing(BaseModel):
 
 
 class Measurement(BaseModel):
-    """The record of one candidate timed against the baseline; stored as is."""
+    """The record of one candidate timed against the baseline; stored as is.
+
+    Validated where it arrives (a worker's result): every number finite, times above zero, an
+    ``ok`` record carries both timings and the ratio, and the ratio is the median of the paired
+    candidate/baseline ratios of its samples.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     problem: Problem
     decomposition: Decomposition
     hardware: Hardware
     status: Status
-    message: str = ""
-    compile_s: float | None = None
-    memory_bytes: int | None = None
-    rel_error: float | None = None
+    message: str = Field(default="", max_length=4000)
+    compile_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60)
+    rel_error: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     candidate: Timing | None = None
     baseline: Timing | None = None
-    ratio: float | None = Field(default=None, description="median of candidate/baseline paired ratios")
-    ratio_iqr: float | None = None
+    ratio: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                description="median of candidate/baseline paired ratios")
+    ratio_iqr: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     protocol: Protocol = Protocol()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Measurement:
+        if self.status == Status.OK and (self.candidate is None or self.baseline is None or self.ratio is None):
+            raise ValueError("an 'ok' measurement needs 'candidate' and 'baseline' timings and a 'ratio'")
+        if self.ratio is not None and self.candidate is not None and self.baseline is not None:
+            pairs = [c / b for c, b in zip(self.candidate.samples_s, self.baseline.samples_s, strict=False)]
+            if len(self.candidate.samples_s) == len(self.baseline.samples_s):
+                q1, median, q3 = quartiles(pairs)
+                if not _agrees(self.ratio, median):
+                    raise ValueError(f"ratio={self.ratio!r} disagrees with the samples, whose paired ratios have "
+                                     f"median {median!r}")
+                if self.ratio_iqr is not None and not _agrees(self.ratio_iqr, q3 - q1):
+                    raise ValueError(f"ratio_iqr={self.ratio_iqr!r} disagrees with the samples ({q3 - q1!r})")
+        return self
 
     @property
     def speedup(self) -> float | None:
@@ -152,6 +210,89 @@ class Measurement(BaseModel):
     @property
     def ok(self) -> bool:
         return self.status == Status.OK
+
+
+# --- the training step ------------------------------------------------------------------------
+
+
+class StepVariant(BaseModel):
+    """One variant of the training step, measured (validated like a `Measurement` where it arrives)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    status: Status
+    message: str = Field(default="", max_length=4000)
+    configs: dict[str, OpConfigs] = Field(
+        default_factory=dict, max_length=16,
+        description="per role, the forward / grad_input / grad_weight configs used (empty: plain autodiff)",
+    )
+    compile_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                    description="ahead-of-time compile of the step")
+    memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60, description="compiled memory estimate")
+    loss: float | None = Field(default=None, allow_inf_nan=False)
+    rel_error: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                    description="largest relative error of the loss and gradients against the "
+                                                "reference variant")
+    timing: Timing | None = None
+    ratio: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                description="median of time / reference time, paired by round")
+    ratio_iqr: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ok_has_timings(self) -> StepVariant:
+        if self.status == Status.OK and (self.timing is None or self.ratio is None):
+            raise ValueError(f"an 'ok' step variant ({self.name}) needs its timing and ratio")
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+    @property
+    def speedup(self) -> float | None:
+        """Reference time over this variant's (> 1: faster than plain autodiff)."""
+        return 1.0 / self.ratio if self.ratio else None
+
+    @property
+    def speedup_iqr(self) -> float:
+        """IQR of the speedup, to first order from the ratio's IQR (d(1/r) = dr / r**2)."""
+        return (self.ratio_iqr or 0.0) / self.ratio**2 if self.ratio else 0.0
+
+
+class StepMeasurement(BaseModel):
+    """Every variant of one block's training step, timed together on one mesh."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block: TransformerBlock = Field(description="the block as measured (global_batch: the batch measured)")
+    mesh: dict[str, int] = Field(description="mesh axes as measured, in order")
+    tensor_axis: str
+    batch_axes: list[str] = Field(default_factory=list, description="the mesh axes sharding the batch")
+    hardware: Hardware
+    protocol: Protocol
+    reference: str = "autodiff"
+    variants: list[StepVariant] = Field(min_length=1, max_length=64)
+
+    def variant(self, name: str) -> StepVariant:
+        """The variant called ``name``.
+
+        Raises:
+            KeyError: if there is none.
+        """
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise KeyError(f"no variant {name!r}; measured: {[v.name for v in self.variants]}")
+
+
+    def paired(self, name: str, against: str) -> tuple[float, float, float] | None:
+        """Quartiles (q1, median, q3) of ``name``'s time over ``against``'s, paired by round; None if either
+        has no timing."""
+        a, b = self.variant(name), self.variant(against)
+        if a.timing is None or b.timing is None or len(a.timing.samples_s) != len(b.timing.samples_s):
+            return None
+        return quartiles([x / y for x, y in zip(a.timing.samples_s, b.timing.samples_s, strict=True)])
 
 
 # --- request and response bodies --------------------------------------------------------------
@@ -191,11 +332,23 @@ class Budget(BaseModel):
 class MeshIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    axes: dict[str, int] = Field(description="mesh axis names and sizes, in order")
-    tensor_axis: str = "model"
+    axes: dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]] = Field(
+        min_length=1, max_length=8, description="mesh axis names and sizes, in order")
+    tensor_axis: ShortText = "model"
 
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
+
+
+class StepOptions(BaseModel):
+    """The step measurement of a submitted model (ignored for a lone problem)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    measure: bool = Field(default=True, description="measure the whole step once every study is done")
+    ablation: bool = Field(default=True, description="also each role set back, and each ring weight gradient "
+                                                     "fused: what decides the per-role overrides")
+    repeats: int = Field(default=7, ge=1, le=1000, description="rounds of the interleaved step variants")
 
 
 class StudyCreate(BaseModel):
@@ -211,15 +364,20 @@ class StudyCreate(BaseModel):
     )
 
     problem: Problem | None = None
-    model: str | TransformerBlock | None = Field(default=None, description="preset name or block shape")
+    model: Annotated[str, StringConstraints(max_length=200)] | TransformerBlock | None = Field(
+        default=None, description="a preset name, or the block's shape inline (never a file on the server)")
     mesh: MeshIn | None = None
     hardware: HardwareIn
     budget: Budget = Budget()
     sampler: Sampler = "auto"
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     repeats: int = Field(default=7, ge=1, le=1000)
+    timeout_s: float = Field(default=300.0, gt=0, le=24 * 3600,
+                             description="timing budget of one candidate; a trial twice over it counts as hung")
     confirm_top: int = Field(default=3, ge=0, le=20)
     force: bool = Field(default=False, description="tune again even if tuned or under study")
+    step: StepOptions = Field(default_factory=lambda: StepOptions(),
+                              description="a model's step measurement, once its studies are done")
 
     @model_validator(mode="after")
     def _one_target(self) -> StudyCreate:
@@ -240,9 +398,10 @@ class BestSoFar(BaseModel):
 
 class StudyPublic(BaseModel):
     id: int
+    kind: StudyKind = StudyKind.SEARCH
     state: StudyState
-    problem: Problem
-    problem_key: str
+    problem: Problem | None = Field(description="None for a step study")
+    problem_key: str = Field(description="the problem's key, or 'step:<model>' for a step study")
     hardware: Hardware
     hardware_key: str
     settings: dict[str, Any]
@@ -298,15 +457,20 @@ class TrialPublic(BaseModel):
     worker_id: int | None
     created_at: dt.datetime
     finished_at: dt.datetime | None
+    step: StepMeasurement | None = Field(default=None, description="a step trial's every variant")
 
 
 class WorkerCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"name": "tpu-vm-0", "hardware": EXAMPLE_HARDWARE, "software": {"jax": "0.10.2", "jaxlib": "0.10.2"}}]})
+        {"name": "tpu-vm-0", "hardware": EXAMPLE_HARDWARE, "software": {"jax": "0.10.2", "jaxlib": "0.10.2"},
+         "memory_bytes": 17179869184}]})
 
     name: str = Field(min_length=1, max_length=200)
     hardware: HardwareIn
-    software: dict[str, str] = Field(default_factory=dict)
+    software: dict[ShortText, Version] = Field(default_factory=dict, max_length=16,
+                                               description="package -> version, e.g. jax, jaxlib")
+    memory_bytes: int | None = Field(default=None, gt=0, le=1 << 50,
+                                     description="memory of one device (what a trial's inputs must fit)")
 
 
 class WorkerPublic(BaseModel):
@@ -321,6 +485,13 @@ class WorkerPublic(BaseModel):
     active: bool
     current_trial_id: int | None
     trials_done: int
+    memory_bytes: int | None = Field(default=None, description="memory of one device, as the worker reported it")
+
+
+class WorkerRegistered(WorkerPublic):
+    """A new worker, with its own credential: send it as ``X-Cmtune-Worker`` on every later call."""
+
+    credential: str = Field(description="shown once; only its hash is stored")
 
 
 class LeasePublic(BaseModel):
@@ -328,16 +499,31 @@ class LeasePublic(BaseModel):
     expires_at: dt.datetime
 
 
+class StepTask(BaseModel):
+    """What a step trial measures: the block's step on one ring of the submitted mesh, per-role configs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block: TransformerBlock
+    mesh: dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]] = Field(max_length=8,
+                                                                           description="the submitted mesh")
+    tensor_axis: ShortText = "model"
+    configs: dict[str, OpConfigs] = Field(description="per role, the tuned forward / grad_input / grad_weight")
+    ablation: bool = Field(default=True, description="also time each role set back to the baseline, and each "
+                                                     "ring weight gradient fused")
+
+
 class TrialTask(BaseModel):
-    """What a worker runs: one candidate (search) or all contenders together (confirm)."""
+    """What a worker runs: one candidate (search), all contenders together (confirm), or a step (step)."""
 
     id: int
     study_id: int
     kind: TrialKind
-    problem: Problem
+    problem: Problem | None = Field(description="the problem of a search or confirmation trial")
     decomposition: Decomposition | None = Field(description="the candidate of a search trial")
     decompositions: list[Decomposition]
     protocol: Protocol
+    step: StepTask | None = None
 
 
 class LeaseGranted(BaseModel):
@@ -348,7 +534,7 @@ class LeaseGranted(BaseModel):
 class HeartbeatIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lease_id: str | None = Field(default=None, description="extend this lease too")
+    lease_id: LeaseId | None = Field(default=None, description="extend this lease too")
 
 
 class HeartbeatOut(BaseModel):
@@ -357,33 +543,41 @@ class HeartbeatOut(BaseModel):
 
 
 class ResultIn(BaseModel):
-    """A trial's result: ``measurement`` for a search trial, ``measurements`` for a confirmation."""
+    """A trial's result: ``measurement`` (search trial), ``measurements`` (confirmation) or ``step`` (step)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    lease_id: str
+    lease_id: LeaseId
     measurement: Measurement | None = None
-    measurements: list[Measurement] | None = None
+    measurements: list[Measurement] | None = Field(default=None, min_length=1, max_length=64)
+    step: StepMeasurement | None = None
 
     @model_validator(mode="after")
     def _one(self) -> ResultIn:
-        if (self.measurement is None) == (self.measurements is None):
-            raise ValueError("give 'measurement' (search trial) or 'measurements' (confirmation)")
+        if sum(v is not None for v in (self.measurement, self.measurements, self.step)) != 1:
+            raise ValueError("give 'measurement' (search trial), 'measurements' (confirmation) or 'step' (step "
+                             "trial)")
         return self
 
     @classmethod
-    def of(cls, lease_id: str, kind: TrialKind, measurements: list[Measurement]) -> ResultIn:
+    def of(cls, lease_id: str, kind: TrialKind, results: list[Measurement] | StepMeasurement) -> ResultIn:
         """The body for a trial of ``kind``."""
+        if kind == TrialKind.STEP:
+            return cls(lease_id=lease_id, step=results)
         if kind == TrialKind.SEARCH:
-            return cls(lease_id=lease_id, measurement=measurements[0])
-        return cls(lease_id=lease_id, measurements=measurements)
+            return cls(lease_id=lease_id, measurement=results[0])
+        return cls(lease_id=lease_id, measurements=results)
 
     @property
     def kind(self) -> TrialKind:
+        if self.step is not None:
+            return TrialKind.STEP
         return TrialKind.SEARCH if self.measurement is not None else TrialKind.CONFIRM
 
     @property
-    def results(self) -> list[Measurement]:
+    def results(self) -> list[Measurement] | StepMeasurement:
+        if self.step is not None:
+            return self.step
         return [self.measurement] if self.measurement is not None else list(self.measurements or [])
 
 
@@ -478,6 +672,38 @@ class SubmissionSummary(BaseModel):
     created_at: dt.datetime
 
 
+class Speedup(BaseModel):
+    """A step time ratio, as a speedup: median of paired rounds and its interquartile range."""
+
+    median: float
+    low: float = Field(description="lower quartile of the speedup")
+    high: float = Field(description="upper quartile of the speedup")
+
+    @classmethod
+    def of(cls, quartiles_: tuple[float, float, float] | None) -> Speedup | None:
+        if quartiles_ is None:
+            return None
+        q1, median, q3 = quartiles_
+        return cls(median=1 / median, low=1 / q3, high=1 / q1)
+
+
+class StepPublic(BaseModel):
+    """A submitted model's step, measured: what runs, and how much faster it is."""
+
+    study_id: int
+    state: StudyState
+    message: str | None
+    variant: str | None = Field(description="the configuration that runs: tuned, or one change of it")
+    vs_autodiff: Speedup | None = Field(description="against the baseline ops under plain autodiff: what a user has "
+                                                    "without cmtune")
+    vs_baseline: Speedup | None = Field(description="against the custom VJP with every role at the baseline")
+    measured_saved_s_per_step: float | None = Field(
+        description="the all-baseline step's median minus the chosen one's, times the model's layers")
+    mesh: dict[str, int] | None = Field(description="the mesh measured (one ring of the submitted one)")
+    batch: int | None = Field(description="the batch measured")
+    variants: list[StepVariant] = Field(default_factory=list)
+
+
 class SubmissionPublic(BaseModel):
     id: int
     name: str
@@ -490,6 +716,9 @@ class SubmissionPublic(BaseModel):
     layers: int
     complete: bool = Field(description="every problem has a tuned config")
     saved_s_per_step: float | None = Field(description="estimated time saved per training step, all layers")
+    step: StepPublic | None = Field(default=None, description="the step measured (once every study is done)")
+    overrides: list[RoleOverride] = Field(default_factory=list, description="roles this model runs otherwise "
+                                                                           "than their problems' tuned configs")
 
 
 class TokenCreate(BaseModel):

@@ -5,7 +5,8 @@
 
 x ``[batch, seq, d_model]`` is sharded on seq over the ``model`` axis between blocks.  The MLP
 up-projection is an all-gather matmul (gather seq, w_up sharded on d_ff), the down-projection
-a matmul reduce-scatter (w_down sharded on d_ff, scatter seq): the Megatron-SP layout.
+a matmul reduce-scatter (w_down sharded on d_ff, scatter seq): the Megatron-SP layout.  The
+whole transformer block (attention too) is `collective_matmul.block`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def init(key, *, batch=2, seq=64, d_model=64, d_ff=256, mesh):
 
 
 def mlp(params, x, *, ops, mesh):
-    """``ops`` provides allgather_matmul / matmul_reduce_scatter (a `Tuned`, or the baseline)."""
-    h = ops.allgather_matmul(x, params["w_up"], mesh=mesh, axis="model")
-    return ops.matmul_reduce_scatter(jax.nn.gelu(h), params["w_down"], mesh=mesh, axis="model")
+    """``ops`` provides allgather_matmul / matmul_reduce_scatter (a `Tuned`, or the baseline).
+
+    A `Tuned` looks up each op's forward and backward configs (``role`` labels them in
+    ``tuned.resolved_by_role``).
+    """
+    h = ops.allgather_matmul(x, params["w_up"], mesh=mesh, axis="model", role="mlp_up")
+    return ops.matmul_reduce_scatter(jax.nn.gelu(h), params["w_down"], mesh=mesh, axis="model", role="mlp_down")
 
 
 def loss_fn(params, x, target, *, ops, mesh):
@@ -65,8 +70,9 @@ def main() -> None:
     for i in range(args.steps):
         params, loss, _ = step(params, x, target)
         print(f"step {i}: loss {float(loss):.4f}")
-    for problem, found in tuned.resolved:
-        print(f"{problem.key}: {found.decomposition.id} ({found.match} from {found.source})")
+    for role, slots in tuned.resolved_by_role.items():
+        for slot, (problem, found) in slots.items():
+            print(f"{role}.{slot} {problem.key}: {found.decomposition.id} ({found.match} from {found.source})")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,8 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cmtune.service.errors import UnavailableError
+
+log = logging.getLogger("cmtune.service")
 
 WRITE = {"cmtune_write": True}
 
@@ -74,7 +77,8 @@ class Database:
         except SQLAlchemyError as exc:
             session.rollback()
             if isinstance(exc, OperationalError):
-                raise UnavailableError(f"database unavailable: {exc.orig}") from exc
+                log.warning("database unavailable: %s", exc.orig)  # where it is stays in the server's log
+                raise UnavailableError("database unavailable; retry shortly") from exc
             raise
         except BaseException:
             session.rollback()

@@ -53,8 +53,15 @@ def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match
     )
 
 
+MAX_HARDWARE = 1_000  # hardware keys whose configs a replica keeps
+MAX_ANSWERS = 10_000  # memoised answers: unique look-ups must not grow memory without bound
+
+
 class ConfigCache:
-    """Tuned configs per hardware key, reloaded after ``ttl_s``; serialised answers memoised with them."""
+    """Tuned configs per hardware key, reloaded after ``ttl_s``; serialised answers memoised with them.
+
+    Both maps are bounded (`MAX_HARDWARE`, `MAX_ANSWERS`): past the bound the oldest entries go.
+    """
 
     def __init__(self, store: SqlStore, ttl_s: float):
         self.store, self.ttl_s = store, ttl_s
@@ -105,7 +112,10 @@ class ConfigCache:
         with self.store.read() as tx:
             configs = {config.problem.key: config for config in tx.list_tuned(hardware=key)}
         with self._lock:
+            self._entries.pop(key, None)
             self._entries[key] = (now, configs)
+            while len(self._entries) > MAX_HARDWARE:
+                self._entries.pop(next(iter(self._entries)))
         return configs
 
     def clear(self) -> None:
@@ -123,7 +133,10 @@ class ConfigCache:
         body = self.lookup(problem, hardware).model_dump_json().encode()
         loaded_at = self._entries.get(key[1], (None,))[0]
         if loaded_at is not None:
-            self._answers[key] = (loaded_at, body)
+            with self._lock:
+                self._answers[key] = (loaded_at, body)
+                while len(self._answers) > MAX_ANSWERS:
+                    self._answers.pop(next(iter(self._answers)))
         return body
 
     def lookup(self, problem: Problem, hardware: Hardware) -> ConfigAnswer:

@@ -12,6 +12,7 @@ from cmtune import __version__
 from cmtune.service import errors, migrate
 from cmtune.service.db import Database
 from cmtune.service.deps import AppState
+from cmtune.service.guard import GuardMiddleware
 from cmtune.service.lookup import ConfigCache
 from cmtune.service.routers import configs, dashboard, health, studies, submissions, trials, workers
 from cmtune.service.settings import Settings, get_settings
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
         app.include_router(module.router)
     app.mount("/ui/static", StaticFiles(directory=dashboard.STATIC), name="dashboard-static")
 
+    app.add_middleware(GuardMiddleware, state=state)  # before any body is read or parsed
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app
 

@@ -6,11 +6,24 @@ import datetime as dt
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Enum, Float, ForeignKey, Index, MetaData, String, UniqueConstraint, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    MetaData,
+    String,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from collective_matmul.wire import Status, StudyState, TrialKind, TrialState
+from collective_matmul.wire import Status, StudyKind, StudyState, TrialKind, TrialState
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -106,8 +119,13 @@ class Study(Base):
     __tablename__ = "studies"
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"), index=True)
+    problem_id: Mapped[int | None] = mapped_column(ForeignKey("problems.id"), index=True, doc="None: a step study")
     hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"), index=True)
+    kind: Mapped[StudyKind] = mapped_column(enum_column(StudyKind, "study_kind"), default=StudyKind.SEARCH,
+                                            server_default="search")
+    # a step study: the block, the mesh and the search studies it waits for (cmtune.tuner.store.StepSpec)
+    step: Mapped[dict[str, Any] | None]
+    submission_id: Mapped[int | None] = mapped_column(ForeignKey("submissions.id", ondelete="SET NULL"))
     # the transitions: cmtune.tuner.engine.STUDY_MOVES
     state: Mapped[StudyState] = mapped_column(enum_column(StudyState, "study_state"), index=True,
                                               default=StudyState.PENDING)
@@ -124,7 +142,7 @@ class Study(Base):
     best_trial_id: Mapped[int | None]
     best_ratio: Mapped[float | None] = mapped_column(Float)
 
-    problem: Mapped[ProblemRow] = relationship()
+    problem: Mapped[ProblemRow | None] = relationship()
     hardware: Mapped[HardwareRow] = relationship()
     trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
 
@@ -189,6 +207,9 @@ class Worker(Base):
     last_heartbeat: Mapped[dt.datetime] = mapped_column(default=utcnow)
     active: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
     trials_done: Mapped[int] = mapped_column(default=0)
+    # SHA-256 of the credential registration returned; every call of the worker carries it
+    credential_hash: Mapped[str | None] = mapped_column(String(64))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, doc="memory of one device, as reported")
 
     hardware: Mapped[HardwareRow] = relationship()
 
@@ -226,6 +247,22 @@ class TunedConfigRow(Base):
 
     problem: Mapped[ProblemRow] = relationship()
     hardware: Mapped[HardwareRow] = relationship()
+
+
+class RoleOverrideRow(Base):
+    """What one role of one model runs on one hardware, decided by a step measurement (and why)."""
+
+    __tablename__ = "role_overrides"
+    __table_args__ = (UniqueConstraint("model", "role", "hardware_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(16))
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    configs: Mapped[dict[str, Any]]
+    reason: Mapped[str] = mapped_column(String(2000))
+    step_speedup: Mapped[float | None] = mapped_column(Float)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class Token(Base):

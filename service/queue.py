@@ -89,11 +89,11 @@ def _refill_starving(tx: SqlTx, engine: Engine, worker: WorkerInfo, now: dt.date
     """Refill the searching studies on the worker's hardware that have no trial in flight at all."""
     in_flight = exists().where(trials.c.study_id == studies.c.id,
                                trials.c.state.in_([TrialState.PENDING.value, TrialState.LEASED.value]))
-    starving = tx.session.scalars(
+    starving = tx.execute(
         select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
         .where(hardware_t.c.key == worker.hardware.identity().key,
                studies.c.state.in_([StudyState.PENDING.value, StudyState.RUNNING.value]), ~in_flight)
-        .order_by(studies.c.id)).all()
+        .order_by(studies.c.id)).scalars().all()
     return any([engine.refill(tx, study_id, now=now) for study_id in starving])
 
 
@@ -128,8 +128,7 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
         ConflictError: the lease is unknown, for another trial or worker, or no longer holds the trial.
         InvalidError: the results are not of this trial's problem and candidates.
     """
-    held = tx.lease(lease_id, lock=True)
-    trial = tx.trial(trial_id, lock=True)
+    held, trial = tx.lease_and_trial(lease_id, trial_id)
     if held is None or held.trial_id != trial.id:
         raise ConflictError(f"lease {lease_id} does not hold trial {trial_id}")
     if worker_id is not None and held.worker_id != worker_id:
@@ -146,11 +145,9 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
     if held.expires_at < now:
         _expire_one(tx, engine, settings, held, now)
         return Reported(tx.trial(trial_id), expired=True)
-    stored = engine.record(tx, trial.id, results, now=now, lease_id=held.id, kind=kind)
+    stored = engine.record(tx, trial, results, now=now, lease_id=held.id, kind=kind)
     tx.update_lease(held.id, active=False)
-    worker = tx.workers(worker_id=held.worker_id, include_inactive=True)
-    if worker:
-        tx.update_worker(held.worker_id, trials_done=worker[0].trials_done + 1)
+    tx.count_worker_trial(held.worker_id)
     return Reported(stored)
 
 

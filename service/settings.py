@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     config_cache_seconds: float = Field(default=2.0, ge=0, description="how long a replica caches look-ups")
     token_cache_seconds: float = Field(default=5.0, ge=0, description="how long a replica trusts a token it "
                                        "has checked (a revocation takes effect within this time)")
+    max_body_bytes: int = Field(default=8 << 20, ge=1024, description="largest request body accepted")
     ready_proposals: int = Field(default=2, ge=1, le=32, description="search proposals the engine keeps "
                                  "queued per study, so that a lease is a claim, not an ask")
     host: str = "127.0.0.1"

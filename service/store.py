@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy import and_, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from cmtune.service.db import Database
@@ -31,6 +31,7 @@ from cmtune.service.models import (
     Lease,
     ProblemRow,
     Role,
+    RoleOverrideRow,
     Study,
     Submission,
     SubmissionStudy,
@@ -41,14 +42,16 @@ from cmtune.service.models import (
 )
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
-from cmtune.tuner.store import StudyRecord, TrialRecord
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.decomposition import Decomposition
+from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord
+from collective_matmul.bundle import RoleOverride, TunedConfig
+from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import (
     ACTIVE_STUDY_STATES,
     Measurement,
     Protocol,
+    StepMeasurement,
+    StudyKind,
     StudyState,
     TrialKind,
     TrialState,
@@ -57,6 +60,7 @@ from collective_matmul.wire import (
 studies, trials, leases, workers = Study.__table__, Trial.__table__, Lease.__table__, Worker.__table__
 problems, hardware_t, tuned_t, tokens = ProblemRow.__table__, HardwareRow.__table__, TunedConfigRow.__table__, \
     Token.__table__
+overrides_t = RoleOverrideRow.__table__
 ACTIVE = [s.value for s in ACTIVE_STUDY_STATES]
 
 
@@ -70,14 +74,25 @@ def decomposition_of(decomposition_id: str) -> Decomposition:
 class _Fixed:
     """The parts of a study that never change after it is created."""
 
-    problem: Problem
+    problem: Problem | None
     hardware: Hardware
     hardware_id: int
-    problem_id: int
+    problem_id: int | None
     settings: SearchSettings
     protocol: Protocol
     space_size: int
     created_at: dt.datetime
+    kind: StudyKind
+    step: StepSpec | None
+    submission_id: int | None
+
+    @classmethod
+    def of(cls, row) -> _Fixed:
+        """From a row of `_FIXED` columns."""
+        return cls(_problem(row) if row.problem_id is not None else None, _hardware(row), row.hardware_id,
+                   row.problem_id, SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
+                   row.space_size, row.created_at, StudyKind(row.kind),
+                   StepSpec.from_json(row.step) if row.step else None, row.submission_id)
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,7 @@ class WorkerInfo:
     last_heartbeat: dt.datetime
     active: bool
     trials_done: int
+    memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,7 @@ class SqlStore:
     def __init__(self, db: Database):
         self.db = db
         self.fixed: dict[int, _Fixed] = {}
+        self.hardware: dict[int, Hardware] = {}  # hardware rows never change; filled from committed rows only
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[SqlTx]:
@@ -143,40 +160,59 @@ class SqlTx:
     def __init__(self, session: Session, store: SqlStore):
         self.session = session
         self.store = store
-        self._postgres = session.get_bind().dialect.name == "postgresql"
+        # Core statements on the session's connection: its transaction, without the ORM's work per statement
+        self.connection = session.connection()
+
+    def execute(self, statement):
+        return self.connection.execute(statement)
+
+    def scalar(self, statement):
+        return self.connection.execute(statement).scalar()
 
     def _one(self, statement):
-        return self.session.execute(statement).one_or_none()
+        return self.connection.execute(statement).one_or_none()
 
     # --- keys ---------------------------------------------------------------------------------
 
     def hardware_id(self, hardware: Hardware, *, create: bool = False) -> int | None:
         key = hardware.identity().key
-        found = self.session.scalar(select(hardware_t.c.id).where(hardware_t.c.key == key))
+        found = self.scalar(select(hardware_t.c.id).where(hardware_t.c.key == key))
         if found is None and create:
             hw = hardware.identity()
-            found = self.session.execute(insert(hardware_t).values(
+            found = self.execute(insert(hardware_t).values(
                 key=key, platform=hw.platform, device_kind=hw.device_kind, device_count=hw.device_count,
                 process_count=hw.process_count).returning(hardware_t.c.id)).scalar_one()
         return found
 
     def problem_id(self, problem: Problem, *, create: bool = False) -> int | None:
-        found = self.session.scalar(select(problems.c.id).where(problems.c.key == problem.key))
+        found = self.scalar(select(problems.c.id).where(problems.c.key == problem.key))
         if found is None and create:
-            found = self.session.execute(insert(problems).values(key=problem.key, **problem.model_dump())
+            found = self.execute(insert(problems).values(key=problem.key, **problem.model_dump())
                                          .returning(problems.c.id)).scalar_one()
         return found
 
     # --- the engine's store interface ---------------------------------------------------------
 
-    def add_study(self, *, problem, hardware, settings, protocol, space_size, now) -> StudyRecord:
+    def add_study(self, *, problem, hardware, settings, protocol, space_size, now, kind=StudyKind.SEARCH, step=None,
+                  submission_id=None) -> StudyRecord:
         hardware_id = self.hardware_id(hardware, create=True)
-        problem_id = self.problem_id(problem, create=True)
-        study_id = self.session.execute(insert(studies).values(
+        problem_id = self.problem_id(problem, create=True) if problem is not None else None
+        study_id = self.execute(insert(studies).values(
             problem_id=problem_id, hardware_id=hardware_id, state=StudyState.PENDING,
             settings=settings.model_dump(mode="json"), protocol=protocol.model_dump(mode="json"),
-            space_size=space_size, created_at=now, trials_done=0).returning(studies.c.id)).scalar_one()
+            space_size=space_size, created_at=now, trials_done=0, kind=kind,
+            step=step.to_json() if step is not None else None, submission_id=submission_id,
+        ).returning(studies.c.id)).scalar_one()
         return self.study(study_id)
+
+    # what `_Fixed.of` reads: a study's fixed columns with its problem (if any) and hardware
+    _FIXED = (studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c.created_at, studies.c.kind,
+              studies.c.step, studies.c.submission_id, studies.c.hardware_id, studies.c.problem_id)
+
+    @staticmethod
+    def _with_keys(query):
+        return query.outerjoin(problems, problems.c.id == studies.c.problem_id) \
+            .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
 
     # created_at tells a cached study from a row that reused its id after a rollback (SQLite)
     _MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_reason, studies.c.message,
@@ -193,18 +229,11 @@ class SqlTx:
     def _fixed(self, study_id: int, created_at: dt.datetime) -> _Fixed:
         fixed = self.store.fixed.get(study_id)
         if fixed is None or fixed.created_at != created_at:
-            row = self._one(
-                select(studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c.created_at,
-                       studies.c.hardware_id, studies.c.problem_id, *_problem_columns(), *_hardware_columns())
-                .join(problems, problems.c.id == studies.c.problem_id)
-                .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
-                .where(studies.c.id == study_id))
+            row = self._one(self._with_keys(select(*self._FIXED, *_problem_columns(), *_hardware_columns()))
+                            .where(studies.c.id == study_id))
             if row is None:
                 raise NotFoundError(f"study {study_id} does not exist")
-            fixed = _Fixed(_problem(row), _hardware(row), row.hardware_id, row.problem_id,
-                           SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
-                           row.space_size, row.created_at)
-            self.store.fixed[study_id] = fixed
+            fixed = self.store.fixed[study_id] = _Fixed.of(row)
         return fixed
 
     @staticmethod
@@ -214,7 +243,8 @@ class SqlTx:
             protocol=fixed.protocol, space_size=fixed.space_size, state=StudyState(row.state),
             created_at=fixed.created_at, stop_reason=row.stop_reason, message=row.message,
             started_at=row.started_at, finished_at=row.finished_at, trials_done=row.trials_done,
-            best_trial_id=row.best_trial_id, best_ratio=row.best_ratio)
+            best_trial_id=row.best_trial_id, best_ratio=row.best_ratio, kind=fixed.kind, step=fixed.step,
+            submission_id=fixed.submission_id)
 
     _TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
               trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
@@ -222,7 +252,7 @@ class SqlTx:
 
     def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
         columns = (*self._TRIAL, trials.c.measurements) if measurements else self._TRIAL
-        rows = self.session.execute(select(*columns).where(trials.c.study_id == study_id).order_by(trials.c.number))
+        rows = self.execute(select(*columns).where(trials.c.study_id == study_id).order_by(trials.c.number))
         return [_trial_record(row, measurements) for row in rows]
 
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
@@ -232,8 +262,10 @@ class SqlTx:
             raise NotFoundError(f"trial {trial_id} does not exist")
         return _trial_record(row, True)
 
-    def add_trials(self, study_id, kind, candidates, now) -> list[TrialRecord]:
-        number = self.session.scalar(select(func.max(trials.c.number)).where(trials.c.study_id == study_id)) or 0
+    def add_trials(self, study_id, kind, candidates, now, *, after: int | None = None) -> list[TrialRecord]:
+        if after is None:
+            after = self.scalar(select(func.max(trials.c.number)).where(trials.c.study_id == study_id)) or 0
+        number = after
         added = []
         for configs in candidates:
             number += 1
@@ -242,7 +274,7 @@ class SqlTx:
                 raise ValueError(f"{configs[0]!r} does not round-trip through its id {configs[0].id!r}")
             record = TrialRecord(id=0, study_id=study_id, number=number, kind=kind, decompositions=configs,
                                  state=TrialState.PENDING, created_at=now)
-            trial_id = self.session.execute(insert(trials).values(
+            trial_id = self.execute(insert(trials).values(
                 study_id=study_id, number=number, kind=kind, state=TrialState.PENDING, attempts=0, created_at=now,
                 decompositions=[d.model_dump(mode="json") for d in configs],
                 decomposition_id=record.decomposition_id).returning(trials.c.id)).scalar_one()
@@ -259,20 +291,63 @@ class SqlTx:
             query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
                 .where(hardware_t.c.key == hardware.identity().key)
         # PostgreSQL: concurrent claims skip each other's row; SQLite: the write transaction is exclusive
-        trial_id = self.session.scalar(query.with_for_update(of=trials, skip_locked=True))
+        trial_id = self.scalar(query.with_for_update(of=trials, skip_locked=True))
         if trial_id is None:
             return None
-        self.session.execute(update(trials).where(trials.c.id == trial_id).values(
-            state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=worker_id))
-        return self.trial(trial_id)
+        row = self._one(update(trials).where(trials.c.id == trial_id).values(
+            state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=worker_id).returning(*self._TRIAL))
+        return _trial_record(row, False)
 
     def update_study(self, study_id: int, **changes) -> None:
-        self.session.execute(update(studies).where(studies.c.id == study_id).values(**changes))
+        self.execute(update(studies).where(studies.c.id == study_id).values(**changes))
 
     def update_trial(self, trial_id: int, **changes) -> None:
         if changes.get("measurements") is not None:
             changes["measurements"] = [m.model_dump(mode="json") for m in changes["measurements"]]
-        self.session.execute(update(trials).where(trials.c.id == trial_id).values(**changes))
+        if changes.get("step") is not None:  # a step trial's result lives where the measurements do
+            changes["measurements"] = [changes.pop("step").model_dump(mode="json")]
+        changes.pop("step", None)
+        self.execute(update(trials).where(trials.c.id == trial_id).values(**changes))
+
+    def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        ids = self.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
+                           .where(studies.c.kind == StudyKind.STEP.value, studies.c.state == StudyState.PENDING.value,
+                                  hardware_t.c.key == hardware.identity().key).order_by(studies.c.id)).scalars().all()
+        return [self.study(i, lock=True) for i in ids]
+
+    def step_study_of(self, submission_id: int) -> StudyRecord | None:
+        """The newest step study of a submission."""
+        found = self.scalar(select(studies.c.id).where(studies.c.submission_id == submission_id,
+                                                       studies.c.kind == StudyKind.STEP.value)
+                            .order_by(studies.c.id.desc()).limit(1))
+        return self.study(found) if found is not None else None
+
+    def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
+        found = self.tuned(problem, hardware)
+        return found.config if found is not None else None
+
+    def save_overrides(self, model: str, hardware: Hardware, overrides: Sequence[RoleOverride]) -> None:
+        hardware_id = self.hardware_id(hardware, create=True)
+        self.execute(delete(overrides_t).where(overrides_t.c.model == model, overrides_t.c.hardware_id == hardware_id))
+        for o in overrides:
+            self.execute(insert(overrides_t).values(
+                model=model, role=o.role, hardware_id=hardware_id, configs=o.configs.model_dump(mode="json"),
+                reason=o.reason, step_speedup=o.step_speedup, updated_at=dt.datetime.now(dt.UTC)))
+
+    def overrides(self, *, model: str | None = None, hardware: Hardware | None = None, platform: str | None = None,
+                  device_kind: str | None = None) -> list[RoleOverride]:
+        query = select(overrides_t, *_hardware_columns()).join(hardware_t, hardware_t.c.id == overrides_t.c.hardware_id)
+        if model is not None:
+            query = query.where(overrides_t.c.model == model)
+        if hardware is not None:
+            query = query.where(hardware_t.c.key == hardware.identity().key)
+        if platform:
+            query = query.where(hardware_t.c.platform == platform)
+        if device_kind:
+            query = query.where(hardware_t.c.device_kind == device_kind)
+        return [RoleOverride(model=r.model, role=r.role, hardware=_hardware(r), configs=OpConfigs.model_validate(
+            r.configs), reason=r.reason, step_speedup=r.step_speedup)
+                for r in self.execute(query.order_by(overrides_t.c.model, overrides_t.c.role))]
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         problem_id = self.problem_id(config.problem, create=True)
@@ -285,11 +360,11 @@ class SqlTx:
             updated_at=dt.datetime.now(dt.UTC), study_id=study_id,
         )
         where = and_(tuned_t.c.problem_id == problem_id, tuned_t.c.hardware_id == hardware_id)
-        existing = self.session.scalar(select(tuned_t.c.id).where(where).with_for_update())
+        existing = self.scalar(select(tuned_t.c.id).where(where).with_for_update())
         if existing is None:
-            self.session.execute(insert(tuned_t).values(problem_id=problem_id, hardware_id=hardware_id, **values))
+            self.execute(insert(tuned_t).values(problem_id=problem_id, hardware_id=hardware_id, **values))
         else:
-            self.session.execute(update(tuned_t).where(tuned_t.c.id == existing).values(**values))
+            self.execute(update(tuned_t).where(tuned_t.c.id == existing).values(**values))
 
     # --- studies for the API ------------------------------------------------------------------
 
@@ -298,8 +373,9 @@ class SqlTx:
         problem_id, hardware_id = self.problem_id(problem), self.hardware_id(hardware)
         if problem_id is None or hardware_id is None:
             return None
-        study_id = self.session.scalar(
+        study_id = self.scalar(
             select(studies.c.id).where(studies.c.problem_id == problem_id, studies.c.hardware_id == hardware_id,
+                                       studies.c.kind == StudyKind.SEARCH.value,
                                        studies.c.state.in_([*ACTIVE, StudyState.COMPLETED.value]))
             .order_by(studies.c.id.desc()).limit(1))
         return self.study(study_id) if study_id is not None else None
@@ -307,26 +383,20 @@ class SqlTx:
     def list_studies(self, *, state: StudyState | None, hardware: str | None, offset: int,
                      limit: int) -> tuple[list[StudyRecord], int]:
         """A page of studies, newest first, and the total; two queries whatever the page size."""
-        query = select(*self._MUTABLE, studies.c.settings, studies.c.protocol, studies.c.space_size,
-                       studies.c.created_at, studies.c.hardware_id, studies.c.problem_id, *_problem_columns(),
-                       *_hardware_columns()).join(problems, problems.c.id == studies.c.problem_id) \
-            .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
+        query = self._with_keys(select(*self._MUTABLE, *self._FIXED[:3], *self._FIXED[4:], *_problem_columns(),
+                                       *_hardware_columns()))
         count = select(func.count()).select_from(studies)
         if state is not None:
             query, count = query.where(studies.c.state == state), count.where(studies.c.state == state)
         if hardware:
             query = query.where(hardware_t.c.key == hardware)
             count = count.join(hardware_t, hardware_t.c.id == studies.c.hardware_id).where(hardware_t.c.key == hardware)
-        total = self.session.scalar(count)
+        total = self.scalar(count)
         records = []
-        for row in self.session.execute(query.order_by(studies.c.id.desc()).offset(offset).limit(limit)):
+        for row in self.execute(query.order_by(studies.c.id.desc()).offset(offset).limit(limit)):
             fixed = self.store.fixed.get(row.id)
             if fixed is None or fixed.created_at != row.created_at:
-                fixed = _Fixed(
-                _problem(row), _hardware(row), row.hardware_id, row.problem_id,
-                    SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
-                    row.space_size, row.created_at)
-                self.store.fixed[row.id] = fixed
+                fixed = self.store.fixed[row.id] = _Fixed.of(row)
             records.append(self._study_record(fixed, row))
         return records, int(total or 0)
 
@@ -334,7 +404,7 @@ class SqlTx:
         """Trials currently leased, per study."""
         if not study_ids:
             return {}
-        return dict(self.session.execute(
+        return dict(self.execute(
             select(trials.c.study_id, func.count()).where(trials.c.study_id.in_(list(study_ids)),
                                                           trials.c.state == TrialState.LEASED)
             .group_by(trials.c.study_id)).all())
@@ -343,7 +413,7 @@ class SqlTx:
         """The candidates of search trials, by id (for the best-so-far of a page of studies)."""
         if not trial_ids:
             return {}
-        rows = self.session.execute(select(trials.c.id, trials.c.decomposition_id)
+        rows = self.execute(select(trials.c.id, trials.c.decomposition_id)
                                     .where(trials.c.id.in_(list(trial_ids))))
         return {row.id: decomposition_of(row.decomposition_id) for row in rows}
 
@@ -354,17 +424,17 @@ class SqlTx:
         return {row.study_id: row.config for row in self._tuned(tuned_t.c.study_id.in_(list(study_ids)))}
 
     def count_studies_by_state(self) -> dict[str, int]:
-        return {str(s): n for s, n in self.session.execute(
+        return {str(s): n for s, n in self.execute(
             select(studies.c.state, func.count()).group_by(studies.c.state)).all()}
 
     def count_trials_by_state(self) -> dict[str, int]:
-        return {str(s): n for s, n in self.session.execute(
+        return {str(s): n for s, n in self.execute(
             select(trials.c.state, func.count()).group_by(trials.c.state)).all()}
 
     # --- tuned configs ------------------------------------------------------------------------
 
     def _tuned(self, *conditions) -> list[TunedRow]:
-        rows = self.session.execute(
+        rows = self.execute(
             select(tuned_t, *_problem_columns(), *_hardware_columns())
             .join(problems, problems.c.id == tuned_t.c.problem_id)
             .join(hardware_t, hardware_t.c.id == tuned_t.c.hardware_id)
@@ -392,10 +462,33 @@ class SqlTx:
 
     # --- workers and leases -------------------------------------------------------------------
 
-    def add_worker(self, *, name: str, hardware: Hardware, software: dict, now: dt.datetime) -> int:
-        return self.session.execute(insert(workers).values(
+    def add_worker(self, *, name: str, hardware: Hardware, software: dict, memory_bytes: int | None,
+                   now: dt.datetime) -> tuple[int, str]:
+        """A new worker and its credential (``cmw_<id>_<secret>``, shown once; only its hash is stored)."""
+        worker_id = self.execute(insert(workers).values(
             name=name, hardware_id=self.hardware_id(hardware, create=True), software=software, registered_at=now,
-            last_heartbeat=now, active=True, trials_done=0).returning(workers.c.id)).scalar_one()
+            last_heartbeat=now, active=True, trials_done=0, memory_bytes=memory_bytes).returning(workers.c.id)
+        ).scalar_one()
+        credential = f"cmw_{worker_id}_{secrets.token_urlsafe(32)}"
+        self.execute(update(workers).where(workers.c.id == worker_id).values(credential_hash=hash_token(credential)))
+        return worker_id, credential
+
+    def worker_of_credential(self, credential: str) -> int | None:
+        """The active worker a credential belongs to, or None."""
+        worker_id = credential_worker_id(credential)
+        if worker_id is None:
+            return None
+        return self.scalar(select(workers.c.id).where(workers.c.id == worker_id, workers.c.active.is_(True),
+                                                      workers.c.credential_hash == hash_token(credential)))
+
+    def hardware_memory(self, hardware: Hardware) -> int | None:
+        """The most device memory any worker of ``hardware`` (now or before) reported (None: none did).
+
+        A problem that does not fit it fits no worker known to the service.
+        """
+        return self.scalar(select(func.max(workers.c.memory_bytes))
+                           .join(hardware_t, hardware_t.c.id == workers.c.hardware_id)
+                           .where(hardware_t.c.key == hardware.identity().key))
 
     def worker(self, worker_id: int) -> WorkerInfo:
         """An active worker; `NotFoundError` (register again) otherwise."""
@@ -412,20 +505,41 @@ class SqlTx:
             query = query.where(workers.c.id == worker_id)
         return [WorkerInfo(id=r.id, name=r.name, hardware=_hardware(r), software=r.software,
                            registered_at=r.registered_at, last_heartbeat=r.last_heartbeat, active=r.active,
-                           trials_done=r.trials_done)
-                for r in self.session.execute(query.order_by(workers.c.id))]
+                           trials_done=r.trials_done, memory_bytes=r.memory_bytes)
+                for r in self.execute(query.order_by(workers.c.id))]
+
+    def touch_worker(self, worker_id: int, now: dt.datetime) -> WorkerInfo:
+        """Mark an active worker alive and return it (one statement; its hardware is cached).
+
+        Raises:
+            NotFoundError: the worker is not registered (or left).
+        """
+        row = self._one(update(workers).where(workers.c.id == worker_id, workers.c.active.is_(True))
+                        .values(last_heartbeat=now).returning(workers))
+        if row is None:
+            raise NotFoundError(f"worker {worker_id} is not registered; register again with POST /v1/workers")
+        hardware = self.store.hardware.get(row.hardware_id)
+        if hardware is None:
+            hardware = _hardware(self._one(select(*_hardware_columns()).where(hardware_t.c.id == row.hardware_id)))
+            self.store.hardware[row.hardware_id] = hardware
+        return WorkerInfo(id=row.id, name=row.name, hardware=hardware, software=row.software,
+                          registered_at=row.registered_at, last_heartbeat=row.last_heartbeat, active=row.active,
+                          trials_done=row.trials_done, memory_bytes=row.memory_bytes)
+
+    def count_worker_trial(self, worker_id: int) -> None:
+        self.execute(update(workers).where(workers.c.id == worker_id).values(trials_done=workers.c.trials_done + 1))
 
     def update_worker(self, worker_id: int, **changes) -> None:
-        self.session.execute(update(workers).where(workers.c.id == worker_id).values(**changes))
+        self.execute(update(workers).where(workers.c.id == worker_id).values(**changes))
 
     def count_workers_online(self, *, since: dt.datetime) -> int:
-        return int(self.session.scalar(select(func.count()).select_from(workers).where(
+        return int(self.scalar(select(func.count()).select_from(workers).where(
             workers.c.active.is_(True), workers.c.last_heartbeat >= since)) or 0)
 
     def add_lease(self, *, trial_id: int, worker_id: int, now: dt.datetime, seconds: float) -> LeaseInfo:
         lease = LeaseInfo(id=str(uuid.uuid4()), trial_id=trial_id, worker_id=worker_id,
                           expires_at=now + dt.timedelta(seconds=seconds), active=True)
-        self.session.execute(insert(leases).values(created_at=now, **dataclasses.asdict(lease)))
+        self.execute(insert(leases).values(created_at=now, **dataclasses.asdict(lease)))
         return lease
 
     def lease(self, lease_id: str, *, lock: bool = False) -> LeaseInfo | None:
@@ -434,8 +548,17 @@ class SqlTx:
         row = self._one(query.with_for_update() if lock else query)
         return LeaseInfo(**row._mapping) if row is not None else None
 
+    def lease_and_trial(self, lease_id: str, trial_id: int) -> tuple[LeaseInfo | None, TrialRecord]:
+        """The lease and the trial a result names, both locked for this transaction.
+
+        Raises:
+            NotFoundError: there is no such trial.
+        """
+        trial = self.trial(trial_id, lock=True)
+        return self.lease(lease_id, lock=True), trial
+
     def update_lease(self, lease_id: str, **changes) -> None:
-        self.session.execute(update(leases).where(leases.c.id == lease_id).values(**changes))
+        self.execute(update(leases).where(leases.c.id == lease_id).values(**changes))
 
     def active_leases(self, *, expired_before: dt.datetime | None = None, worker_id: int | None = None,
                       study_id: int | None = None) -> list[LeaseInfo]:
@@ -448,28 +571,28 @@ class SqlTx:
             query = query.where(leases.c.worker_id == worker_id)
         if study_id is not None:
             query = query.where(leases.c.trial_id.in_(select(trials.c.id).where(trials.c.study_id == study_id)))
-        return [LeaseInfo(**row._mapping) for row in self.session.execute(
+        return [LeaseInfo(**row._mapping) for row in self.execute(
             query.order_by(leases.c.created_at).with_for_update(skip_locked=True))]
 
     def current_trials(self) -> dict[int, int]:
         """worker id -> the trial it holds an active lease on."""
-        rows = self.session.execute(select(leases.c.worker_id, leases.c.trial_id).where(leases.c.active.is_(True)))
+        rows = self.execute(select(leases.c.worker_id, leases.c.trial_id).where(leases.c.active.is_(True)))
         return {worker_id: trial_id for worker_id, trial_id in rows}
 
     def count_active_leases(self) -> int:
-        return int(self.session.scalar(select(func.count()).select_from(leases).where(leases.c.active.is_(True)))
+        return int(self.scalar(select(func.count()).select_from(leases).where(leases.c.active.is_(True)))
                    or 0)
 
     # --- submissions --------------------------------------------------------------------------
 
     def add_submission(self, *, model: dict, mesh: dict, hardware: Hardware, now: dt.datetime) -> int:
-        return self.session.execute(insert(Submission.__table__).values(
+        return self.execute(insert(Submission.__table__).values(
             model=model, mesh=mesh, hardware_id=self.hardware_id(hardware, create=True), created_at=now)
             .returning(Submission.__table__.c.id)).scalar_one()
 
     def link_submission(self, *, submission_id: int, study_id: int | None, problem: Problem, roles: Sequence[str],
                         count: int) -> None:
-        self.session.execute(insert(SubmissionStudy.__table__).values(
+        self.execute(insert(SubmissionStudy.__table__).values(
             submission_id=submission_id, study_id=study_id, problem_id=self.problem_id(problem, create=True),
             roles=list(roles), count=count))
 
@@ -479,11 +602,11 @@ class SqlTx:
         query = select(sub, *_hardware_columns()).join(hardware_t, hardware_t.c.id == sub.c.hardware_id)
         if submission_id is not None:
             query = query.where(sub.c.id == submission_id)
-        rows = self.session.execute(query.order_by(sub.c.id.desc()).limit(limit)).all()
+        rows = self.execute(query.order_by(sub.c.id.desc()).limit(limit)).all()
         if not rows:
             return []
         entries: dict[int, list[dict]] = {row.id: [] for row in rows}
-        for e in self.session.execute(
+        for e in self.execute(
                 select(link.c.submission_id, link.c.study_id, link.c.roles, link.c.count, *_problem_columns())
                 .join(problems, problems.c.id == link.c.problem_id)
                 .where(link.c.submission_id.in_(list(entries))).order_by(link.c.id)):
@@ -497,19 +620,19 @@ class SqlTx:
     def add_token(self, *, name: str, role: Role, value: str | None = None) -> tuple[int, str]:
         """A new token (random unless ``value``); only its SHA-256 is stored.  Returns its id and the token."""
         plain = value or "cmt_" + secrets.token_urlsafe(32)
-        token_id = self.session.execute(insert(tokens).values(
+        token_id = self.execute(insert(tokens).values(
             name=name, role=role, hash=hash_token(plain), created_at=dt.datetime.now(dt.UTC), revoked=False)
             .returning(tokens.c.id)).scalar_one()
         return token_id, plain
 
     def tokens(self) -> list[TokenInfo]:
         return [TokenInfo(id=r.id, name=r.name, role=Role(r.role), revoked=r.revoked, created_at=r.created_at)
-                for r in self.session.execute(select(tokens.c.id, tokens.c.name, tokens.c.role, tokens.c.revoked,
+                for r in self.execute(select(tokens.c.id, tokens.c.name, tokens.c.role, tokens.c.revoked,
                                                      tokens.c.created_at).order_by(tokens.c.id))]
 
     def revoke_token(self, token_id: int) -> TokenInfo:
         """Mark a token revoked (kept for the record); `NotFoundError` if there is none."""
-        if self.session.execute(update(tokens).where(tokens.c.id == token_id).values(revoked=True)).rowcount == 0:
+        if self.execute(update(tokens).where(tokens.c.id == token_id).values(revoked=True)).rowcount == 0:
             raise NotFoundError(f"token {token_id} does not exist; see 'cmtune token list'")
         return next(t for t in self.tokens() if t.id == token_id)
 
@@ -523,6 +646,15 @@ class SqlTx:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def credential_worker_id(credential: str) -> int | None:
+    """The worker id a credential names (``cmw_<id>_<secret>``), or None if it is not one."""
+    prefix, _, rest = credential.partition("_")
+    worker_id, _, secret = rest.partition("_")
+    if prefix != "cmw" or not secret or not worker_id.isdigit() or len(worker_id) > 18:
+        return None
+    return int(worker_id)
 
 
 def _problem_columns():
@@ -548,14 +680,17 @@ def _trial_record(row, with_measurements: bool) -> TrialRecord:
         decompositions = (decomposition_of(row.decomposition_id),)
     else:
         decompositions = tuple(Decomposition.model_validate(d) for d in row.decompositions)
-    measurements = None
+    measurements = step = None
     if with_measurements and row.measurements is not None:
-        measurements = tuple(Measurement.model_validate(m) for m in row.measurements)
+        if kind == TrialKind.STEP:
+            step = StepMeasurement.model_validate(row.measurements[0])
+        else:
+            measurements = tuple(Measurement.model_validate(m) for m in row.measurements)
     return TrialRecord(
         id=row.id, study_id=row.study_id, number=row.number, kind=kind, decompositions=decompositions,
         state=TrialState(row.state), created_at=row.created_at, attempts=row.attempts, status=row.status,
         ratio=row.ratio, measurements=measurements, message=row.message, worker_id=row.worker_id,
-        result_lease_id=row.result_lease_id, finished_at=row.finished_at)
+        result_lease_id=row.result_lease_id, finished_at=row.finished_at, step=step)
 
 
 def _tuned_config(row) -> TunedConfig:

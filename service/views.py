@@ -8,6 +8,7 @@ from cmtune.service.store import SqlTx, WorkerInfo
 from cmtune.tuner.store import StudyRecord, TrialRecord
 from collective_matmul.wire import (
     BestSoFar,
+    StudyKind,
     StudyPublic,
     TrialKind,
     TrialPublic,
@@ -19,19 +20,23 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
     """Public bodies for a page of studies: three queries whatever the page size."""
     ids = [s.id for s in records]
     leased = tx.leased_counts(ids)
-    best = tx.trial_decompositions([s.best_trial_id for s in records if s.best_trial_id is not None])
+    best = tx.trial_decompositions([s.best_trial_id for s in records
+                                    if s.best_trial_id is not None and s.kind == StudyKind.SEARCH])
     tuned = tx.tuned_of_studies(ids)
     out = []
     for s in records:
         config = tuned.get(s.id)
         winner = best.get(s.best_trial_id) if s.best_trial_id is not None else None
         out.append(StudyPublic(
-            id=s.id, state=s.state, problem=s.problem, problem_key=s.problem.key, hardware=s.hardware,
+            id=s.id, kind=s.kind, state=s.state, problem=s.problem,
+            problem_key=s.problem.key if s.problem is not None else f"step:{s.step.block.name}", hardware=s.hardware,
             hardware_key=s.hardware.key, settings=s.settings.model_dump(mode="json"), space_size=s.space_size,
-            trials_done=s.trials_done, trials_budget=min(s.settings.max_trials or s.space_size, s.space_size),
+            trials_done=s.trials_done,
+            trials_budget=1 if s.kind == StudyKind.STEP else min(s.settings.max_trials or s.space_size, s.space_size),
             trials_running=leased.get(s.id, 0),
             best=BestSoFar(decomposition=winner, decomposition_id=winner.id, ratio=s.best_ratio,
-                           speedup=1 / s.best_ratio, trial_id=s.best_trial_id) if winner and s.best_ratio else None,
+                           speedup=1 / s.best_ratio, trial_id=s.best_trial_id)
+            if winner and s.best_ratio and s.kind == StudyKind.SEARCH else None,
             tuned=config, tuned_decomposition_id=config.decomposition.id if config else None,
             stop_reason=s.stop_reason, message=s.message, created_at=s.created_at, started_at=s.started_at,
             finished_at=s.finished_at,
@@ -54,6 +59,7 @@ def trial_public(trial: TrialRecord) -> TrialPublic:
         iqr_s=first.candidate.iqr_s if first and first.candidate else None,
         baseline_s=first.baseline.median_s if first and first.baseline else None,
         message=trial.message, worker_id=trial.worker_id, created_at=trial.created_at, finished_at=trial.finished_at,
+        step=trial.step,
     )
 
 
@@ -62,5 +68,5 @@ def worker_public(worker: WorkerInfo, *, current_trial_id: int | None, online_af
         id=worker.id, name=worker.name, hardware=worker.hardware, hardware_key=worker.hardware.key,
         software=worker.software, registered_at=worker.registered_at, last_heartbeat=worker.last_heartbeat,
         online=worker.active and worker.last_heartbeat >= online_after, active=worker.active,
-        current_trial_id=current_trial_id, trials_done=worker.trials_done,
+        current_trial_id=current_trial_id, trials_done=worker.trials_done, memory_bytes=worker.memory_bytes,
     )

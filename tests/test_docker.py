@@ -106,6 +106,8 @@ def test_compose_services_builds_ports_and_environment_match():
                 assert env.removeprefix("CMTUNE_").lower() in Settings.model_fields or env in CLI_ENV, env
     worker_args = ["worker", *services["worker"]["command"]]
     check_invocation(worker_args)
+    # whatever exits (a worker ending a hung trial) comes back
+    assert services["worker"]["restart"] == services["service"]["restart"] == "unless-stopped"
     # the worker token the service registers is the one the worker sends
     assert services["worker"]["environment"]["CMTUNE_TOKEN"] == service["environment"]["CMTUNE_WORKER_TOKEN"]
 

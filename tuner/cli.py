@@ -1,6 +1,6 @@
-"""`cmtune tune | bench | problems`: the tuner's commands (local devices, no service).
+"""`cmtune tune | bench | verify | problems`: the tuner's commands (local devices, no service).
 
-Every import of JAX happens inside a command, after the devices are configured.
+JAX is imported only inside a command, and no device is touched before the devices are configured.
 """
 
 from __future__ import annotations
@@ -28,12 +28,39 @@ def devices_option(text: str) -> DeviceSpec:
 
 
 def relaunch_as_group(count: int, local_devices: int) -> None:
-    """Re-run this very command as ``count`` processes of a gloo cluster; print process 0's output."""
+    """Re-run this very command as ``count`` processes of a gloo cluster; process 0's output shows as it comes.
+
+    Every process runs what it is handed by process 0; if one fails or hangs (its watchdog ends
+    it), the others are killed and this command exits non-zero with the failure's output.
+    """
     from cmtune.tuner.cluster import launch
 
-    results = launch(count, ["-m", "cmtune.tuner", *sys.argv[1:]], local_devices=local_devices, timeout_s=3600)
-    sys.stdout.write(results[0].stdout)
+    try:
+        results = launch(count, without_token(sys.orig_argv[1:]), local_devices=local_devices, timeout_s=24 * 3600,
+                         echo_first=True)
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
     sys.stderr.write(results[0].stderr)
+
+
+def without_token(argv: list[str]) -> list[str]:
+    """``argv`` without ``--token T`` (the children read CMTUNE_TOKEN): no token in any argv we build."""
+    import os
+
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if word == "--token":
+            os.environ["CMTUNE_TOKEN"] = argv[i + 1] if i + 1 < len(argv) else ""
+            skip = True
+        elif word.startswith("--token="):
+            os.environ["CMTUNE_TOKEN"] = word.split("=", 1)[1]
+        else:
+            out.append(word)
+    return out
 
 
 def problems_from_options(problem: list[str] | None, model: str | None, mesh: str | None, tensor_axis: str | None):
@@ -117,6 +144,9 @@ def tune(
     sampler: Annotated[str, typer.Option(help="auto, enumerate, tpe or random")] = "auto",
     seed: Annotated[int, typer.Option(min=0)] = 0,
     repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per trial")] = 7,
+    timeout: Annotated[float, typer.Option(min=0.1, help="timing budget (s) of one candidate")] = 300.0,
+    trial_grace_seconds: Annotated[float, typer.Option(
+        min=1, help="a trial may take 2 x its timeout plus this before it counts as hung")] = 120.0,
     out: Annotated[Path | None, typer.Option(help="write the tuned configs as a bundle file")] = None,
 ) -> None:
     """Tune the decompositions of one or more problems on local devices."""
@@ -136,10 +166,10 @@ def tune(
 
     configure(spec, auto_virtual=ring)
     _tune(problems, ring=ring, trials=trials, minutes=minutes, patience=patience, sampler=sampler,
-          seed=seed, repeats=repeats, out=out)
+          seed=seed, protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out)
 
 
-def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, out) -> None:
+def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out) -> None:
     import jax
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -164,14 +194,14 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, repeats, 
     outcomes = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        tuner = LocalTuner(runner, group=group)
+        tuner = LocalTuner(runner, group=group, grace_s=grace_s)
         try:
             for problem in problems:
                 settings = study_settings(problem, hardware, trials=trials, minutes=minutes, patience=patience,
                                           sampler=sampler, seed=seed)
                 bar = progress.add_task(problem.key, total=min(settings.max_trials, len(candidates_of(problem))) + 1)
                 tuner.on_trial = lambda _trial, bar=bar: progress.advance(bar)
-                outcomes.append(tuner.tune(problem, hardware, settings, Protocol(repeats=repeats, seed=seed)))
+                outcomes.append(tuner.tune(problem, hardware, settings, Protocol(**protocol)))
                 progress.update(bar, completed=progress.tasks[bar].total)
         finally:
             tuner.stop()
@@ -221,3 +251,115 @@ def problems(
     for mp in found:
         table.add_row(mp.problem.key, str(mp.count), ", ".join(mp.roles))
     console.print(table)
+
+
+@app.command()
+def verify(
+    model: Annotated[str, typer.Option(help="model preset or JSON file")],
+    mesh: Annotated[str, typer.Option(help="the mesh the configs were tuned for, e.g. data=16,model=8")],
+    bundle: Annotated[Path | None, typer.Option(help="tuned configs from a bundle file")] = None,
+    server: Annotated[str | None, typer.Option(help="tuned configs from a cmtune service at this URL")] = None,
+    token: Annotated[str | None, typer.Option(
+        envvar="CMTUNE_TOKEN", help="a reader token for --server (CMTUNE_TOKEN keeps it out of ps)")] = None,
+    tensor_axis: Annotated[str | None, typer.Option(help="tensor-parallel axis (default: model)")] = None,
+    devices: Annotated[
+        str, typer.Option(help=DEVICES_HELP + "; auto = virtual CPU devices, one per ring member")
+    ] = "auto",
+    repeats: Annotated[int, typer.Option(min=1, help="rounds: timed runs of every variant")] = 7,
+    warmup: Annotated[int, typer.Option(min=0, help="untimed runs of every variant first")] = 2,
+    seed: Annotated[int, typer.Option(min=0, help="seed of the parameters and inputs")] = 0,
+    timeout: Annotated[float, typer.Option(min=1, help="stop timing after this many seconds")] = 600.0,
+    ablation: Annotated[bool, typer.Option(help="also time the tuned step with each tuned role set back")] = True,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the step measurement as JSON")] = None,
+) -> None:
+    """Time the whole training step with the tuned configs against plain autodiff (and the ablations)."""
+    from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
+    from collective_matmul.block import check_block
+
+    if (bundle is None) == (server is None):
+        raise typer.BadParameter("give the tuned configs with --bundle FILE or --server URL (one of them)")
+    try:
+        block = TransformerBlock.load(model)
+        spec = MeshSpec.parse(mesh, tensor_axis)
+        model_problems(block, spec)
+        check_block(block, tensor_size=spec.tensor_size, batch_shards=spec.batch_shards)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if bundle is not None:
+        try:
+            Bundle.load(bundle)
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--bundle") from None
+    ring = spec.tensor_size
+    device_spec = devices_option(devices)
+    if device_spec.kind == "virtual" and device_spec.count < ring:
+        raise typer.BadParameter(f"{block.name} on {mesh} needs a ring of {ring} devices but --devices {devices} "
+                                 f"gives {device_spec.count}; use --devices virtual:{ring}")
+    if device_spec.needs_group:
+        if ring % device_spec.count:
+            raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
+                                     f"use processes:N with N dividing {ring}")
+        return relaunch_as_group(device_spec.count, local_devices=ring // device_spec.count)
+    from cmtune.tuner.cluster import configure
+
+    configure(device_spec, auto_virtual=ring)
+    _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
+            timeout=timeout, ablation=ablation, json_out=json_out)
+
+
+def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeout, ablation, json_out) -> None:
+    import time
+
+    import jax
+
+    from cmtune.tuner.cluster import Group
+    from cmtune.tuner.report import roles_table, step_table
+    from cmtune.tuner.step import StepSession, standard_variants, step_layout
+    from collective_matmul.block import OpConfigs, configs_per_role
+    from collective_matmul.client import Tuned
+    from collective_matmul.wire import Protocol
+
+    started = time.monotonic()
+    try:
+        layout = step_layout(block, spec, jax.devices())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    group = Group()
+    leader = group.leader
+    say = console.print if leader else (lambda *_: None)
+    message = None
+    if leader:  # process 0 looks the configs up; the others run what it found
+        tuned = Tuned(server, token=token, bundle=bundle, model=block.name)
+        configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
+                                   batch_axis=layout.batch_axis)
+        resolved = {role: {slot: {"problem": problem.key, "decomposition": found.decomposition.id,
+                                  "match": found.match, "source": found.source}
+                           for slot, (problem, found) in slots.items()}
+                    for role, slots in tuned.resolved_by_role.items()}
+        message = {"configs": {role: c.model_dump(mode="json") for role, c in configs.items()}, "resolved": resolved}
+    message = group.share(message)
+    configs = {role: OpConfigs.model_validate(c) for role, c in message["configs"].items()}
+    mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
+    submitted = ",".join(f"{name}={size}" for name, size in spec.axes.items())
+    say(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch {layout.block.global_batch} "
+        f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
+        f"{jax.process_count()} process(es)")
+    say(roles_table(message["resolved"], title="configs per role"))
+    variants = standard_variants(configs, ablation=ablation)
+    protocol = Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=protocol)
+    result = session.measure(variants, on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    if not leader:
+        return
+    console.print(step_table(result, title=f"training step of {block.name} on {mesh_text}, "
+                                           f"{result.hardware.key} (jax {result.hardware.jax_version})"))
+    console.print(f"verify took {time.monotonic() - started:.1f}s")
+    if json_out is not None:
+        json_out.write_text(result.model_dump_json(indent=2) + "\n")
+        console.print(f"wrote the step measurement to {json_out}")
+    failed = [v for v in result.variants if not v.ok]
+    for v in failed:
+        console.print(f"[red]{v.name}: {v.status}: {v.message}[/red]")
+    if failed:
+        raise typer.Exit(1)

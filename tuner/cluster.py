@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,10 @@ class ProcessResult:
     stderr: str
 
 
+# A process that a watchdog ended because its trial overran (see `cmtune.tuner.local.Watchdog`).
+EXIT_HUNG = 75
+
+
 def launch(
     num_processes: int,
     argv: list[str],
@@ -127,15 +132,21 @@ def launch(
     timeout_s: float = 600,
     cwd: str | Path | None = None,
     stream: bool = False,
+    echo_first: bool = False,
 ) -> list[ProcessResult]:
     """Run ``python argv...`` as a cluster of ``num_processes`` local processes on loopback.
 
-    Each child finds its place with `ClusterSpec.from_env` and calls `join`.  With ``stream``
-    the children's output goes straight to this process's (for daemons); SIGTERM and SIGINT
-    received here are passed on to every child.
+    The group lives and dies together: as soon as one process exits with an error (a crash, or a
+    watchdog ending a hung trial), every other one is killed with SIGKILL, since a process
+    blocked inside a collective ignores SIGTERM.  SIGTERM and SIGINT received here are passed on.
+
+    Args:
+        stream: every process's output goes straight to this process's (daemons).
+        echo_first: process 0's stdout is echoed as it comes (progress bars); all output is
+            also kept in the results.
 
     Raises:
-        RuntimeError: if any process fails or the group exceeds ``timeout_s`` (all are killed).
+        RuntimeError: without ``stream``, if any process fails or the group exceeds ``timeout_s``.
     """
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
@@ -150,32 +161,59 @@ def launch(
         env.pop("XLA_FLAGS", None)
         pipe = None if stream else subprocess.PIPE
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, text=True, stdout=pipe, stderr=pipe))
-    if stream:
-        def forward(signum, _frame):
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signum)
+    outputs = [[[], []] for _ in procs]
+    readers = [] if stream else [
+        threading.Thread(target=_drain, args=(stream_, outputs[pid][i], echo_first and pid == 0 and i == 0),
+                         daemon=True)
+        for pid, proc in enumerate(procs) for i, stream_ in enumerate((proc.stdout, proc.stderr))]
+    for reader in readers:
+        reader.start()
 
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
-    results = []
+    def forward(signum, _frame):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
     deadline = time.monotonic() + timeout_s
+    timed_out = False
     try:
-        for pid, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(ProcessResult(pid, proc.returncode, out or "", err or ""))
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"process group timed out after {timeout_s:.0f}s: {argv}") from exc
+        while any(proc.poll() is None for proc in procs):
+            if any(proc.poll() not in (None, 0) for proc in procs):
+                break  # one failed: the others would wait for it forever in their next collective
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-    failed = [r for r in results if r.returncode != 0]
-    if failed and not stream:
-        tail = failed[0].stderr[-3000:]
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=5)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    results = [ProcessResult(pid, proc.returncode, "".join(outputs[pid][0]), "".join(outputs[pid][1]))
+               for pid, proc in enumerate(procs)]
+    if stream:
+        return results
+    if timed_out:
+        raise RuntimeError(f"process group timed out after {timeout_s:.0f}s: {argv}")
+    failed = sorted((r for r in results if r.returncode != 0), key=lambda r: r.returncode == -signal.SIGKILL)
+    if failed:
+        tail = (failed[0].stderr or failed[0].stdout)[-3000:]
         raise RuntimeError(f"process {failed[0].process_id} exited {failed[0].returncode}:\n{tail}")
     return results
+
+
+def _drain(pipe, into: list[str], echo: bool) -> None:
+    for line in pipe:
+        into.append(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
 
 class Group:

@@ -25,12 +25,22 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
    study from the search trials.
 6. `cancel`: final; trials in flight are cancelled.
 
+7. A step study (`create_step_study`) measures a submitted model's whole training step once the
+   search studies it depends on are final: it queues one step trial carrying each role's tuned
+   forward, ``grad_input`` and ``grad_weight`` configs; the worker times the step with them
+   against plain autodiff, the all-baseline custom VJP, each role set back to the baseline and
+   each ring weight gradient fused (`cmtune.tuner.step`).  `step_decision` keeps the tuned
+   step unless a one-change variant is faster beyond the spread (in three rounds of four); the
+   change becomes a per-model, per-role override (`RoleOverride`) with its reason, and the
+   study records the measured speedup of what will run.
+
 Every state change goes through `_move_study` / `_move_trial`, which refuse transitions that are
 not in `STUDY_MOVES` / `TRIAL_MOVES` (the database's CHECK constraints hold the same states).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,12 +57,25 @@ from cmtune.tuner.search import (
     stop_reason,
     tuned_config,
 )
-from cmtune.tuner.store import StoreTx, StudyRecord, TrialRecord
+from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
+from collective_matmul.bundle import RoleOverride
 from collective_matmul.costmodel import PROFILES, profile_for
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
+from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import candidates
-from collective_matmul.wire import Measurement, Protocol, Status, StudyState, TrialKind, TrialState, TrialTask
+from collective_matmul.wire import (
+    Measurement,
+    Protocol,
+    Status,
+    StepMeasurement,
+    StepTask,
+    StudyKind,
+    StudyState,
+    TrialKind,
+    TrialState,
+    TrialTask,
+)
 
 S, T = StudyState, TrialState
 STUDY_MOVES: dict[StudyState, frozenset[StudyState]] = {
@@ -153,10 +176,18 @@ class Engine:
 
         Returns the trials it queued (proposals or the confirmation).
         """
-        study = tx.study(study_id, lock=True)
+        return self._refill(tx, tx.study(study_id, lock=True), now=now)
+
+    def _refill(self, tx: StoreTx, study: StudyRecord, *, now: dt.datetime) -> list[TrialRecord]:
+        """`refill` for a study this transaction has locked (its settings and state as read)."""
+        study_id = study.id
+        if study.kind == StudyKind.STEP:
+            return self._refill_step(tx, study, now=now)
         if study.state not in (S.PENDING, S.RUNNING):
             return []
-        history = History.of(tx.trials(study_id))
+        trials = tx.trials(study_id)
+        last = max((t.number for t in trials), default=0)
+        history = History.of(trials)
         searcher = self.searcher(study)
         elapsed = (now - study.started_at).total_seconds() if study.started_at else 0.0
         proposals: list[Decomposition] = []
@@ -172,13 +203,14 @@ class Engine:
                 break
             proposals.append(config)
         if proposals:
-            return tx.add_trials(study_id, TrialKind.SEARCH, [[c] for c in proposals], now)
+            return tx.add_trials(study_id, TrialKind.SEARCH, [[c] for c in proposals], now, after=last)
         if reason is None:
             return []
         if reason in _DROP_PROPOSALS:
             for trial in history.pending:
                 self._move_trial(tx, trial, T.CANCELLED, message=f"not needed: the search stopped ({reason})")
-            history = History.of(tx.trials(study_id))
+            trials = tx.trials(study_id)
+            history = History.of(trials)
         if history.in_flight:
             return []  # the search is over: confirm once every trial is back
         tx.update_study(study_id, stop_reason=reason)
@@ -186,8 +218,8 @@ class Engine:
         if len(contenders) == 1:  # nothing but the baseline ran: it is the tuned config
             self._finish(tx, study_id, confirmation=None, now=now)
             return []
-        self._move_study(tx, tx.study(study_id), S.CONFIRMING)
-        return tx.add_trials(study_id, TrialKind.CONFIRM, [contenders], now)
+        self._move_study(tx, study, S.CONFIRMING)
+        return tx.add_trials(study_id, TrialKind.CONFIRM, [contenders], now, after=last)
 
     def claim(self, tx: StoreTx, *, study_ids: Sequence[int] | None = None, hardware: Hardware | None = None,
               worker_id: int | None = None, now: dt.datetime) -> TrialRecord | None:
@@ -208,21 +240,28 @@ class Engine:
 
     # -- results ----------------------------------------------------------------------------
 
-    def record(self, tx: StoreTx, trial_id: int, results: Sequence[Measurement], *, now: dt.datetime,
+    def record(self, tx: StoreTx, trial: int | TrialRecord, results: Sequence[Measurement], *, now: dt.datetime,
                lease_id: str | None = None, kind: TrialKind | None = None) -> TrialRecord:
         """Store a claimed trial's result and bring its study forward.
+
+        Args:
+            trial: the trial's id, or its record as this transaction has read and locked it.
 
         Raises:
             ConflictError: the trial is not claimed (finished, cancelled, or back in the queue).
             InvalidError: the results are not of this trial's problem and candidates.
         """
-        trial = tx.trial(trial_id, lock=True)
+        if not isinstance(trial, TrialRecord):
+            trial = tx.trial(trial, lock=True)
+        trial_id = trial.id
         study = tx.study(trial.study_id, lock=True)
         if trial.state != T.LEASED:
             raise ConflictError(f"trial {trial_id} is {trial.state}, not leased: drop this result")
         if kind is not None and kind != trial.kind:
-            field = "measurement" if trial.kind == TrialKind.SEARCH else "measurements"
+            field = {TrialKind.SEARCH: "measurement", TrialKind.CONFIRM: "measurements"}.get(trial.kind, "step")
             raise InvalidError(f"trial {trial_id} is a {trial.kind} trial: send '{field}'")
+        if trial.kind == TrialKind.STEP:
+            return self._record_step(tx, study, trial, results, now=now, lease_id=lease_id)
         _check_matches(study, trial, results)
         if trial.kind == TrialKind.SEARCH:
             (m,) = results
@@ -230,15 +269,16 @@ class Engine:
         else:
             ok = [m for m in results if m.ok]
             status, ratio, message = (Status.OK if ok else Status.ERROR), min((m.ratio for m in ok), default=None), None
-        self._move_trial(tx, trial, T.COMPLETED, status=status, ratio=ratio, measurements=tuple(results),
-                         message=message, finished_at=now, result_lease_id=lease_id)
+        done = dict(state=T.COMPLETED, status=status, ratio=ratio, measurements=tuple(results), message=message,
+                    finished_at=now, result_lease_id=lease_id)
+        self._move_trial(tx, trial, **done)
         if study.state.active:
             if trial.kind == TrialKind.CONFIRM:
                 self._finish(tx, study.id, confirmation=list(results), now=now)
             else:
                 self._count(tx, study, trial_id, ratio)
-                self.refill(tx, study.id, now=now)
-        return tx.trial(trial_id)
+                self._refill(tx, study, now=now)
+        return dataclasses.replace(trial, **done)
 
     def abandon(self, tx: StoreTx, trial: TrialRecord, *, status: Status, message: str, now: dt.datetime) -> None:
         """A trial that will get no result: failed with the reason; its study goes on."""
@@ -249,6 +289,9 @@ class Engine:
         if trial.kind == TrialKind.CONFIRM:
             self._finish(tx, study.id, confirmation=None, now=now,
                          note=f"the confirmation round got no result ({message})")
+        elif trial.kind == TrialKind.STEP:
+            self._move_study(tx, study, S.FAILED, finished_at=now,
+                             message=f"the step measurement got no result: {message}"[:2000])
         else:
             self._count(tx, study, trial.id, None)
             self.refill(tx, study.id, now=now)
@@ -267,7 +310,81 @@ class Engine:
         for trial in trials:
             self._move_trial(tx, trial, T.CANCELLED, message="study cancelled", finished_at=now)
         self._move_study(tx, study, S.CANCELLED, stop_reason="cancelled", finished_at=now)
+        if study.kind == StudyKind.SEARCH:
+            self._wake_step_studies(tx, study.hardware, now=now)
         return tx.study(study_id)
+
+    # -- the step study ---------------------------------------------------------------------
+
+    def create_step_study(self, tx: StoreTx, *, block: TransformerBlock, mesh: MeshSpec, hardware: Hardware,
+                          depends_on: Sequence[int], protocol: Protocol, now: dt.datetime,
+                          submission_id: int | None = None, ablation: bool = True) -> StudyRecord:
+        """A study of a model's whole step, run once the search studies ``depends_on`` are final."""
+        role_problems(block, mesh)  # the model must fit the mesh (ValueError otherwise)
+        study = tx.add_study(problem=None, hardware=hardware.identity(), settings=SearchSettings(), protocol=protocol,
+                             space_size=0, now=now, kind=StudyKind.STEP, submission_id=submission_id,
+                             step=StepSpec(block, mesh, tuple(depends_on), ablation))
+        self._refill_step(tx, study, now=now)
+        return tx.study(study.id)
+
+    def step_configs(self, tx: StoreTx, study: StudyRecord) -> dict[str, OpConfigs]:
+        """Each role's tuned configs for a step study: the tuned decomposition of each of its problems.
+
+        A problem without a tuned config runs the baseline; a weight gradient tuned to the baseline
+        runs the fused baseline (what autodiff does: no second gather), a tuned ring unfused (the
+        step trial also times it fused).
+        """
+        configs = {}
+        for role, problems in role_problems(study.step.block, study.step.mesh).items():
+            chosen = {}
+            for slot, problem in problems.items():
+                tuned = tx.tuned_config(problem, study.hardware)
+                chosen[slot] = tuned.decomposition if tuned is not None else Decomposition.baseline()
+            if chosen["grad_weight"].method == "baseline":
+                chosen["grad_weight"] = DEFAULT_GRAD_WEIGHT
+            configs[role] = OpConfigs(**chosen)
+        return configs
+
+    def _refill_step(self, tx: StoreTx, study: StudyRecord, *, now: dt.datetime) -> list[TrialRecord]:
+        """Queue the step trial once every search study it depends on is final."""
+        if study.state != S.PENDING or tx.trials(study.id):
+            return []
+        if any(tx.study(d).state.active for d in study.step.depends_on):
+            return []
+        configs = self.step_configs(tx, study)
+        flat = [getattr(configs[role], slot) for role in ROLES for slot in SLOTS]
+        return tx.add_trials(study.id, TrialKind.STEP, [flat], now, after=0)
+
+    def _wake_step_studies(self, tx: StoreTx, hardware: Hardware, *, now: dt.datetime) -> None:
+        for waiting in tx.waiting_step_studies(hardware):
+            self._refill_step(tx, waiting, now=now)
+
+    def _record_step(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result, *, now: dt.datetime,
+                     lease_id: str | None) -> TrialRecord:
+        if not isinstance(result, StepMeasurement):
+            raise InvalidError(f"trial {trial.id} is a step trial: send 'step'")
+        configs = step_task_configs(trial)
+        sent = {role: result.variant("tuned").configs.get(role) for role in ROLES} \
+            if any(v.name == "tuned" for v in result.variants) else {}
+        if any(sent.get(role) not in (None, configs[role]) for role in ROLES):
+            raise InvalidError(f"trial {trial.id} measured other configs than it was given")
+        decision = step_decision(result, configs)
+        done = dict(state=T.COMPLETED, status=Status.OK if decision.ok else Status.ERROR, ratio=decision.ratio,
+                    step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
+        self._move_trial(tx, trial, **done)
+        if study.state.active:
+            if decision.ok:
+                model = study.step.block.name
+                tx.save_overrides(model, study.hardware, [
+                    RoleOverride(model=model, role=role, hardware=study.hardware.identity(), configs=chosen,
+                                 reason=decision.reasons[role], step_speedup=1 / decision.ratio)
+                    for role, chosen in decision.overrides.items()])
+                tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=1)
+                self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
+                                 stop_reason=decision.variant)
+            else:
+                self._move_study(tx, study, S.FAILED, finished_at=now, message=decision.summary[:2000])
+        return dataclasses.replace(trial, **done)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -294,6 +411,7 @@ class Engine:
                                 for t in search if t.state in (T.COMPLETED, T.FAILED))
             self._move_study(tx, study, S.FAILED, finished_at=now,
                              message=("no candidate, not even the baseline, ran successfully: " + reasons)[:2000])
+            self._wake_step_studies(tx, study.hardware, now=now)
             return
         finished = [t for t in search if t.state in (T.COMPLETED, T.FAILED)]
         invalid, failed = failure_counts(t.status for t in finished)
@@ -301,6 +419,7 @@ class Engine:
                               space_size=study.space_size)
         tx.save_tuned(config.model_copy(update={"hardware": study.hardware.identity()}), study_id=study_id)
         self._move_study(tx, study, S.COMPLETED, finished_at=now, message=note)
+        self._wake_step_studies(tx, study.hardware, now=now)
 
     @staticmethod
     def _move_study(tx: StoreTx, study: StudyRecord, to: StudyState, **changes) -> None:
@@ -309,14 +428,27 @@ class Engine:
         tx.update_study(study.id, state=to, **changes)
 
     @staticmethod
-    def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState, **changes) -> None:
+    def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState | None = None, **changes) -> None:
+        to = changes.pop("state", to)
         if to not in TRIAL_MOVES.get(trial.state, ()):
             raise ConflictError(f"trial {trial.id} is {trial.state}; it cannot become {to}")
         tx.update_trial(trial.id, state=to, **changes)
 
 
+def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:
+    """A step trial's per-role configs (stored flat: role by role, forward, grad_input, grad_weight)."""
+    flat = list(trial.decompositions)
+    return {role: OpConfigs(**dict(zip(SLOTS, flat[i * 3:(i + 1) * 3], strict=True))) for i, role in enumerate(ROLES)}
+
+
 def task_for(study: StudyRecord, trial: TrialRecord) -> TrialTask:
     """What a worker runs for ``trial``: a confirmation round re-times with `confirm_repeats` runs."""
+    if trial.kind == TrialKind.STEP:
+        spec = study.step
+        return TrialTask(id=trial.id, study_id=study.id, kind=trial.kind, problem=None, decomposition=None,
+                         decompositions=list(trial.decompositions), protocol=study.protocol,
+                         step=StepTask(block=spec.block, mesh=spec.mesh.axes, tensor_axis=spec.mesh.tensor_axis,
+                                       configs=step_task_configs(trial), ablation=spec.ablation))
     protocol = study.protocol
     if trial.kind == TrialKind.CONFIRM:
         protocol = protocol.model_copy(update={"repeats": study.settings.confirm_repeats})
@@ -333,3 +465,79 @@ def _check_matches(study: StudyRecord, trial: TrialRecord, results: Sequence[Mea
     for m in results:
         if m.problem != study.problem:
             raise InvalidError(f"trial {trial.id} is for {study.problem.key}, the result is for {m.problem.key}")
+
+
+# ---- the step decision ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What a step measurement decides: the variant that runs, its overrides, and why."""
+
+    ok: bool
+    variant: str
+    ratio: float | None  # the chosen variant's step time over plain autodiff's (median of rounds)
+    overrides: dict[str, OpConfigs]
+    reasons: dict[str, str]
+    summary: str
+
+
+def _fmt(quartiles_: tuple[float, float, float]) -> str:
+    q1, median, q3 = quartiles_
+    return f"{1 / median:.2f}x (IQR {1 / q3:.2f}-{1 / q1:.2f})"
+
+
+def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> StepDecision:
+    """Which configuration of the step runs, from one step measurement.
+
+    1. The tuned step (every role's tuned configs) is the default.
+    2. A variant that changes one thing (``tuned-minus-<role>``: that role set back to the
+       baseline; ``tuned-fuse-<role>``: its ring weight gradient fused) or ``baseline`` (every
+       role set back) replaces it only if it is faster than the tuned step beyond the spread: its
+       time over the tuned step's, paired by round, is below 1 in three rounds of four (upper
+       quartile < 1).  Among such variants the fastest against plain autodiff wins.
+    3. The change becomes per-role overrides for this model, each with its reason; the decision
+       reports the measured speedup of what runs, against plain autodiff and the all-baseline step.
+    """
+    try:
+        reference, tuned_variant = measurement.variant(measurement.reference), measurement.variant("tuned")
+    except KeyError as exc:
+        return StepDecision(False, "tuned", None, {}, {}, f"the step measurement is incomplete: {exc}")
+    if not (reference.ok and tuned_variant.ok):
+        bad = next(v for v in (reference, tuned_variant) if not v.ok)
+        return StepDecision(False, "tuned", None, {}, {},
+                            f"the step could not be measured: {bad.name} {bad.status}: {bad.message}")
+    chosen, chosen_ratio, overrides, reasons = "tuned", tuned_variant.ratio, {}, {}
+    for variant in measurement.variants:
+        changes = _changes(variant.name, tuned)
+        if changes is None or not variant.ok:
+            continue
+        paired = measurement.paired(variant.name, "tuned")
+        if paired is None or paired[2] >= 1 or variant.ratio >= chosen_ratio:
+            continue
+        chosen, chosen_ratio = variant.name, variant.ratio
+        overrides = changes
+        what = "runs its weight gradient fused" if variant.name.startswith("tuned-fuse-") \
+            else "is set back to the baseline"
+        reasons = {role: f"{variant.name} ran the step {_fmt(paired)} faster than the tuned configs, so {role} "
+                         f"{what} for {measurement.block.name}" for role in changes}
+    vs_reference = measurement.paired(chosen, measurement.reference)
+    parts = [f"{chosen}: {_fmt(vs_reference)} against plain autodiff"]
+    if any(v.name == "baseline" and v.ok for v in measurement.variants):
+        parts.append(f"{_fmt(measurement.paired(chosen, 'baseline'))} against the all-baseline step")
+    summary = "; ".join(parts) + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
+    return StepDecision(True, chosen, chosen_ratio, overrides, reasons, summary)
+
+
+def _changes(name: str, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs] | None:
+    """The per-role overrides a one-change variant stands for (None: not such a variant)."""
+    if name == "baseline":
+        return {role: OpConfigs() for role, configs in tuned.items() if not configs.is_baseline}
+    for prefix in ("tuned-minus-", "tuned-fuse-"):
+        role = name.removeprefix(prefix)
+        if name.startswith(prefix) and role in tuned:
+            if prefix == "tuned-minus-":
+                return {role: OpConfigs()}
+            return {role: tuned[role].model_copy(update={
+                "grad_weight": tuned[role].grad_weight.model_copy(update={"fuse": True})})}
+    return None

@@ -8,16 +8,21 @@ No decision can depend on one process's timings, because no other process decide
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
+from cmtune.tuner.cluster import EXIT_HUNG
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import Measurement, Protocol, TrialKind, TrialTask
+from collective_matmul.wire import Measurement, Protocol, Status, StepMeasurement, StepVariant, TrialKind, TrialTask
 
 
 class Runner(TypingProtocol):
@@ -26,12 +31,21 @@ class Runner(TypingProtocol):
         ...
 
 
+log = logging.getLogger("cmtune.tuner")
+
+
 class LocalRunner:
-    """Times trials on this process's devices; keeps one `Session` (inputs, compiled baseline) at a time."""
+    """Times trials on this process's devices; keeps one `Session` (inputs, compiled baseline) at a time.
+
+    Nothing a trial does stops the runner: inputs that would not fit (checked before anything is
+    allocated), a failed allocation, a compile error, a crash of the program all come back as
+    measurement statuses (``oom``, ``error``, ...) of the trial's candidates.
+    """
 
     def __init__(self, **session_kwargs):
         self._sessions: dict[tuple[str, int], object] = {}
         self._session_kwargs = session_kwargs
+        self._memory: int | None = None
 
     def session(self, problem: Problem, protocol: Protocol):
         from cmtune.tuner.measure import Session
@@ -42,20 +56,110 @@ class LocalRunner:
             self._sessions[key] = Session(problem, protocol=protocol, **self._session_kwargs)
         return self._sessions[key]
 
-    def run(self, task: TrialTask) -> list[Measurement]:
-        session = self.session(task.problem, task.protocol)
+    @property
+    def device_memory(self) -> int | None:
+        """Bytes one local device may use (cached; see `cmtune.tuner.measure.device_memory`)."""
+        if self._memory is None:
+            from cmtune.tuner.measure import device_memory
+
+            self._memory = device_memory()
+        return self._memory
+
+    def run(self, task: TrialTask) -> list[Measurement] | StepMeasurement:
+        from cmtune.tuner.measure import classify_failure, failure
+
+        if task.kind == TrialKind.STEP:
+            return self._run_step(task)
+        needed, memory = task.problem.device_bytes, self.device_memory
+        if memory is not None and needed > memory:
+            message = (f"inputs need {needed / 2**30:.1f} GiB per device, the device has {memory / 2**30:.1f} GiB: "
+                       "nothing was allocated")
+            return [failure(task.problem, c, task.protocol, Status.OOM, message) for c in task.decompositions]
+        try:
+            session = self.session(task.problem, task.protocol)
+        except Exception as exc:  # noqa: BLE001 - the inputs or the baseline could not be built: a result
+            self._sessions.clear()
+            status = classify_failure(exc)
+            message = f"preparing the inputs and the baseline failed: {type(exc).__name__}: {exc}"[:2000]
+            return [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
         return [session.measure(config, task.protocol) for config in task.decompositions]
+
+    def _run_step(self, task: TrialTask) -> StepMeasurement:
+        """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement."""
+        from cmtune.tuner.measure import classify_failure
+        from cmtune.tuner.step import run_step
+        from collective_matmul.problem import Hardware
+
+        self._sessions.clear()  # a step needs the memory more than a problem's cached inputs
+        try:
+            return run_step(task)
+        except Exception as exc:  # noqa: BLE001 - the block could not be set up here: a result
+            message = f"{type(exc).__name__}: {exc}"[:2000]
+            status = classify_failure(exc)
+            step = task.step
+            return StepMeasurement(
+                block=step.block, mesh=step.mesh, tensor_axis=step.tensor_axis, hardware=Hardware.detect(),
+                protocol=task.protocol, variants=[StepVariant(name=name, status=status, message=message)
+                                                  for name in ("autodiff", "tuned")])
+
+
+class Watchdog:
+    """Ends this process if the trial in hand overruns its deadline.
+
+    A collective that never completes blocks its thread inside XLA, where no signal handler runs;
+    this timer thread still does, and ``os._exit`` ends the process at once (a group's launcher
+    then kills the others, and a lease that stops being extended expires).
+
+    Args:
+        seconds: the deadline, from `__enter__`.
+        what: says in the log what hung.
+        on_overrun: called first (e.g. to stop extending the trial's lease).
+    """
+
+    def __init__(self, seconds: float, what: str, on_overrun: Callable[[], None] | None = None):
+        self.seconds, self.what, self.on_overrun = seconds, what, on_overrun
+        self._timer: threading.Timer | None = None
+
+    @staticmethod
+    def deadline(task: TrialTask, grace_s: float) -> float:
+        """Seconds a trial may take: twice each candidate's timing budget, plus ``grace_s``."""
+        return len(task.decompositions) * 2 * task.protocol.timeout_s + grace_s
+
+    def _fire(self) -> None:
+        if self.on_overrun is not None:
+            self.on_overrun()
+        message = f"{self.what} hung: no result after {self.seconds:.0f} s; ending this process"
+        log.error(message)
+        print(f"cmtune: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_HUNG)
+
+    def __enter__(self) -> Watchdog:
+        self._timer = threading.Timer(self.seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def follow(group, runner: Runner) -> int:
-    """Processes other than 0: run every trial process 0 hands over, until it says stop."""
+    """Processes other than 0: run every trial process 0 hands over, until it says stop.
+
+    Only process 0's results count; an error in this process's own record of a trial is logged
+    and the next trial follows (the programs themselves ran in step with process 0's).
+    """
     done = 0
     while True:
         message = group.receive()
         if message["kind"] == "stop":
             return done
         if message["kind"] == "trial":
-            runner.run(TrialTask.model_validate(message["task"]))
+            try:
+                runner.run(TrialTask.model_validate(message["task"]))
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("this process's record of trial %s failed", message["task"].get("id"))
             done += 1
 
 
@@ -82,8 +186,9 @@ class LocalTuner:
     """
 
     def __init__(self, runner: Runner, *, group=None, engine: Engine | None = None,
-                 on_trial: Callable[[TrialRecord], None] | None = None, clock=utcnow):
+                 on_trial: Callable[[TrialRecord], None] | None = None, clock=utcnow, grace_s: float = 120.0):
         self.runner, self.group, self.on_trial, self.clock = runner, group, on_trial, clock
+        self.grace_s = grace_s
         self.engine = engine or Engine(ready=1)
         self.store = InMemoryStore()
 
@@ -103,7 +208,9 @@ class LocalTuner:
             task = task_for(current, trial)
             if self.group is not None:
                 self.group.send({"kind": "trial", "task": task.model_dump(mode="json")})
-            results = self.runner.run(task)
+            what = f"{problem.key}: trial {trial.number} ({', '.join(d.id for d in task.decompositions)})"
+            with Watchdog(Watchdog.deadline(task, self.grace_s), what):
+                results = self.runner.run(task)
             with self.store.transaction(write=True) as tx:
                 finished = self.engine.record(tx, trial.id, results, now=self.clock())
             if self.on_trial is not None:

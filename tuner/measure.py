@@ -53,9 +53,52 @@ def ring_mesh(devices=None) -> Mesh:
     return jax.make_mesh((len(devices),), (RING_AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
 
 
+def failure(problem: Problem, config: Decomposition, protocol: Protocol, status: Status, message: str) -> Measurement:
+    """The record of a candidate that could not be timed."""
+    hardware = Hardware.detect()
+    return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status,
+                       message=message[:2000], protocol=protocol)
+
+
+def device_memory(device=None) -> int | None:
+    """Bytes one device may use: what the runtime reports, else (CPU) this process's share of the host.
+
+    On CPU the virtual devices share the host: the physical memory, or the address-space limit
+    (RLIMIT_AS) if lower, divided among this process's devices.  None if nothing is known.
+    """
+    import os
+    import resource
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform != "cpu":
+        return None
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft - _address_space_in_use())  # the runtime itself already holds part of it
+    return max(min(limits), 0) // jax.local_device_count()
+
+
+def _address_space_in_use() -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def classify_failure(exc: BaseException) -> Status:
     text = f"{type(exc).__name__}: {exc}".lower()
-    if "resource_exhausted" in text or "out of memory" in text or "oom" in text.split():
+    if isinstance(exc, MemoryError) or "resource_exhausted" in text or "out of memory" in text \
+            or "oom" in text.split():
         return Status.OOM
     return Status.ERROR
 

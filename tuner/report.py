@@ -64,3 +64,46 @@ def tune_table(outcomes, *, title: str) -> Table:
             f"{t.invalid}/{t.failed}" if t else "-", o.study.stop_reason or "-",
         )
     return table
+
+
+def step_table(measurement, *, title: str) -> Table:
+    """One row per variant of a step measurement (`cmtune.tuner.step.StepMeasurement`)."""
+    table = Table(title=title)
+    for name, justify in [
+        ("variant", "left"), ("status", "left"), ("median step", "right"), ("IQR", "right"), ("runs", "right"),
+        (f"speedup vs {measurement.reference} (IQR)", "right"), ("rel. error", "right"), ("compile", "right"),
+        ("memory", "right"),
+    ]:
+        table.add_column(name, justify=justify)
+    for v in measurement.variants:
+        if v.name == measurement.reference:
+            speedup = "1.00x (reference)" if v.ok else "-"
+        else:
+            speedup = f"{v.speedup:.2f}x ±{v.speedup_iqr / 2:.2f}" if v.ok and v.ratio else "-"
+        table.add_row(
+            v.name,
+            v.status if v.ok else f"[red]{v.status}[/red]",
+            fmt_seconds(v.timing.median_s if v.timing else None),
+            fmt_seconds(v.timing.iqr_s if v.timing else None),
+            str(len(v.timing.samples_s)) if v.timing else "-",
+            speedup,
+            f"{v.rel_error:.1e}" if v.rel_error is not None else "-",
+            fmt_seconds(v.compile_s),
+            f"{v.memory_bytes / 2**20:.1f} MiB" if v.memory_bytes else "-",
+        )
+    return table
+
+
+def roles_table(resolved: dict, *, title: str) -> Table:
+    """Per role and slot: the problem, the config used, and where it came from.
+
+    ``resolved``: role -> slot -> ``{"problem", "decomposition", "match", "source"}`` (strings).
+    """
+    table = Table(title=title)
+    for name in ("role", "problem", "config", "from"):
+        table.add_column(name)
+    for role, slots in resolved.items():
+        for slot, found in slots.items():
+            name = role if slot == "forward" else f"{role}.{slot}"
+            table.add_row(name, found["problem"], found["decomposition"], f"{found['match']} ({found['source']})")
+    return table

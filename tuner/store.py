@@ -19,10 +19,20 @@ from typing import Protocol as TypingProtocol
 
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
-from collective_matmul.bundle import TunedConfig
+from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition
+from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import Measurement, Protocol, Status, StudyState, TrialKind, TrialState
+from collective_matmul.wire import (
+    Measurement,
+    Protocol,
+    Status,
+    StepMeasurement,
+    StudyKind,
+    StudyState,
+    TrialKind,
+    TrialState,
+)
 
 
 def utcnow() -> dt.datetime:
@@ -30,11 +40,30 @@ def utcnow() -> dt.datetime:
 
 
 @dataclass(frozen=True)
+class StepSpec:
+    """What a step study measures: a submitted model's training step, once its search studies are done."""
+
+    block: TransformerBlock
+    mesh: MeshSpec
+    depends_on: tuple[int, ...] = ()
+    ablation: bool = True
+
+    def to_json(self) -> dict:
+        return {"block": self.block.model_dump(mode="json"), "mesh": self.mesh.model_dump(mode="json"),
+                "depends_on": list(self.depends_on), "ablation": self.ablation}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepSpec:
+        return cls(TransformerBlock.model_validate(data["block"]), MeshSpec.model_validate(data["mesh"]),
+                   tuple(data.get("depends_on", ())), bool(data.get("ablation", True)))
+
+
+@dataclass(frozen=True)
 class StudyRecord:
     """One study as stored: its key, settings, state and progress."""
 
     id: int
-    problem: Problem
+    problem: Problem | None  # None for a step study
     hardware: Hardware
     settings: SearchSettings
     protocol: Protocol
@@ -48,6 +77,9 @@ class StudyRecord:
     trials_done: int = 0
     best_trial_id: int | None = None
     best_ratio: float | None = None
+    kind: StudyKind = StudyKind.SEARCH
+    step: StepSpec | None = None
+    submission_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +101,7 @@ class TrialRecord:
     worker_id: int | None = None
     result_lease_id: str | None = None
     finished_at: dt.datetime | None = None
+    step: StepMeasurement | None = None  # a step trial's result
 
     @property
     def decomposition(self) -> Decomposition:
@@ -77,14 +110,27 @@ class TrialRecord:
 
     @property
     def decomposition_id(self) -> str:
+        if self.kind == TrialKind.STEP:
+            return "step"
         return self.decomposition.id if self.kind == TrialKind.SEARCH else f"confirm:{len(self.decompositions)}"
 
 
 class StoreTx(TypingProtocol):
     """One transaction of a store: what the engine reads and writes."""
 
-    def add_study(self, *, problem: Problem, hardware: Hardware, settings: SearchSettings, protocol: Protocol,
-                  space_size: int, now: dt.datetime) -> StudyRecord: ...
+    def add_study(self, *, problem: Problem | None, hardware: Hardware, settings: SearchSettings,
+                  protocol: Protocol, space_size: int, now: dt.datetime, kind: StudyKind = StudyKind.SEARCH,
+                  step: StepSpec | None = None, submission_id: int | None = None) -> StudyRecord: ...
+
+    def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        """The pending step studies on ``hardware`` (they wait for their search studies)."""
+        ...
+
+    def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None: ...
+
+    def save_overrides(self, model: str, hardware: Hardware, overrides: Sequence[RoleOverride]) -> None:
+        """Replace every override of (model, hardware) with ``overrides``."""
+        ...
 
     def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
         """The study (locked for this transaction if asked); `NotFoundError` if there is none."""
@@ -97,8 +143,8 @@ class StoreTx(TypingProtocol):
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord: ...
 
     def add_trials(self, study_id: int, kind: TrialKind, candidates: Sequence[Sequence[Decomposition]],
-                   now: dt.datetime) -> list[TrialRecord]:
-        """New pending trials, numbered after the study's last one."""
+                   now: dt.datetime, *, after: int | None = None) -> list[TrialRecord]:
+        """New pending trials, numbered after the study's last one (``after``, when the caller knows it)."""
         ...
 
     def claim(self, *, study_ids: Sequence[int] | None, hardware: Hardware | None, worker_id: int | None,
@@ -135,17 +181,32 @@ class InMemoryStore:
         self.studies: dict[int, StudyRecord] = {}
         self._trials: dict[int, TrialRecord] = {}
         self.tuned: dict[tuple[str, str], TunedConfig] = {}
+        self.overrides: dict[tuple[str, str, str], RoleOverride] = {}
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[InMemoryStore]:
         with self._lock:
             yield self
 
-    def add_study(self, *, problem, hardware, settings, protocol, space_size, now) -> StudyRecord:
+    def add_study(self, *, problem, hardware, settings, protocol, space_size, now, kind=StudyKind.SEARCH, step=None,
+                  submission_id=None) -> StudyRecord:
         study = StudyRecord(id=len(self.studies) + 1, problem=problem, hardware=hardware, settings=settings,
-                            protocol=protocol, space_size=space_size, state=StudyState.PENDING, created_at=now)
+                            protocol=protocol, space_size=space_size, state=StudyState.PENDING, created_at=now,
+                            kind=kind, step=step, submission_id=submission_id)
         self.studies[study.id] = study
         return study
+
+    def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        return [s for s in self.studies.values() if s.kind == StudyKind.STEP and s.state == StudyState.PENDING
+                and s.hardware.key == hardware.identity().key]
+
+    def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
+        return self.tuned.get((problem.key, hardware.identity().key))
+
+    def save_overrides(self, model: str, hardware: Hardware, overrides) -> None:
+        key = hardware.identity().key
+        self.overrides = {k: v for k, v in self.overrides.items() if (k[0], k[2]) != (model, key)}
+        self.overrides.update({o.key: o for o in overrides})
 
     def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
         try:
@@ -163,7 +224,7 @@ class InMemoryStore:
         except KeyError:
             raise NotFoundError(f"trial {trial_id} does not exist") from None
 
-    def add_trials(self, study_id, kind, candidates, now) -> list[TrialRecord]:
+    def add_trials(self, study_id, kind, candidates, now, *, after=None) -> list[TrialRecord]:
         number = max((t.number for t in self._trials.values() if t.study_id == study_id), default=0)
         added = []
         for configs in candidates:

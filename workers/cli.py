@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -16,7 +17,8 @@ app = typer.Typer(no_args_is_help=True)
 def worker(
     server: Annotated[str, typer.Option(envvar="CMTUNE_SERVER", help="service URL")] = "http://127.0.0.1:8470",
     token: Annotated[str | None, typer.Option(
-        envvar="CMTUNE_TOKEN", help="a worker token (CMTUNE_TOKEN keeps it out of ps)")] = None,
+        envvar="CMTUNE_TOKEN", help="a worker token (CMTUNE_TOKEN or --token-file keep it out of ps)")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="read the worker token from this file")] = None,
     devices: Annotated[str, typer.Option(help=DEVICES_HELP + "; auto = the devices JAX finds")] = "auto",
     name: Annotated[str | None, typer.Option(help="default: the host name")] = None,
     coordinator: Annotated[str | None, typer.Option(help="HOST:PORT of process 0 (multi-host)")] = None,
@@ -27,20 +29,31 @@ def worker(
     max_trials: Annotated[int | None, typer.Option(min=1, help="leave after this many trials")] = None,
     local_devices: Annotated[int, typer.Option(min=1, help="virtual CPU devices per process (processes:N)")] = 4,
     exit_when_idle: Annotated[bool, typer.Option(help="leave when no trial is offered for 5 s")] = False,
+    restart: Annotated[bool, typer.Option(
+        help="start the worker again whenever it exits with an error (where no docker or systemd does)")] = False,
+    trial_grace_seconds: Annotated[float, typer.Option(
+        min=1, help="a trial may take 2 x its candidates' timeout_s plus this before it counts as hung")] = 120.0,
 ) -> None:
     """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
     import logging
+    import os
 
+    from cmtune.tuner.cli import without_token
     from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure, join, launch
-    from cmtune.workers.daemon import WorkerDaemon
+    from cmtune.workers.daemon import WorkerDaemon, supervise
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = token or read_token_file(token_file)
+    if token:
+        os.environ["CMTUNE_TOKEN"] = token  # children read it from there, never from an argv we build
     try:
         spec = DeviceSpec.parse(devices)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    if restart and "CMTUNE_SUPERVISED" not in os.environ:
+        raise typer.Exit(supervise(without_token([w for w in sys.orig_argv[1:] if w != "--restart"])))
     if spec.needs_group:
-        results = launch(spec.count, ["-m", "cmtune.workers", *sys.argv[1:]], local_devices=local_devices,
+        results = launch(spec.count, without_token(sys.orig_argv[1:]), local_devices=local_devices,
                          timeout_s=7 * 24 * 3600, stream=True)
         raise typer.Exit(max(r.returncode for r in results))
     if coordinator is not None:
@@ -50,6 +63,16 @@ def worker(
     else:
         configure(spec)
     daemon = WorkerDaemon(server, token, name=name, poll_s=poll_seconds, heartbeat_s=heartbeat_seconds,
-                          max_trials=max_trials, exit_when_idle=exit_when_idle)
+                          max_trials=max_trials, exit_when_idle=exit_when_idle, grace_s=trial_grace_seconds)
     daemon.install_signal_handlers()
     daemon.run()
+
+
+def read_token_file(path: Path | None) -> str | None:
+    """The token in ``path`` (stripped), or None without a path."""
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip() or None
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--token-file") from None

@@ -8,13 +8,22 @@ then the worker unregisters.  A hard crash is recovered by lease expiry on the s
 On a multi-host group (`jax.distributed`), process 0 alone talks to the service and hands every
 trial to the others with a broadcast; all of them run it (an SPMD program), and process 0
 reports the slowest process's time (the measurement protocol takes the max across processes).
+
+Nothing a trial does ends the daemon: failures come back as results (the runner's statuses, or
+``error`` for anything else).  A trial that hangs (a collective that never completes) is
+ended by a watchdog: heartbeats stop extending its lease and the process exits at once with
+`EXIT_HUNG`; the lease then expires (the attempt counts) and the supervisor restarts the
+worker: docker's restart policy, systemd, or `supervise` (``cmtune worker --restart``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,10 +31,25 @@ from dataclasses import dataclass, field
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
-from cmtune.tuner.cluster import Group
-from cmtune.tuner.local import LocalRunner, follow
+from cmtune.tuner.cluster import EXIT_HUNG, Group
+from cmtune.tuner.local import LocalRunner, Watchdog, follow
 from collective_matmul.problem import Hardware
-from collective_matmul.wire import HardwareIn, LeaseGranted, Measurement, ResultIn, WorkerCreate, WorkerPublic
+from collective_matmul.wire import (
+    HardwareIn,
+    LeaseGranted,
+    Measurement,
+    ResultIn,
+    Status,
+    StepMeasurement,
+    StepVariant,
+    TrialKind,
+    TrialTask,
+    WorkerCreate,
+    WorkerRegistered,
+)
+
+WORKER_HEADER = "X-Cmtune-Worker"
+EXIT_CRASHED = 70  # the daemon failed outside any trial's protocol (its supervisor restarts it)
 
 log = logging.getLogger("cmtune.worker")
 
@@ -72,10 +96,11 @@ class WorkerDaemon:
     """One worker (process 0 of its group, or the only process)."""
 
     def __init__(self, server: str, token: str | None, *, name: str | None = None, poll_s: float = 2.0,
-                 heartbeat_s: float = 10.0, max_trials: int | None = None, exit_when_idle: bool = False):
+                 heartbeat_s: float = 10.0, max_trials: int | None = None, exit_when_idle: bool = False,
+                 grace_s: float = 120.0):
         self.client = ServiceClient(server, token)
         self.name = name or socket.gethostname()
-        self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
+        self.poll_s, self.heartbeat_s, self.grace_s = poll_s, heartbeat_s, grace_s
         self.max_trials, self.exit_when_idle = max_trials, exit_when_idle
         self.state = WorkerState()
         self._runner = LocalRunner()
@@ -118,18 +143,31 @@ class WorkerDaemon:
                 self.run_trial(grant)
         except KeyboardInterrupt:
             log.warning("interrupted; the current trial goes back to the queue")
+        except Exception:
+            # A bug or a lost service: the group's other processes may be inside a collective of the
+            # trial in hand, so end at once; the lease expires (the attempt counts), the supervisor
+            # restarts the worker.
+            log.exception("the worker failed; its lease will expire and the trial will be leased again")
+            logging.shutdown()
+            os._exit(EXIT_CRASHED)
         finally:
             self._group.send({"kind": "stop"})
             self.unregister()
         return self.state.trials_done
 
     def register(self, hardware: Hardware) -> None:
-        body = WorkerCreate(name=self.name, hardware=HardwareIn.of(hardware),
+        """Register (again); every later call carries the worker credential the answer holds."""
+        body = WorkerCreate(name=self.name, hardware=HardwareIn.of(hardware), memory_bytes=self._runner.device_memory,
                             software={"jax": hardware.jax_version, "jaxlib": hardware.jaxlib_version})
+        self.client.http.headers.pop(WORKER_HEADER, None)
         response = self.client.call("POST", "/v1/workers", json=body.model_dump(mode="json"))
         response.raise_for_status()
-        self.state.worker_id = WorkerPublic.model_validate(response.json()).id
-        log.info("registered as worker %s on %s", self.state.worker_id, hardware.key)
+        registered = WorkerRegistered.model_validate(response.json())
+        self.state.worker_id = registered.id
+        self.client.http.headers[WORKER_HEADER] = registered.credential
+        memory = registered.memory_bytes
+        log.info("registered as worker %s on %s (%s)", registered.id, hardware.key,
+                 f"{memory / 2**30:.1f} GiB per device" if memory else "device memory unknown")
 
     def unregister(self) -> None:
         if self.state.worker_id is None:
@@ -142,6 +180,8 @@ class WorkerDaemon:
 
     def _heartbeats(self) -> None:
         while not self.state.stop.wait(self.heartbeat_s):
+            if self.state.abort.is_set():
+                return  # a trial overran: its lease must expire, not be extended
             try:
                 self.client.http.post(f"/v1/workers/{self.state.worker_id}/heartbeat",
                                       json={"lease_id": self.state.lease_id})
@@ -152,7 +192,8 @@ class WorkerDaemon:
 
     def lease(self) -> LeaseGranted | None:
         response = self.client.call("POST", f"/v1/workers/{self.state.worker_id}/lease")
-        if response.status_code == 404:  # the service forgot us (e.g. a fresh database): join again
+        if response.status_code in (401, 404):  # the service forgot us (a fresh database, a revoked credential)
+            log.warning("lease refused (%s): registering again", response.json().get("detail"))
             self.register(Hardware.detect())
             return None
         if response.status_code == 204:
@@ -164,18 +205,79 @@ class WorkerDaemon:
         task = grant.trial
         self.state.lease_id = grant.lease.id
         self._group.send({"kind": "trial", "task": task.model_dump(mode="json")})
-        results = self._runner.run(task)
+        what = f"trial {task.id} ({describe(task)})"
+        with Watchdog(Watchdog.deadline(task, self.grace_s), what, on_overrun=self.state.abort.set):
+            try:
+                results = self._runner.run(task)
+            except Exception as exc:  # noqa: BLE001 - anything the runner lets through is still a result
+                log.exception("%s failed outside the measurement protocol", what)
+                results = failed(task, Status.ERROR, f"{type(exc).__name__}: {exc}")
         body = ResultIn.of(grant.lease.id, task.kind, results)
         response = self.client.call("POST", f"/v1/trials/{task.id}/result", json=body.model_dump(mode="json"))
         self.state.lease_id = None
-        if response.status_code == 409:
+        if response.status_code in (409, 422):
             log.warning("trial %s: result refused (%s)", task.id, response.json().get("detail"))
             return
         response.raise_for_status()
         self.state.trials_done += 1
+        if task.kind == TrialKind.STEP:
+            for v in results.variants:
+                log.info("trial %s study %s step of %s, %s: %s", task.id, task.study_id, task.step.block.name,
+                         v.name, f"{v.speedup:.2f}x plain autodiff" if v.ok and v.speedup else
+                         f"{v.status} {v.message[:200]}")
+            return
         for m in results:
             log.info("trial %s study %s %s %s: %s", task.id, task.study_id, m.problem.key, m.decomposition.id,
                      _summary(m))
+
+
+def describe(task: TrialTask) -> str:
+    """What a trial runs, for the log: the problem and candidates, or the model's step."""
+    if task.kind == TrialKind.STEP:
+        return f"the step of {task.step.block.name} on {task.step.mesh}"
+    return f"{task.problem.key}: {', '.join(d.id for d in task.decompositions)}"
+
+
+def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | StepMeasurement:
+    from cmtune.tuner.measure import failure
+
+    if task.kind == TrialKind.STEP:
+        return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
+                               hardware=Hardware.detect(), protocol=task.protocol,
+                               variants=[StepVariant(name=n, status=status, message=message)
+                                         for n in ("autodiff", "tuned")])
+    return [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
+
+
+def supervise(argv: list[str], *, max_backoff_s: float = 60.0) -> int:
+    """Run ``python argv`` and start it again whenever it exits with an error (a crash, a hung trial).
+
+    It ends when the child ends cleanly (exit 0: stopped, idle, or done) or on SIGTERM/SIGINT,
+    which it passes on.  Waits 1, 2, 4, ... up to ``max_backoff_s`` seconds between starts,
+    back to 1 after a child that lived a minute.
+    """
+    stopping = threading.Event()
+    child: subprocess.Popen | None = None
+
+    def forward(signum, _frame):
+        stopping.set()
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    backoff = 1.0
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen([sys.executable, *argv], env=os.environ | {"CMTUNE_SUPERVISED": "1"})
+        code = child.wait()
+        if code == 0 or stopping.is_set():
+            return code
+        backoff = 1.0 if time.monotonic() - started > 60 else min(backoff * 2, max_backoff_s)
+        reason = "its trial hung" if code == EXIT_HUNG else f"exit status {code}"
+        log.warning("worker exited (%s); starting it again in %.0f s", reason, backoff)
+        if stopping.wait(backoff):
+            return code
 
 
 def _summary(m: Measurement) -> str:

@@ -8,11 +8,11 @@ from fastapi import APIRouter, Query, Response
 from pydantic import ValidationError
 
 from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
-from cmtune.service.errors import InvalidError
+from cmtune.service.errors import InvalidError, responses
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, TunedPublic
+from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, TunedPublic
 
-router = APIRouter(tags=["configs"])
+router = APIRouter(tags=["configs"], responses=responses(401, 403, 413, 503))
 
 
 def _validated(model, **fields):
@@ -59,19 +59,39 @@ def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Qu
                 for row in tx.tuned_rows(platform=platform, device_kind=device_kind)]
 
 
+@router.get("/v1/overrides", response_model=list[RoleOverride])
+def list_overrides(
+    store: StoreDep, _: ReaderDep,
+    model: Annotated[str, Query(min_length=1, max_length=200, description="the model's name")],
+    platform: Annotated[str, Query(max_length=64)], device_kind: Annotated[str, Query(max_length=128)],
+    device_count: Annotated[int, Query(gt=0)], process_count: Annotated[int, Query(gt=0)] = 1,
+) -> list[RoleOverride]:
+    """The roles of ``model`` that run otherwise than their problems' tuned configs on this hardware, and why."""
+    hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count,
+                          process_count=process_count)
+    with store.read() as tx:
+        return tx.overrides(model=model, hardware=hardware)
+
+
 @router.get("/v1/bundles", response_model=Bundle)
 def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Query(max_length=64)] = None,
                   device_kind: Annotated[str | None, Query(max_length=128)] = None) -> Bundle:
-    """Every tuned config (filtered by hardware) as a bundle file for offline use."""
+    """Every tuned config and role override (filtered by hardware) as a bundle file for offline use."""
     with store.read() as tx:
-        return Bundle(configs=tx.list_tuned(platform=platform, device_kind=device_kind))
+        return Bundle(configs=tx.list_tuned(platform=platform, device_kind=device_kind),
+                      overrides=tx.overrides(platform=platform, device_kind=device_kind))
 
 
 @router.post("/v1/bundles", status_code=201)
 def import_bundle(bundle: Bundle, state: StateDep, _: AdminDep) -> dict:
-    """Store every config of a bundle (replacing entries of the same problem and hardware), all or nothing."""
+    """Store every config and override of a bundle (replacing entries with the same keys), all or nothing."""
     with state.store.write() as tx:
         for config in bundle.configs:
             tx.save_tuned(config, study_id=None)
+        groups: dict[tuple[str, str], list] = {}
+        for override in bundle.overrides:
+            groups.setdefault((override.model, override.hardware.key), []).append(override)
+        for group in groups.values():
+            tx.save_overrides(group[0].model, group[0].hardware, group)
     state.cache.clear()
-    return {"imported": len(bundle.configs)}
+    return {"imported": len(bundle.configs), "overrides": len(bundle.overrides)}

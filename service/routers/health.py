@@ -10,14 +10,15 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import text
 
 from cmtune.service.deps import StateDep
+from cmtune.service.errors import responses
 from cmtune.service.models import utcnow
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses=responses(503))
 def healthz(state: StateDep) -> dict:
-    """200 when the service can reach its database."""
+    """200 when the service can reach its database (anonymous: it says no more than that)."""
     with state.store.read() as tx:
         tx.session.execute(text("SELECT 1"))
     return {"status": "ok", "database": state.store.db.engine.dialect.name}

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from cmtune.service import queue
-from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
-from cmtune.service.errors import InvalidError
+from cmtune.service.deps import AdminDep, Id, ReaderDep, StateDep, StoreDep
+from cmtune.service.errors import InvalidError, responses
 from cmtune.service.models import utcnow
 from cmtune.service.views import studies_public, study_public, trial_public
 from cmtune.tuner.engine import study_settings
@@ -24,7 +24,7 @@ from collective_matmul.wire import (
     TrialPublic,
 )
 
-router = APIRouter(prefix="/v1/studies", tags=["studies"])
+router = APIRouter(prefix="/v1/studies", tags=["studies"], responses=responses(401, 403, 413, 503))
 
 
 def _model(body: StudyCreate) -> TransformerBlock:
@@ -57,8 +57,15 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
                 f"{problem.key} is a ring of {problem.axis_size} devices but the hardware has device_count="
                 f"{hardware.device_count}; tune each ring on hardware of its size")
     now = utcnow()
-    created, skipped = [], []
+    created, skipped, depends_on = [], [], []
     with state.store.write() as tx:
+        memory = tx.hardware_memory(hardware)
+        for problem, _roles, _count in targets:
+            if memory is not None and problem.device_bytes > memory:
+                raise InvalidError(
+                    f"{problem.key}: its inputs need {problem.device_bytes / 2**30:.1f} GiB per device, but the "
+                    f"workers of {hardware.key} report at most {memory / 2**30:.1f} GiB: shrink m, k or n (or the "
+                    "batch)")
         submission_id = None
         if model is not None:
             submission_id = tx.add_submission(model=model.model_dump(mode="json"), mesh=mesh.model_dump(mode="json"),
@@ -75,13 +82,21 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
                 settings = study_settings(problem, hardware, trials=body.budget.trials, minutes=body.budget.minutes,
                                           patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
                                           confirm_top=body.confirm_top)
+                protocol = Protocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
                 study = state.engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
-                                                  protocol=Protocol(repeats=body.repeats, seed=body.seed), now=now)
+                                                  protocol=protocol, now=now)
                 created.append(study)
                 study_id = study.id
             if submission_id is not None:
                 tx.link_submission(submission_id=submission_id, study_id=study_id, problem=problem, roles=roles,
                                    count=count)
+                if study_id is not None:
+                    depends_on.append(study_id)
+        if submission_id is not None and body.step.measure:
+            created.append(state.engine.create_step_study(
+                tx, block=model, mesh=mesh, hardware=hardware, depends_on=depends_on, now=now,
+                protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
+                submission_id=submission_id, ablation=body.step.ablation))
         return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)
 
 
@@ -98,21 +113,21 @@ def list_studies(
         return StudyPage(items=studies_public(tx, records), total=total, offset=offset, limit=limit)
 
 
-@router.get("/{study_id}", response_model=StudyPublic)
-def get_study(study_id: int, store: StoreDep, _: ReaderDep) -> StudyPublic:
+@router.get("/{study_id}", response_model=StudyPublic, responses=responses(404))
+def get_study(study_id: Id, store: StoreDep, _: ReaderDep) -> StudyPublic:
     with store.read() as tx:
         return study_public(tx, tx.study(study_id))
 
 
-@router.get("/{study_id}/trials", response_model=list[TrialPublic])
-def list_trials(study_id: int, store: StoreDep, _: ReaderDep) -> list[TrialPublic]:
+@router.get("/{study_id}/trials", response_model=list[TrialPublic], responses=responses(404))
+def list_trials(study_id: Id, store: StoreDep, _: ReaderDep) -> list[TrialPublic]:
     with store.read() as tx:
         tx.study(study_id)
         return [trial_public(t) for t in tx.trials(study_id, measurements=True)]
 
 
-@router.post("/{study_id}/cancel", response_model=StudyPublic)
-def cancel_study(study_id: int, state: StateDep, _: AdminDep) -> StudyPublic:
+@router.post("/{study_id}/cancel", response_model=StudyPublic, responses=responses(404, 409))
+def cancel_study(study_id: Id, state: StateDep, _: AdminDep) -> StudyPublic:
     with state.store.write() as tx:
         queue.cancel(tx, state.engine, study_id, utcnow())
         return study_public(tx, tx.study(study_id))

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from cmtune.service.deps import ReaderDep, StoreDep
-from cmtune.service.errors import NotFoundError
-from collective_matmul.wire import SubmissionEntry, SubmissionPublic, SubmissionSummary
+from cmtune.service.deps import Id, ReaderDep, StoreDep
+from cmtune.service.errors import NotFoundError, responses
+from collective_matmul.wire import (
+    Speedup,
+    StepPublic,
+    StudyState,
+    SubmissionEntry,
+    SubmissionPublic,
+    SubmissionSummary,
+)
 
-router = APIRouter(prefix="/v1/submissions", tags=["submissions"])
+router = APIRouter(prefix="/v1/submissions", tags=["submissions"], responses=responses(401, 403, 413, 503))
 
 
 @router.get("", response_model=list[SubmissionSummary])
@@ -21,8 +28,8 @@ def list_submissions(store: StoreDep, _: ReaderDep) -> list[SubmissionSummary]:
                 for s in tx.submissions()]
 
 
-@router.get("/{submission_id}", response_model=SubmissionPublic)
-def get_submission(submission_id: int, store: StoreDep, _: ReaderDep) -> SubmissionPublic:
+@router.get("/{submission_id}", response_model=SubmissionPublic, responses=responses(404))
+def get_submission(submission_id: Id, store: StoreDep, _: ReaderDep) -> SubmissionPublic:
     """Each role's problem, study and tuned config, and the estimated time saved per step."""
     with store.read() as tx:
         found = tx.submissions(submission_id=submission_id, limit=1)
@@ -46,10 +53,32 @@ def get_submission(submission_id: int, store: StoreDep, _: ReaderDep) -> Submiss
                 saved_s_per_layer=e["count"] * (config.baseline_s - config.time_s) if config else None,
                 saved_s_per_step=e["count"] * layers * (config.baseline_s - config.time_s) if config else None,
             ))
+        step = step_public(tx, tx.step_study_of(sub["id"]), layers)
+        overrides = tx.overrides(model=sub["model"].get("name", "model"), hardware=sub["hardware"])
     complete = bool(entries) and all(e.saved_s_per_layer is not None for e in entries)
     return SubmissionPublic(
         id=sub["id"], name=sub["model"].get("name", "model"), model=sub["model"], mesh=sub["mesh"],
         hardware=sub["hardware"], hardware_key=sub["hardware"].key, created_at=sub["created_at"], entries=entries,
         layers=layers, complete=complete,
         saved_s_per_step=sum(e.saved_s_per_step for e in entries) if complete else None,
+        step=step, overrides=overrides,
     )
+
+
+def step_public(tx, study, layers: int) -> StepPublic | None:
+    """A submission's step study as measured: the variant that runs, its speedups, the time it saves."""
+    if study is None:
+        return None
+    trial = next((t for t in tx.trials(study.id, measurements=True) if t.step is not None), None)
+    measured = trial.step if trial is not None else None
+    variant = study.stop_reason if study.state == StudyState.COMPLETED else None
+    vs_autodiff = vs_baseline = saved = None
+    if measured is not None and variant is not None:
+        vs_autodiff = Speedup.of(measured.paired(variant, measured.reference))
+        if any(v.name == "baseline" and v.ok for v in measured.variants):
+            vs_baseline = Speedup.of(measured.paired(variant, "baseline"))
+            saved = (measured.variant("baseline").timing.median_s - measured.variant(variant).timing.median_s) * layers
+    return StepPublic(
+        study_id=study.id, state=study.state, message=study.message, variant=variant, vs_autodiff=vs_autodiff,
+        vs_baseline=vs_baseline, measured_saved_s_per_step=saved, mesh=measured.mesh if measured else None,
+        batch=measured.block.global_batch if measured else None, variants=measured.variants if measured else [])

@@ -5,20 +5,21 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from cmtune.service import queue
-from cmtune.service.deps import StateDep, WorkerRoleDep
-from cmtune.service.errors import ConflictError
+from cmtune.service.deps import Id, StateDep, WorkerDep
+from cmtune.service.errors import ConflictError, responses
 from cmtune.service.models import utcnow
 from collective_matmul.wire import ResultIn, ResultOut
 
-router = APIRouter(prefix="/v1/trials", tags=["trials"])
+router = APIRouter(prefix="/v1/trials", tags=["trials"], responses=responses(401, 403, 404, 409, 413, 503))
 
 
 @router.post("/{trial_id}/result", response_model=ResultOut)
-def post_result(trial_id: int, body: ResultIn, state: StateDep, _: WorkerRoleDep) -> ResultOut:
-    """Store a result under its lease; the same report twice is harmless, a stale or late lease gets 409."""
+def post_result(trial_id: Id, body: ResultIn, state: StateDep, worker_id: WorkerDep) -> ResultOut:
+    """Store a result under its lease, from the lease's own worker; the same report twice is harmless, a stale
+    or late lease, or another worker's, gets 409."""
     with state.store.write() as tx:
         outcome = queue.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
-                               results=body.results, kind=body.kind, now=utcnow())
+                               results=body.results, kind=body.kind, now=utcnow(), worker_id=worker_id)
     if outcome.expired:  # the expiry is committed; the result is not
         raise ConflictError(f"lease {body.lease_id} expired before its result arrived; trial {trial_id} went back "
                             "to the queue: drop this result and lease again")

@@ -7,7 +7,8 @@ import datetime as dt
 from fastapi import APIRouter, Response
 
 from cmtune.service import queue
-from cmtune.service.deps import ReaderDep, StateDep, WorkerRoleDep
+from cmtune.service.deps import Id, ReaderDep, StateDep, WorkerDep, WorkerRoleDep
+from cmtune.service.errors import responses
 from cmtune.service.models import utcnow
 from cmtune.service.views import worker_public
 from collective_matmul.wire import (
@@ -17,17 +18,21 @@ from collective_matmul.wire import (
     LeasePublic,
     WorkerCreate,
     WorkerPublic,
+    WorkerRegistered,
 )
 
-router = APIRouter(prefix="/v1/workers", tags=["workers"])
+router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=responses(401, 403, 413, 503))
 
 
-@router.post("", response_model=WorkerPublic, status_code=201)
-def register(body: WorkerCreate, state: StateDep, _: WorkerRoleDep) -> WorkerPublic:
+@router.post("", response_model=WorkerRegistered, status_code=201)
+def register(body: WorkerCreate, state: StateDep, _: WorkerRoleDep) -> WorkerRegistered:
+    """Register a worker; the answer holds its own ``credential`` (shown once), which every later call of
+    this worker sends in the ``X-Cmtune-Worker`` header."""
     with state.store.write() as tx:
-        worker_id = tx.add_worker(name=body.name, hardware=body.hardware.to_hardware(), software=body.software,
-                                  now=utcnow())
-        return worker_public(tx.worker(worker_id), current_trial_id=None, online_after=_online_after(state))
+        worker_id, credential = tx.add_worker(name=body.name, hardware=body.hardware.to_hardware(),
+                                              software=body.software, memory_bytes=body.memory_bytes, now=utcnow())
+        public = worker_public(tx.worker(worker_id), current_trial_id=None, online_after=_online_after(state))
+        return WorkerRegistered(**dict(public), credential=credential)
 
 
 @router.get("", response_model=list[WorkerPublic])
@@ -38,8 +43,8 @@ def list_workers(state: StateDep, _: ReaderDep, include_inactive: bool = False) 
                 for w in tx.workers(include_inactive=include_inactive)]
 
 
-@router.post("/{worker_id}/heartbeat", response_model=HeartbeatOut)
-def heartbeat(worker_id: int, state: StateDep, _: WorkerRoleDep, body: HeartbeatIn | None = None) -> HeartbeatOut:
+@router.post("/{worker_id}/heartbeat", response_model=HeartbeatOut, responses=responses(404))
+def heartbeat(worker_id: Id, state: StateDep, _: WorkerDep, body: HeartbeatIn | None = None) -> HeartbeatOut:
     """Mark the worker alive; with ``lease_id``, extend that lease by the lease duration (if still live)."""
     with state.store.write() as tx:
         worker = tx.worker(worker_id)
@@ -48,13 +53,13 @@ def heartbeat(worker_id: int, state: StateDep, _: WorkerRoleDep, body: Heartbeat
                             if extended else None)
 
 
-@router.post("/{worker_id}/lease", response_model=LeaseGranted, responses={204: {"description": "no trial to run"}})
-def lease(worker_id: int, state: StateDep, _: WorkerRoleDep):
+@router.post("/{worker_id}/lease", response_model=LeaseGranted,
+             responses={204: {"description": "no trial to run"}, **responses(404)})
+def lease(worker_id: Id, state: StateDep, _: WorkerDep):
     """Claim a trial whose hardware matches the worker's (204 when there is none)."""
     now = utcnow()
     with state.store.write() as tx:
-        worker = tx.worker(worker_id)
-        tx.update_worker(worker.id, last_heartbeat=now)
+        worker = tx.touch_worker(worker_id, now)
         claimed = queue.lease(tx, state.engine, worker, state.settings, now)
         if claimed is None:
             return Response(status_code=204)
@@ -62,8 +67,8 @@ def lease(worker_id: int, state: StateDep, _: WorkerRoleDep):
         return LeaseGranted(lease=LeasePublic(id=granted.id, expires_at=granted.expires_at), trial=task)
 
 
-@router.delete("/{worker_id}", status_code=204)
-def unregister(worker_id: int, state: StateDep, _: WorkerRoleDep) -> Response:
+@router.delete("/{worker_id}", status_code=204, responses=responses(404))
+def unregister(worker_id: Id, state: StateDep, _: WorkerDep) -> Response:
     """The worker leaves: its leased trials go back to the queue."""
     with state.store.write() as tx:
         worker = tx.worker(worker_id)

@@ -33,12 +33,11 @@ class Seeder:
 
     def __init__(self, url: str, admin: str, worker: str):
         self.admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=30)
-        self.worker = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {worker}"}, timeout=30)
-        self.worker_id = self.worker.post("/v1/workers", json={"name": "seed-worker", "hardware": HARDWARE,
-                                                               "software": {"jax": "0.10.2"}}).json()["id"]
+        self.worker = contract.register(
+            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {worker}"}, timeout=30), "seed-worker")
 
     def run_trial(self) -> dict | None:
-        return contract.run_trial(self.worker, self.worker_id)
+        return contract.run_trial(self.worker)
 
 
 @pytest.fixture(scope="module")

@@ -26,16 +26,17 @@ from examples.mlp_block import init, train_step
 
 class Baseline:
     @staticmethod
-    def allgather_matmul(x, w, **kw):
+    def allgather_matmul(x, w, role=None, **kw):
         return allgather_matmul(x, w, config=Decomposition.baseline(), **kw)
 
     @staticmethod
-    def matmul_reduce_scatter(x, w, **kw):
+    def matmul_reduce_scatter(x, w, role=None, **kw):
         return matmul_reduce_scatter(x, w, config=Decomposition.baseline(), **kw)
 
 
 UP = Decomposition(direction="bidirectional", chunks=4, unroll="full", accumulate="concat")
 DOWN = Decomposition(direction="unidirectional", chunks=2, unroll=1, accumulate="input_dtype")
+GRAD_WEIGHT = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="input_dtype")
 
 
 @pytest.fixture
@@ -48,9 +49,13 @@ def bundle_path(tmp_path, mesh):
     hw = ring_hardware(mesh, "model").identity()
     up = Problem(collective="allgather_matmul", m=128, k=64, n=256, dtype="float32", axis_size=8)
     down = Problem(collective="matmul_reduce_scatter", m=128, k=256, n=64, dtype="float32", axis_size=8)
+    # the weight gradient of both (up: dW, k=K, n=N; down: dWᵀ, k=N, n=K) is one problem
+    grad_weight = Problem(collective="allgather_grad_weight", m=128, k=64, n=256, dtype="float32", axis_size=8)
     bundle = Bundle(configs=[
         TunedConfig(problem=up, hardware=hw, decomposition=UP, time_s=1e-3, baseline_s=2e-3, speedup=2.0),
         TunedConfig(problem=down, hardware=hw, decomposition=DOWN, time_s=1e-3, baseline_s=1.5e-3, speedup=1.5),
+        TunedConfig(problem=grad_weight, hardware=hw, decomposition=GRAD_WEIGHT, time_s=1e-3, baseline_s=1.1e-3,
+                    speedup=1.1),
     ])
     path = tmp_path / "bundle.json"
     bundle.save(path)
@@ -72,6 +77,11 @@ def test_training_step_with_a_bundle_equals_the_baseline(mesh, bundle_path):
     found = {problem.collective: lookup for problem, lookup in tuned.resolved}
     assert found["allgather_matmul"].decomposition == UP and found["allgather_matmul"].match == "exact"
     assert found["matmul_reduce_scatter"].decomposition == DOWN and found["matmul_reduce_scatter"].source == "bundle"
+    # each op's backward ran its tuned configs too: the dual problems and the weight gradient
+    roles = tuned.resolved_by_role
+    assert roles["mlp_up"]["grad_input"][1].decomposition == DOWN
+    assert roles["mlp_down"]["grad_input"][1].decomposition == UP
+    assert {roles[r]["grad_weight"][1].decomposition for r in ("mlp_up", "mlp_down")} == {GRAD_WEIGHT}
 
 
 def test_server_down_warns_once_and_falls_back(mesh, bundle_path):

@@ -100,7 +100,7 @@ def measurement(problem: dict, config: Decomposition, ratio: float | None, statu
     else:
         m = Measurement(problem=Problem(**problem), decomposition=config, hardware=hw, status="ok",
                         candidate=Timing.of([1e-3 * ratio] * 3), baseline=Timing.of([1e-3] * 3),
-                        ratio=ratio, ratio_iqr=0.01)
+                        ratio=ratio, ratio_iqr=0.0)
     return m.model_dump(mode="json")
 
 
@@ -112,28 +112,78 @@ def cost(config: Decomposition) -> float:
             + (0.03 if config.unroll != "full" else 0) + (0.01 if config.accumulate == "concat" else 0))
 
 
-def register(client: TestClient, name: str = "w0", hardware: dict = HARDWARE) -> int:
+@dataclass(frozen=True)
+class Worker:
+    """A registered worker: its id, its credential, and a client that sends both tokens.
+
+    Formats as its id, so ``f"/v1/workers/{worker}/lease"`` names it.
+    """
+
+    id: int
+    credential: str
+    client: object  # a TestClient or an httpx.Client with the worker token
+
+    def __format__(self, spec: str) -> str:
+        return format(self.id, spec)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Cmtune-Worker": self.credential}
+
+    def post(self, path: str, **kwargs):
+        return self.client.post(path, headers=self.headers, **kwargs)
+
+    def delete(self, path: str, **kwargs):
+        return self.client.delete(path, headers=self.headers, **kwargs)
+
+
+def register(client, name: str = "w0", hardware: dict = HARDWARE) -> Worker:
     response = client.post("/v1/workers", json={"name": name, "hardware": hardware,
                                                 "software": {"jax": "0.10.2"}})
     assert response.status_code == 201, response.text
-    return response.json()["id"]
+    body = response.json()
+    return Worker(body["id"], body["credential"], client)
 
 
-def run_trial(client, worker_id: int, landscape=cost) -> dict | None:
+def run_trial(worker: Worker, landscape=cost) -> dict | None:
     """Lease one trial and report a synthetic result; None when nothing was leased.
 
-    ``client`` is a `TestClient` or an `httpx.Client` on a real server (same interface).
+    The worker's client is a `TestClient` or an `httpx.Client` on a real server (same interface).
     """
-    response = client.post(f"/v1/workers/{worker_id}/lease")
+    response = worker.post(f"/v1/workers/{worker}/lease")
     if response.status_code == 204:
         return None
     assert response.status_code == 200, response.text
     grant = response.json()
     trial = grant["trial"]
+    if trial["kind"] == "step":
+        body = {"lease_id": grant["lease"]["id"], "step": step_result(trial)}
+        reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
+        assert reply.status_code == 200, reply.text
+        return grant
     configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
     results = [measurement(trial["problem"], c, landscape(c)) for c in configs]
     body = {"lease_id": grant["lease"]["id"]}
     body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
-    reply = client.post(f"/v1/trials/{trial['id']}/result", json=body)
+    reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
     assert reply.status_code == 200, reply.text
     return grant
+
+
+STEP_SECONDS = {"autodiff": 1.0, "baseline": 0.95, "tuned": 0.8}
+
+
+def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: int = 4) -> dict:
+    """A worker's synthetic step measurement for a step trial (the service is under test, not the step)."""
+    from collective_matmul.wire import StepMeasurement, StepVariant, TrialTask
+
+    task = TrialTask.model_validate(trial)
+    seconds = seconds or STEP_SECONDS
+    variants = []
+    for name, s in seconds.items():
+        configs = task.step.configs if name == "tuned" else {}
+        variants.append(StepVariant(name=name, status="ok", configs=configs, timing=Timing.of([s] * rounds),
+                                    ratio=s / seconds["autodiff"], ratio_iqr=0.0, compile_s=1.0))
+    return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
+                           hardware=Hardware(**HARDWARE), protocol=task.protocol,
+                           variants=variants).model_dump(mode="json")

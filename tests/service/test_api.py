@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from cmtune.service.models import Study, Submission, Trial
 from collective_matmul import Decomposition
 from collective_matmul.bundle import Bundle
-from tests.service.conftest import HARDWARE, PROBLEM, make_api, measurement, register, run_trial
+from tests.service.conftest import HARDWARE, PROBLEM, Worker, make_api, measurement, register, run_trial
 
 
 def create(client, **body):
@@ -39,7 +39,9 @@ def test_studies_from_a_model_and_mesh_with_submission(api):
     response = api.admin.post("/v1/studies", json=body)
     assert response.status_code == 201, response.text
     created = response.json()
-    assert len(created["studies"]) == 9  # tiny preset: 12 roles (4 forward, 4 grad_input, 4 grad_weight), 9 problems
+    # tiny preset: 12 roles (4 forward, 4 grad_input, 4 grad_weight), 9 problems; and the step study
+    assert [s["kind"] for s in created["studies"]] == ["search"] * 9 + ["step"]
+    assert created["studies"][-1]["problem_key"] == "step:tiny"
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     roles = {e["role"] for e in sub["entries"]}
     assert {"qkv", "attn_out", "mlp_up", "mlp_up.grad_input"} <= roles
@@ -49,7 +51,7 @@ def test_studies_from_a_model_and_mesh_with_submission(api):
     assert [(s["id"], s["name"], s["problems"]) for s in listed] == [(created["submission_id"], "tiny", 9)]
     # the same model again links the existing studies instead of creating new ones
     again = api.admin.post("/v1/studies", json=body).json()
-    assert again["studies"] == [] and len(again["skipped"]) == 9
+    assert [s["kind"] for s in again["studies"]] == ["step"] and len(again["skipped"]) == 9
 
 
 def test_lease_result_tell_cycle(api):
@@ -57,7 +59,7 @@ def test_lease_result_tell_cycle(api):
     worker = register(api.worker)
     seen = []
     for _ in range(3):
-        grant = run_trial(api.worker, worker)
+        grant = run_trial(worker)
         seen.append(grant["trial"]["decomposition"]["method"] + str(grant["trial"]["decomposition"]))
     assert len(set(seen)) == 3  # each lease asked Optuna for a new candidate
     assert seen[0].startswith("baseline")
@@ -75,7 +77,7 @@ def test_completion_with_confirmation_writes_the_tuned_config(api):
     study_id = create(api.admin, budget={"trials": 8}, confirm_top=2).json()["studies"][0]["id"]
     worker = register(api.worker)
     kinds = []
-    while (grant := run_trial(api.worker, worker)) is not None:
+    while (grant := run_trial(worker)) is not None:
         kinds.append(grant["trial"]["kind"])
     assert kinds == ["search"] * 8 + ["confirm"]
     study = api.reader.get(f"/v1/studies/{study_id}").json()
@@ -95,16 +97,16 @@ def test_lease_expiry_and_re_lease(database_url):
     try:
         create(api.admin)
         a, b = register(api.worker, "a"), register(api.worker, "b")
-        first = api.worker.post(f"/v1/workers/{a}/lease").json()
+        first = a.post(f"/v1/workers/{a}/lease").json()
         time.sleep(0.5)
-        second = api.worker.post(f"/v1/workers/{b}/lease").json()
+        second = b.post(f"/v1/workers/{b}/lease").json()
         assert second["trial"]["id"] == first["trial"]["id"]  # returned to the queue, leased again
         # the first worker's late report is refused; the second's is stored
         late = {"lease_id": first["lease"]["id"], "measurement": measurement(
             PROBLEM, Decomposition.baseline(), 1.0)}
-        assert api.worker.post(f"/v1/trials/{first['trial']['id']}/result", json=late).status_code == 409
+        assert a.post(f"/v1/trials/{first['trial']['id']}/result", json=late).status_code == 409
         time.sleep(0.5)  # expires again: the attempt limit (2) is reached, the trial fails
-        third = api.worker.post(f"/v1/workers/{a}/lease").json()
+        third = a.post(f"/v1/workers/{a}/lease").json()
         assert third["trial"]["id"] != first["trial"]["id"]
         trials = api.reader.get("/v1/studies/1/trials").json()
         assert trials[0]["state"] == "failed" and trials[0]["attempts"] == 2
@@ -114,16 +116,16 @@ def test_lease_expiry_and_re_lease(database_url):
 
 
 def test_heartbeat_extends_a_lease(database_url):
-    api = make_api(database_url, lease_seconds=0.4)
+    api = make_api(database_url, lease_seconds=1.0)
     try:
         create(api.admin)
         a, b = register(api.worker, "a"), register(api.worker, "b")
-        grant = api.worker.post(f"/v1/workers/{a}/lease").json()
-        for _ in range(4):
-            time.sleep(0.2)
-            beat = api.worker.post(f"/v1/workers/{a}/heartbeat", json={"lease_id": grant["lease"]["id"]})
+        grant = a.post(f"/v1/workers/{a}/lease").json()
+        for _ in range(4):  # 1.6 s in all: the lease lives on heartbeats only
+            time.sleep(0.4)
+            beat = a.post(f"/v1/workers/{a}/heartbeat", json={"lease_id": grant["lease"]["id"]})
             assert beat.json()["lease"]["id"] == grant["lease"]["id"]
-        other = api.worker.post(f"/v1/workers/{b}/lease").json()
+        other = b.post(f"/v1/workers/{b}/lease").json()
         assert other["trial"]["id"] != grant["trial"]["id"]
     finally:
         api.db.dispose()
@@ -132,20 +134,20 @@ def test_heartbeat_extends_a_lease(database_url):
 def test_idempotent_and_stale_reports(api):
     create(api.admin)
     worker = register(api.worker)
-    grant = api.worker.post(f"/v1/workers/{worker}/lease").json()
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
     body = {"lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)}
     url = f"/v1/trials/{grant['trial']['id']}/result"
-    first, second = api.worker.post(url, json=body), api.worker.post(url, json=body)
+    first, second = worker.post(url, json=body), worker.post(url, json=body)
     assert first.json() == {"trial_id": grant["trial"]["id"], "state": "completed", "duplicate": False}
     assert second.status_code == 200 and second.json()["duplicate"] is True
     with api.db.session() as session:  # counted once
         assert session.scalar(select(func.count()).select_from(Trial).where(Trial.state == "completed")) == 1
     foreign = {"lease_id": "00000000-0000-0000-0000-000000000000", "measurement": body["measurement"]}
-    assert api.worker.post(url, json=foreign).status_code == 409
+    assert worker.post(url, json=foreign).status_code == 409
     wrong = {"lease_id": grant["lease"]["id"],
              "measurement": measurement(PROBLEM, Decomposition(chunks=2, accumulate="concat"), 0.9)}
-    next_grant = api.worker.post(f"/v1/workers/{worker}/lease").json()
-    mismatch = api.worker.post(f"/v1/trials/{next_grant['trial']['id']}/result",
+    next_grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    mismatch = worker.post(f"/v1/trials/{next_grant['trial']['id']}/result",
                                json=wrong | {"lease_id": next_grant["lease"]["id"]})
     assert mismatch.status_code in (409, 422)
 
@@ -178,7 +180,7 @@ def test_config_fallbacks(api):
 def test_bundle_round_trip(api, tmp_path):
     study_id = create(api.admin, budget={"trials": 4}).json()["studies"][0]["id"]
     worker = register(api.worker)
-    while run_trial(api.worker, worker):
+    while run_trial(worker):
         pass
     exported = api.reader.get("/v1/bundles", params={"platform": "cpu"})
     bundle = Bundle.model_validate(exported.json())
@@ -200,16 +202,17 @@ def test_restart_with_a_study_in_flight(database_url):
     first = make_api(database_url)
     create(first.admin, budget={"trials": 5})
     worker = register(first.worker)
-    run_trial(first.worker, worker)
-    leased = first.worker.post(f"/v1/workers/{worker}/lease").json()  # in flight across the restart
+    run_trial(worker)
+    leased = worker.post(f"/v1/workers/{worker}/lease").json()  # in flight across the restart
     first.db.dispose()
 
     second = make_api(database_url)
     try:
         body = {"lease_id": leased["lease"]["id"], "measurement": measurement(
             PROBLEM, Decomposition.model_validate(leased["trial"]["decomposition"]), 0.9)}
-        assert second.worker.post(f"/v1/trials/{leased['trial']['id']}/result", json=body).status_code == 200
-        while run_trial(second.worker, worker):
+        again = Worker(worker.id, worker.credential, second.worker)  # the same worker, after the restart
+        assert again.post(f"/v1/trials/{leased['trial']['id']}/result", json=body).status_code == 200
+        while run_trial(again):
             pass
         study = second.reader.get("/v1/studies/1").json()
         assert study["state"] == "completed" and study["trials_done"] == 5
@@ -248,7 +251,7 @@ def test_malformed_json_and_unknown_ids(api):
     response = api.admin.post("/v1/studies", content=b'{"problem": ', headers={"content-type": "application/json"})
     assert response.status_code == 422 and "JSON" in response.text
     assert api.reader.get("/v1/studies/999").json() == {"detail": "study 999 does not exist"}
-    assert api.worker.post("/v1/workers/999/lease").status_code == 404
+    assert api.worker.post("/v1/workers/999/lease").status_code == 401  # no credential: no worker at all
     assert api.reader.get("/v1/configs", params={**PROBLEM, "m": 1001, "platform": "cpu",
                                                  "device_kind": "cpu"}).status_code == 422
 
@@ -273,11 +276,11 @@ def test_auth_per_role(api):
 def test_unregister_gives_the_trial_back(api):
     create(api.admin)
     a, b = register(api.worker, "a"), register(api.worker, "b")
-    grant = api.worker.post(f"/v1/workers/{a}/lease").json()
-    assert api.worker.delete(f"/v1/workers/{a}").status_code == 204
-    again = api.worker.post(f"/v1/workers/{b}/lease").json()
+    grant = a.post(f"/v1/workers/{a}/lease").json()
+    assert a.delete(f"/v1/workers/{a}").status_code == 204
+    again = b.post(f"/v1/workers/{b}/lease").json()
     assert again["trial"]["id"] == grant["trial"]["id"]
-    assert api.worker.post(f"/v1/workers/{a}/lease").status_code == 404
+    assert a.post(f"/v1/workers/{a}/lease").status_code in (401, 404)  # it left: register again
 
 
 def test_healthz_metrics_and_openapi_examples(api):
@@ -294,12 +297,12 @@ def test_healthz_metrics_and_openapi_examples(api):
 def test_cancel_refuses_late_results_and_stops_leasing(api):
     study_id = create(api.admin).json()["studies"][0]["id"]
     worker = register(api.worker)
-    grant = api.worker.post(f"/v1/workers/{worker}/lease").json()
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
     assert api.admin.post(f"/v1/studies/{study_id}/cancel").json()["state"] == "cancelled"
-    late = api.worker.post(f"/v1/trials/{grant['trial']['id']}/result", json={
+    late = worker.post(f"/v1/trials/{grant['trial']['id']}/result", json={
         "lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)})
     assert late.status_code == 409 and "cancelled" in late.json()["detail"]
-    assert api.worker.post(f"/v1/workers/{worker}/lease").status_code == 204
+    assert worker.post(f"/v1/workers/{worker}/lease").status_code == 204
     assert api.admin.post(f"/v1/studies/{study_id}/cancel").status_code == 409
 
 
@@ -323,14 +326,68 @@ def test_listing_studies_costs_the_same_queries_for_one_study_or_many(api):
 
     create(api.admin)
     worker = register(api.worker)
-    run_trial(api.worker, worker)
+    run_trial(worker)
     api.reader.get("/v1/studies")  # the reader's token is checked once, then cached
     one = queries_for_listing()
     first = list(statements)
     for m in range(2, 22):
         create(api.admin, problem=PROBLEM | {"m": 256 * m})
     for _ in range(10):
-        run_trial(api.worker, worker)
+        run_trial(worker)
     assert api.reader.get("/v1/studies").json()["total"] == 21
     many = queries_for_listing()
     assert many == one <= 6, (first, statements)
+
+
+def test_the_step_study_measures_the_model_once_its_studies_are_done(api):
+    body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
+            "budget": {"trials": 4}, "confirm_top": 1}
+    created = api.admin.post("/v1/studies", json=body).json()
+    step_id = created["studies"][-1]["id"]
+    worker = register(api.worker)
+    grants = []
+    while (grant := run_trial(worker)) is not None:
+        grants.append(grant)
+    kinds = [g["trial"]["kind"] for g in grants]
+    assert kinds[-1] == "step" and kinds.count("step") == 1  # after every search study, never before
+    task = grants[-1]["trial"]
+    assert set(task["step"]["configs"]) == {"qkv", "attn_out", "mlp_up", "mlp_down"}
+    assert task["step"]["block"]["name"] == "tiny" and task["step"]["mesh"] == {"data": 1, "model": 8}
+    study = api.reader.get(f"/v1/studies/{step_id}").json()
+    assert study["state"] == "completed" and study["stop_reason"] == "tuned"
+    sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
+    step = sub["step"]
+    assert step["variant"] == "tuned" and step["vs_autodiff"]["median"] == pytest.approx(1.25)
+    assert step["vs_baseline"]["median"] == pytest.approx(0.95 / 0.8)
+    assert step["measured_saved_s_per_step"] == pytest.approx((0.95 - 0.8) * 2)  # two layers
+    assert sub["overrides"] == []
+
+
+def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
+    from tests.service.conftest import step_result
+
+    body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
+            "budget": {"trials": 2}, "confirm_top": 1}
+    created = api.admin.post("/v1/studies", json=body).json()
+    worker = register(api.worker)
+    while (grant := worker.post(f"/v1/workers/{worker}/lease").json())["trial"]["kind"] != "step":
+        configs = [Decomposition.model_validate(d) for d in grant["trial"]["decompositions"]]
+        payload = {"lease_id": grant["lease"]["id"]}
+        results = [measurement(grant["trial"]["problem"], c, 0.8 if c.method == "ring" else 1.0) for c in configs]
+        payload |= {"measurement": results[0]} if grant["trial"]["kind"] == "search" else {"measurements": results}
+        assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=payload).status_code == 200
+    seconds = {"autodiff": 1.0, "baseline": 0.95, "tuned": 0.8, "tuned-minus-mlp_up": 0.7,
+               "tuned-minus-qkv": 0.85}
+    result = {"lease_id": grant["lease"]["id"], "step": step_result(grant["trial"], seconds)}
+    assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=result).status_code == 200
+    sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
+    assert sub["step"]["variant"] == "tuned-minus-mlp_up"
+    assert sub["step"]["vs_autodiff"]["median"] == pytest.approx(1 / 0.7)
+    (override,) = sub["overrides"]
+    assert override["role"] == "mlp_up" and override["model"] == "tiny"
+    assert override["configs"]["forward"]["method"] == "baseline"
+    assert "set back to the baseline" in override["reason"] and "1.14x" in override["reason"]
+    # a training client of this model finds it; a bundle carries it
+    params = {"model": "tiny", "platform": "cpu", "device_kind": "cpu", "device_count": 8}
+    assert api.reader.get("/v1/overrides", params=params).json() == sub["overrides"]
+    assert api.reader.get("/v1/bundles").json()["overrides"] == sub["overrides"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from cmtune.service.store import SqlStore
 from cmtune.tuner.measure import Session
 from collective_matmul import Decomposition, Problem
 from collective_matmul.wire import Protocol
-from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, create_tokens, reset_postgres
+from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, create_tokens, register, reset_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,13 +40,12 @@ def test_32_concurrent_leases_never_share_a_trial(database_url):
         for m in (256, 512, 1024, 2048):  # four studies, so asks run in parallel across studies too
             body = {"problem": PROBLEM | {"m": m}, "hardware": HARDWARE, "budget": {"trials": 40}}
             assert client.post("/v1/studies", json=body).status_code == 201
-        workers = [client.post("/v1/workers", json={"name": f"w{i}", "hardware": HARDWARE}).json()["id"]
-                   for i in range(32)]
+        workers = [register(client, f"w{i}") for i in range(32)]
 
-        def lease(worker_id):
+        def lease(worker):
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"},
                               timeout=60) as c:
-                response = c.post(f"/v1/workers/{worker_id}/lease")
+                response = c.post(f"/v1/workers/{worker}/lease", headers=worker.headers)
                 return response.status_code, response.json() if response.status_code == 200 else None
 
         with ThreadPoolExecutor(32) as pool:
@@ -68,9 +69,9 @@ def test_real_measurement_round_trip_over_http(tmp_path):
         client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         body = {"problem": PROBLEM, "hardware": HARDWARE, "budget": {"trials": 3}, "repeats": 3, "confirm_top": 1}
         study_id = client.post("/v1/studies", json=body).json()["studies"][0]["id"]
-        worker = client.post("/v1/workers", json={"name": "local", "hardware": HARDWARE}).json()["id"]
+        worker = register(client, "local")
         sessions = {}
-        while (response := client.post(f"/v1/workers/{worker}/lease")).status_code == 200:
+        while (response := worker.post(f"/v1/workers/{worker}/lease")).status_code == 200:
             grant = response.json()
             task = grant["trial"]
             protocol = Protocol.model_validate(task["protocol"])
@@ -80,7 +81,7 @@ def test_real_measurement_round_trip_over_http(tmp_path):
                        for d in task["decompositions"]]
             payload = {"lease_id": grant["lease"]["id"]}
             payload |= {"measurement": results[0]} if task["kind"] == "search" else {"measurements": results}
-            assert client.post(f"/v1/trials/{task['id']}/result", json=payload).status_code == 200
+            assert worker.post(f"/v1/trials/{task['id']}/result", json=payload).status_code == 200
         study = client.get(f"/v1/studies/{study_id}").json()
         assert study["state"] == "completed", study
         answer = client.get("/v1/configs", params={**PROBLEM, "platform": "cpu", "device_kind": "cpu"}).json()
@@ -164,3 +165,27 @@ def test_token_value_from_a_secret_is_idempotent(tmp_path):
         assert tx.token(secret).role == "worker"
         assert tx.session.scalar(select(func.count()).select_from(Token)) == 1
     db.dispose()
+
+
+def test_a_revoked_token_stops_working_on_every_server_process(tmp_path):
+    url = f"sqlite:///{tmp_path / 'revoke.sqlite'}"
+    reader = create_tokens(url, ["reader"])["reader"]
+    env = os.environ | {"CMTUNE_DATABASE_URL": url}
+    with running_server(database_url=url, workers=2, extra_env={"CMTUNE_TOKEN_CACHE_SECONDS": "1"}) as server:
+        def statuses() -> set[int]:  # fresh connections, so both processes answer some of them
+            return {httpx.get(f"{server.url}/v1/studies", headers={"Authorization": f"Bearer {reader}"}).status_code
+                    for _ in range(24)}
+
+        assert statuses() == {200}  # checked, and cached by both processes
+        listed = subprocess.run([sys.executable, "-m", "cmtune", "token", "list"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and "test-reader" in listed.stdout and reader not in listed.stdout
+        token_id = next(line.split("│")[1].strip() for line in listed.stdout.splitlines() if "test-reader" in line)
+        revoked = subprocess.run([sys.executable, "-m", "cmtune", "token", "revoke", token_id], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=60)
+        assert revoked.returncode == 0, revoked.stderr
+        time.sleep(1.5)
+        assert statuses() == {401}
+        missing = subprocess.run([sys.executable, "-m", "cmtune", "token", "revoke", "999"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 1 and "does not exist" in missing.stdout

@@ -1,9 +1,10 @@
 """One process of a 2-process `cmtune tune`, with this process's clocks perturbed on purpose.
 
 Launched by test_multiprocess_tune.py through `cmtune.tuner.cluster.launch`.  Process 1's
-``time.perf_counter`` and ``time.monotonic`` run at a different, jittery rate, so any decision
-taken from a local timing would differ between the processes (and their SPMD programs would
-diverge and hang).  Every process writes the trials it ran, in order, to ``$CMTUNE_TEST_OUT.<pid>``.
+``time.perf_counter`` and ``time.monotonic`` run at a different rate (still monotonic, as real
+clocks are), so any decision taken from a local timing would differ between the processes
+(and their SPMD programs would diverge and hang).  Every process writes the trials it ran, in
+order, to ``$CMTUNE_TEST_OUT.<pid>``.
 """
 
 import json
@@ -16,12 +17,11 @@ from cmtune.tuner.cluster import ClusterSpec
 
 spec = ClusterSpec.from_env()
 if spec.process_id == 1:
-    rng = random.Random(1)
     real_perf, real_mono = time.perf_counter, time.monotonic
     start_perf, start_mono = real_perf(), real_mono()
-    # 3x fast and jittery: every interval this process measures is wrong, differently each time
-    time.perf_counter = lambda: start_perf + (real_perf() - start_perf) * (3 + rng.random())
-    time.monotonic = lambda: start_mono + (real_mono() - start_mono) * (3 + rng.random())
+    rate = 3 + random.Random(1).random()  # every interval this process measures is 3-4x too long
+    time.perf_counter = lambda: start_perf + (real_perf() - start_perf) * rate
+    time.monotonic = lambda: start_mono + (real_mono() - start_mono) * rate
 
 from cmtune.tuner import local  # noqa: E402
 from cmtune.tuner.cli import app  # noqa: E402

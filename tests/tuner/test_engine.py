@@ -54,11 +54,12 @@ def ratio_of(config: Decomposition) -> float:
             + (0.03 if config.unroll != "full" else 0) + (0.01 if config.accumulate == "concat" else 0))
 
 
-def measured(config: Decomposition, status: Status = Status.OK, problem: Problem = PROBLEM) -> Measurement:
+def measured(config: Decomposition, status: Status = Status.OK, problem: Problem = PROBLEM,
+             ratio: float | None = None) -> Measurement:
     hardware = HW.model_copy(update={"jax_version": "0.10.2"})
     if status != Status.OK:
         return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status, message="boom")
-    ratio = ratio_of(config)
+    ratio = ratio or ratio_of(config)
     return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status,
                        candidate=Timing.of([1e-3 * ratio] * 3), baseline=Timing.of([1e-3] * 3), ratio=ratio,
                        ratio_iqr=0.0)
@@ -213,8 +214,7 @@ def test_patience_drops_proposals_nobody_claimed(store):
     worse = [driver.claim(study_id), driver.claim(study_id)]
     for trial in worse:
         with driver.store.transaction(write=True) as tx:
-            driver.engine.record(tx, trial.id, [measured(trial.decomposition).model_copy(update={"ratio": 1.5})],
-                                 now=driver.tick())
+            driver.engine.record(tx, trial.id, [measured(trial.decomposition, ratio=1.5)], now=driver.tick())
     study, trials = driver.study(study_id)
     assert study.stop_reason == "no improvement"
     assert [t.state for t in trials if t.kind == TrialKind.SEARCH].count(TrialState.CANCELLED) == 2

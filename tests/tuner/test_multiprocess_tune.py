@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_processes_take_the_same_decisions_when_their_timings_disagree(tmp_path):
-    """Process 1's clocks run 3-4x fast with jitter; both processes must still run the same trials.
+    """Process 1's clocks run 3-4x fast; both processes must still run the same trials.
 
     Before the engine made process 0 the only decider, each process calibrated its own cost-model
     profile by timing and ordered the candidates differently: the group hung or aborted.

@@ -29,10 +29,12 @@ def tokens(url: str) -> dict[str, str]:
 
 
 def start_worker(server: str, token: str, *extra: str, log: Path) -> subprocess.Popen:
+    """A real `cmtune worker`, its token in the environment (never on a command line)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "cmtune", "worker", "--server", server, "--token", token,
-         "--poll-seconds", "0.2", "--heartbeat-seconds", "0.5", *extra],
-        cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT, env=os.environ | {"JAX_PLATFORMS": "cpu"},
+        [sys.executable, "-m", "cmtune", "worker", "--server", server, "--poll-seconds", "0.2",
+         "--heartbeat-seconds", "0.5", *extra],
+        cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+        env=os.environ | {"JAX_PLATFORMS": "cpu", "CMTUNE_TOKEN": token},
     )
 
 
@@ -151,12 +153,35 @@ def test_two_process_worker_group_completes_a_study(tmp_path):
         assert tuned["hardware"]["process_count"] == 2
 
 
-def test_demo_runs_to_its_table(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "cmtune", "demo", "--trials", "2", "--data-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=os.environ | {"COLUMNS": "200"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "tuned configs for tiny" in run.stdout
-    assert "mlp_up, mlp_down.grad_input" in run.stdout
-    assert "estimated time saved per training step" in run.stdout
-    assert "/docs" in run.stdout and "/ui/submissions/1?token=cmt_" in run.stdout
+@pytest.mark.slow
+def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
+    """The README's demo path on the tiny preset (the real demo model takes ~6 minutes): a 2-process worker
+    tunes every problem, the step is measured, both tables print; SIGTERM then stops the server and worker."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "cmtune", "demo", "--model", "tiny", "--trials", "2", "--repeats", "3",
+         "--keep-serving", "--data-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not any("serving at" in line for line in lines):
+            line = demo.stdout.readline()
+            if not line and demo.poll() is not None:
+                break
+            lines.append(line)
+        text = "".join(lines)
+        assert "serving at" in text, text[-3000:]
+        assert "tuned collective matmuls of tiny on cpu:cpu:8:2" in text
+        assert "mlp_up, mlp_down.grad_input" in text
+        assert "the whole training step of tiny, measured" in text and "over plain autodiff" in text
+        assert "estimated from the ops" in text
+        assert "/docs" in text and "/ui/submissions/1?token=cmt_" in text
+        url = next(word for line in lines if "serving at" in line for word in line.split() if word.startswith("http"))
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=60) == 0
+    finally:
+        stop(demo)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/healthz", timeout=2)
+    assert "demo-worker" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -1,0 +1,391 @@
+"""The reference transformer block: how to call the collective matmuls in a training step.
+
+Megatron tensor parallelism with sequence parallelism over one mesh axis (``axis``, P devices),
+and optionally data parallelism over others (``batch_axis``).  The layout, step by step:
+
+1. Between blocks the activations ``x [batch, seq, d_model]`` are sharded on seq over ``axis``
+   (and on batch over ``batch_axis``).  The weights are sharded over ``axis`` only (replicated
+   over the data axes); the RMSNorm scales are replicated.
+2. Attention: ``h = rmsnorm(x)``; ``qkv = allgather_matmul(h, w_qkv)`` gathers seq and
+   multiplies by ``w_qkv [d_model, qkv_dim]`` sharded on its columns, so each device holds every
+   token for its own heads.  Device i's column block is ``[q_i | k_i | v_i]``: its heads/P query
+   heads, then its kv_heads/P key heads and value heads (GQA: query head j uses kv head
+   ``j // (heads / kv_heads)``, so a device's query heads only need its own kv heads).
+3. Causal attention runs on the local heads inside `jax.shard_map`; its output
+   ``[batch, seq, attn_dim]`` is sharded on the attention columns (heads in order).
+4. ``attn_out = matmul_reduce_scatter(o, w_o)``: ``w_o [attn_dim, d_model]`` is sharded on its
+   rows, so the product sums over the devices, scattered back onto seq; ``x = x + attn_out``.
+5. MLP: ``h = rmsnorm(x)``; ``u = allgather_matmul(h, w_up)`` with ``w_up [d_model, mlp_up_dim]``
+   sharded on its columns; gated (SwiGLU), device i's block is ``[gate_i | up_i]`` and the
+   activation is ``silu(gate) * up``, else ``gelu(u)``, both per device in `jax.shard_map`.
+6. ``mlp_down = matmul_reduce_scatter(a, w_down)``, ``w_down [d_ff, d_model]`` sharded on its
+   rows; ``x = x + mlp_down``, sharded on seq again, ready for the next block.
+
+Each of the four ops (roles ``qkv``, ``attn_out``, ``mlp_up``, ``mlp_down``) takes its forward,
+``grad_input`` and ``grad_weight`` configs from a `ConfigSource`: fixed configs
+(`FixedConfigs`), a `collective_matmul.Tuned` client, or `AUTODIFF`, which runs the baseline
+collectives in plain JAX with no custom VJP — what a user has without cmtune.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from collective_matmul.decomposition import OpConfigs
+from collective_matmul.models import ROLES as MODEL_ROLES
+from collective_matmul.models import TransformerBlock
+from collective_matmul.ops import (
+    BatchAxis,
+    _axes_size,
+    _placed,
+    allgather_matmul,
+    matmul_reduce_scatter,
+    plain_baseline,
+)
+
+# The collective of each role's forward (models.py derives the same problems).
+ROLE_COLLECTIVES: dict[str, str] = {
+    "qkv": "allgather_matmul",
+    "attn_out": "matmul_reduce_scatter",
+    "mlp_up": "allgather_matmul",
+    "mlp_down": "matmul_reduce_scatter",
+}
+ROLES: tuple[str, ...] = MODEL_ROLES  # in models.py, the JAX-free home of the roles
+PARAM_NAMES: tuple[str, ...] = ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_up", "w_down")
+RMS_EPS = 1e-6
+
+Params = dict[str, jax.Array]
+
+
+@runtime_checkable
+class ConfigSource(Protocol):
+    """Where the block's op calls get their configs (called at trace time, once per op call)."""
+
+    def configs(
+        self, role: str, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
+    ) -> OpConfigs:
+        """The configs for one call: ``role`` in `ROLES`, ``x``/``w`` the operands (shapes matter)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedConfigs:
+    """The same configs for every call of a role; ``default`` for roles not named.
+
+    Raises:
+        ValueError: if ``per_role`` names a role that is not in `ROLES`.
+    """
+
+    per_role: Mapping[str, OpConfigs] = field(default_factory=dict)
+    default: OpConfigs = OpConfigs()
+
+    def __post_init__(self):
+        unknown = sorted(set(self.per_role) - set(ROLES))
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; the block's roles are {list(ROLES)}")
+
+    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None) -> OpConfigs:
+        return self.per_role.get(role, self.default)
+
+
+class Autodiff:
+    """The plain-autodiff mode: baseline collectives in plain JAX, JAX's autodiff for the backward.
+
+    Use the `AUTODIFF` instance as the block's source.  Its `configs` (the baselines) only
+    describe it; the block does not call the custom-VJP ops in this mode.
+    """
+
+    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None) -> OpConfigs:
+        return OpConfigs()
+
+    def __repr__(self) -> str:
+        return "AUTODIFF"
+
+
+AUTODIFF = Autodiff()
+
+
+def check_block(
+    block: TransformerBlock, *, tensor_size: int, batch_shards: int = 1, batch: int | None = None
+) -> None:
+    """Check that ``block`` shards over a tensor axis of ``tensor_size`` and ``batch_shards`` data shards.
+
+    Raises:
+        ValueError: naming the dimension that does not divide and what to change.
+    """
+    kv_heads = block.kv_heads or block.heads
+    for name, size in (("heads", block.heads), ("kv_heads", kv_heads), ("d_ff", block.d_ff),
+                       ("seq_len", block.seq_len)):
+        if size % tensor_size:
+            raise ValueError(
+                f"{block.name}: {name}={size} is not divisible by the tensor axis size {tensor_size}; "
+                f"choose a tensor axis size dividing {name}"
+            )
+    batch = block.global_batch if batch is None else batch
+    if batch % batch_shards:
+        raise ValueError(
+            f"{block.name}: batch {batch} is not divisible by the {batch_shards} data-parallel shards; "
+            f"choose a batch that is a multiple of {batch_shards}"
+        )
+
+
+def param_shardings(mesh: Mesh, *, axis: str) -> dict[str, NamedSharding]:
+    """The sharding of each parameter (see the module docstring, step 1)."""
+    specs = {"attn_norm": P(), "w_qkv": P(None, axis), "w_o": P(axis, None),
+             "mlp_norm": P(), "w_up": P(None, axis), "w_down": P(axis, None)}
+    return {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+
+
+def activation_sharding(mesh: Mesh, *, axis: str, batch_axis: BatchAxis = None) -> NamedSharding:
+    """The sharding of ``x [batch, seq, d_model]`` between blocks: seq over ``axis``, batch over ``batch_axis``."""
+    return NamedSharding(mesh, P(batch_axis, axis, None))
+
+
+def param_shapes(block: TransformerBlock) -> dict[str, tuple[int, ...]]:
+    """The global shape of each parameter."""
+    return {
+        "attn_norm": (block.d_model,),
+        "w_qkv": (block.d_model, block.qkv_dim),
+        "w_o": (block.attn_dim, block.d_model),
+        "mlp_norm": (block.d_model,),
+        "w_up": (block.d_model, block.mlp_up_dim),
+        "w_down": (block.d_ff, block.d_model),
+    }
+
+
+def init_params(key: jax.Array, block: TransformerBlock, mesh: Mesh, *, axis: str, dtype=None) -> Params:
+    """Random parameters of ``block``, placed with `param_shardings`.
+
+    Matrices are normal with variance 1/fan-in; the RMSNorm scales are ones.
+
+    Args:
+        key: a `jax.random` key.
+        block: the shapes.
+        mesh: the device mesh.
+        axis: the tensor-parallel mesh axis.
+        dtype: the parameter dtype (default: ``block.dtype``).
+
+    Returns:
+        ``{name: array}`` for the names in `PARAM_NAMES`.
+
+    Raises:
+        ValueError: if ``axis`` is not a mesh axis or the block does not shard over it.
+    """
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    check_block(block, tensor_size=mesh.shape[axis])
+    dtype = jnp.dtype(dtype or block.dtype)
+    shapes, shardings = param_shapes(block), param_shardings(mesh, axis=axis)
+
+    def make(key):
+        keys = dict(zip(PARAM_NAMES, jax.random.split(key, len(PARAM_NAMES)), strict=True))
+        params = {}
+        for name, shape in shapes.items():
+            if name.endswith("_norm"):
+                params[name] = jnp.ones(shape, dtype)
+            else:
+                params[name] = (jax.random.normal(keys[name], shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
+        return params
+
+    return jax.jit(make, out_shardings=shardings)(key)
+
+
+def apply(
+    params: Params,
+    x: jax.Array,
+    *,
+    block: TransformerBlock,
+    mesh: Mesh,
+    axis: str,
+    source: ConfigSource,
+    batch_axis: BatchAxis = None,
+) -> jax.Array:
+    """The block's forward: ``x + attention(rmsnorm(x))``, then ``+ mlp(rmsnorm(.))``.
+
+    Args:
+        params: from `init_params`.
+        x: ``[batch, seq, d_model]``, seq sharded over ``axis`` (batch over ``batch_axis``).
+        block: the shapes (heads, kv_heads, head_dim, gated_mlp; x's batch and seq may differ
+            from ``block.global_batch`` and ``block.seq_len``).
+        mesh: the device mesh.
+        axis: the tensor-parallel mesh axis (the ring).
+        source: the configs of each op call (`FixedConfigs`, a `Tuned`, or `AUTODIFF`).
+        batch_axis: mesh axis (or axes) sharding the batch.
+
+    Returns:
+        ``[batch, seq, d_model]`` laid out as ``x``.
+
+    Raises:
+        ValueError: if x or the block do not fit the mesh, or a config is invalid for its call.
+    """
+    _check_call(block, x, mesh, axis, batch_axis)
+    op = partial(_op, source=source, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    h = _rmsnorm(x, params["attn_norm"])
+    qkv = op("qkv", h, params["w_qkv"])
+    o = _attention(qkv, block=block, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    x = x + op("attn_out", o, params["w_o"])
+    h = _rmsnorm(x, params["mlp_norm"])
+    u = op("mlp_up", h, params["w_up"])
+    a = _mlp_activation(u, gated=block.gated_mlp, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    return x + op("mlp_down", a, params["w_down"])
+
+
+def loss(
+    params: Params,
+    x: jax.Array,
+    target: jax.Array,
+    *,
+    block: TransformerBlock,
+    mesh: Mesh,
+    axis: str,
+    source: ConfigSource,
+    batch_axis: BatchAxis = None,
+) -> jax.Array:
+    """Mean squared error of `apply` against ``target`` (laid out as ``x``), in float32."""
+    y = apply(params, x, block=block, mesh=mesh, axis=axis, source=source, batch_axis=batch_axis)
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - target.astype(jnp.float32)))
+
+
+def loss_and_grads(params: Params, x: jax.Array, target: jax.Array, **kwargs) -> tuple[jax.Array, Params]:
+    """``jax.value_and_grad`` of `loss` with respect to ``params`` (``kwargs`` as for `loss`)."""
+    return jax.value_and_grad(partial(loss, **kwargs))(params, x, target)
+
+
+def train_step(
+    params: Params,
+    x: jax.Array,
+    target: jax.Array,
+    *,
+    block: TransformerBlock,
+    mesh: Mesh,
+    axis: str,
+    source: ConfigSource,
+    batch_axis: BatchAxis = None,
+    lr: float = 1e-3,
+) -> tuple[Params, jax.Array]:
+    """One SGD step: `loss_and_grads`, then ``p - lr * g`` for every parameter.
+
+    Args:
+        params, x, target: as for `loss`.
+        block, mesh, axis, source, batch_axis: as for `apply`.
+        lr: the learning rate.
+
+    Returns:
+        ``(new_params, loss)``, the parameters laid out as ``params``.
+
+    Raises:
+        ValueError: as `apply`.
+    """
+    value, grads = loss_and_grads(params, x, target, block=block, mesh=mesh, axis=axis, source=source,
+                                  batch_axis=batch_axis)
+    new = jax.tree.map(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)
+    return new, value
+
+
+def configs_per_role(
+    source: ConfigSource,
+    block: TransformerBlock,
+    *,
+    mesh: Mesh,
+    axis: str,
+    batch_axis: BatchAxis = None,
+    batch: int | None = None,
+) -> dict[str, OpConfigs]:
+    """The configs ``source`` gives each role's op call for a batch of ``batch`` (default: the block's).
+
+    Calls ``source.configs`` with abstract operands of the shapes `apply` passes, so a `Tuned`
+    client resolves (and records) all twelve problems of the step without running anything.
+    """
+    batch = block.global_batch if batch is None else batch
+    dtype = jnp.dtype(block.dtype)
+    shapes = param_shapes(block)
+    widths = {"qkv": block.d_model, "attn_out": block.attn_dim, "mlp_up": block.d_model, "mlp_down": block.d_ff}
+    weights = {"qkv": "w_qkv", "attn_out": "w_o", "mlp_up": "w_up", "mlp_down": "w_down"}
+    out = {}
+    for role, collective in ROLE_COLLECTIVES.items():
+        x = jax.ShapeDtypeStruct((batch, block.seq_len, widths[role]), dtype)
+        w = jax.ShapeDtypeStruct(shapes[weights[role]], dtype)
+        out[role] = source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    return out
+
+
+# ---- the pieces ---------------------------------------------------------------------------
+
+
+def _op(role: str, x, w, *, source: ConfigSource, mesh: Mesh, axis: str, batch_axis: BatchAxis):
+    collective = ROLE_COLLECTIVES[role]
+    if isinstance(source, Autodiff):
+        return plain_baseline(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    configs = source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
+    try:
+        return op(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
+                  grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+    except ValueError as exc:
+        raise ValueError(f"{role}: {exc}") from None
+
+
+def _rmsnorm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + RMS_EPS)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _local(fn, y: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis) -> jax.Array:
+    """Run ``fn`` on each device's ``[batch/D, seq, columns/P]`` block of ``y`` (columns sharded)."""
+    spec = P(batch_axis, None, axis)
+    (y,) = _placed(mesh, (spec,), y)
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(y)
+
+
+def _attention(qkv: jax.Array, *, block: TransformerBlock, mesh: Mesh, axis: str, batch_axis: BatchAxis):
+    """Causal attention of each device's heads (its ``[q_i | k_i | v_i]`` column block)."""
+    size = mesh.shape[axis]
+    heads, kv_heads, dim = block.heads // size, (block.kv_heads or block.heads) // size, block.head_dim
+    group = heads // kv_heads
+
+    def core(local: jax.Array) -> jax.Array:
+        b, s, _ = local.shape
+        q = local[..., : heads * dim].reshape(b, s, kv_heads, group, dim)
+        k = local[..., heads * dim : (heads + kv_heads) * dim].reshape(b, s, kv_heads, dim)
+        v = local[..., (heads + kv_heads) * dim :].reshape(b, s, kv_heads, dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(dim)
+        causal = jnp.tril(jnp.ones((s, s), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+        return out.reshape(b, s, heads * dim)
+
+    return _local(core, qkv, mesh=mesh, axis=axis, batch_axis=batch_axis)
+
+
+def _mlp_activation(u: jax.Array, *, gated: bool, mesh: Mesh, axis: str, batch_axis: BatchAxis):
+    """``silu(gate) * up`` of each device's ``[gate_i | up_i]`` block, or ``gelu(u)``."""
+
+    def act(local: jax.Array) -> jax.Array:
+        if not gated:
+            return jax.nn.gelu(local)
+        half = local.shape[-1] // 2
+        return jax.nn.silu(local[..., :half]) * local[..., half:]
+
+    return _local(act, u, mesh=mesh, axis=axis, batch_axis=batch_axis)
+
+
+def _check_call(block: TransformerBlock, x, mesh: Mesh, axis: str, batch_axis: BatchAxis) -> None:
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if x.ndim != 3 or x.shape[-1] != block.d_model:
+        raise ValueError(f"expected x [batch, seq, d_model={block.d_model}], got shape {x.shape}")
+    if batch_axis is not None and axis in ((batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)):
+        raise ValueError(f"batch_axis must differ from the tensor axis {axis!r}")
+    shaped = block.model_copy(update={"seq_len": x.shape[1]})
+    check_block(shaped, tensor_size=mesh.shape[axis], batch_shards=_axes_size(mesh, batch_axis), batch=x.shape[0])

@@ -1,0 +1,263 @@
+"""Hostile or unlucky input: bad results, oversized bodies, other workers' leases, server paths, huge ids.
+
+Each test here failed before its fix (issue 10).  The API runs on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cmtune.service.main import create_app
+from cmtune.service.settings import Settings
+from collective_matmul import Decomposition
+from tests.service.conftest import HARDWARE, PROBLEM, make_api, measurement, register, run_trial
+
+
+def create(client, **body):
+    payload = {"problem": PROBLEM, "hardware": HARDWARE, "budget": {"trials": 4}} | body
+    response = client.post("/v1/studies", json=payload)
+    assert response.status_code == 201, response.text
+    return response.json()["studies"][0]["id"]
+
+
+def broken(result: dict, **changes) -> dict:
+    """A copy of a measurement record with ``changes`` applied at dotted paths."""
+    out = json.loads(json.dumps(result))
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        target = out
+        for name in parents:
+            target = target[name]
+        target[leaf] = value
+    return out
+
+
+BAD_RESULTS = {
+    "ratio 0": {"ratio": 0.0},
+    "negative ratio": {"ratio": -1.0},
+    "NaN ratio": {"ratio": math.nan},
+    "infinite ratio": {"ratio": math.inf},
+    "negative time": {"candidate.samples_s": [-1e-3, -1e-3, -1e-3], "candidate.median_s": -1e-3,
+                      "candidate.min_s": -1e-3, "candidate.max_s": -1e-3},
+    "zero time": {"baseline.samples_s": [0.0, 0.0, 0.0], "baseline.median_s": 0.0, "baseline.min_s": 0.0,
+                  "baseline.max_s": 0.0},
+    "ok without timings": {"candidate": None},
+    "ok without a ratio": {"ratio": None},
+    "median not the samples'": {"candidate.median_s": 5e-3},
+    "ratio not the samples'": {"ratio": 0.5},
+}
+
+
+def _json_with_nan(body: dict) -> bytes:
+    return json.dumps(body, allow_nan=True).encode()
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RESULTS))
+def test_bad_results_are_refused_and_nothing_breaks(api, name):
+    create(api.admin)
+    worker = register(api.worker)
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    good = measurement(PROBLEM, Decomposition.baseline(), 1.0)
+    body = {"lease_id": grant["lease"]["id"], "measurement": broken(good, **BAD_RESULTS[name])}
+    url = f"/v1/trials/{grant['trial']['id']}/result"
+    response = worker.client.post(url, content=_json_with_nan(body),
+                                  headers=worker.headers | {"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert isinstance(response.json()["detail"], list)  # every 422 has FastAPI's schema
+    # nothing was stored: the listing works, and the trial still takes a good result
+    assert api.reader.get("/v1/studies").status_code == 200
+    assert api.reader.get("/v1/studies/1").json()["trials_done"] == 0
+    assert worker.post(url, json=body | {"measurement": good}).status_code == 200
+
+
+def test_bad_confirmation_results_are_refused_and_the_trial_stays_leased(api):
+    study_id = create(api.admin, budget={"trials": 2}, confirm_top=1)
+    worker = register(api.worker)
+    while (grant := worker.post(f"/v1/workers/{worker}/lease").json())["trial"]["kind"] == "search":
+        configs = [Decomposition.model_validate(d) for d in grant["trial"]["decompositions"]]
+        body = {"lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, configs[0], 0.9)}
+        assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=body).status_code == 200
+    configs = [Decomposition.model_validate(d) for d in grant["trial"]["decompositions"]]
+    good = [measurement(PROBLEM, c, 1.0 if c.method == "baseline" else 0.9) for c in configs]
+    url = f"/v1/trials/{grant['trial']['id']}/result"
+    for bad in (broken(good[1], ratio=0.0), broken(good[1], ratio=None),
+                broken(good[1], **{"candidate.samples_s": [0.0, 0.0, 0.0]})):
+        response = worker.post(url, json={"lease_id": grant["lease"]["id"], "measurements": [good[0], bad]})
+        assert response.status_code == 422, response.text
+    trials = api.reader.get(f"/v1/studies/{study_id}/trials").json()
+    assert trials[-1]["state"] == "leased"
+    assert worker.post(url, json={"lease_id": grant["lease"]["id"], "measurements": good}).status_code == 200
+    assert api.reader.get(f"/v1/studies/{study_id}").json()["state"] == "completed"
+
+
+def test_a_confirmation_whose_leases_keep_expiring_completes_from_the_search(database_url):
+    api = make_api(database_url, lease_seconds=0.3, max_attempts=2)
+    try:
+        study_id = create(api.admin, budget={"trials": 3}, confirm_top=2)
+        worker = register(api.worker)
+        for _ in range(3):
+            run_trial(worker)
+        for _ in range(2):  # leased and never reported, twice
+            grant = worker.post(f"/v1/workers/{worker}/lease").json()
+            assert grant["trial"]["kind"] == "confirm"
+            time.sleep(0.5)
+        assert worker.post(f"/v1/workers/{worker}/lease").status_code == 204  # expiry runs here
+        study = api.reader.get(f"/v1/studies/{study_id}").json()
+        assert study["state"] == "completed", study
+        assert "search trials' own measurements" in study["message"]
+        assert study["tuned"]["trials"] == 3
+        # and the problem can be tuned again
+        assert api.admin.post("/v1/studies", json={"problem": PROBLEM, "hardware": HARDWARE,
+                                                   "force": True}).status_code == 201
+    finally:
+        api.db.dispose()
+
+
+def test_a_late_result_is_refused_even_with_no_lease_request_in_between(database_url):
+    api = make_api(database_url, lease_seconds=0.3)
+    try:
+        create(api.admin)
+        worker = register(api.worker)
+        grant = worker.post(f"/v1/workers/{worker}/lease").json()
+        time.sleep(0.5)
+        body = {"lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)}
+        late = worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=body)
+        assert late.status_code == 409 and "expired" in late.json()["detail"]
+        again = worker.post(f"/v1/workers/{worker}/lease").json()
+        assert again["trial"]["id"] == grant["trial"]["id"]  # back in the queue, the attempt counted
+        trials = api.reader.get("/v1/studies/1/trials").json()
+        assert trials[0]["attempts"] == 2
+    finally:
+        api.db.dispose()
+
+
+def test_a_worker_acts_only_as_itself(api):
+    create(api.admin)
+    mine, other = register(api.worker, "mine"), register(api.worker, "other")
+    grant = mine.post(f"/v1/workers/{mine}/lease").json()
+    # the shared worker token alone names no worker
+    assert api.worker.post(f"/v1/workers/{mine}/lease").status_code == 401
+    assert api.worker.post(f"/v1/workers/{mine}/heartbeat", json={}).status_code == 401
+    # another worker's credential cannot lease, heartbeat or leave as this one
+    for call in (lambda: other.post(f"/v1/workers/{mine}/lease"),
+                 lambda: other.post(f"/v1/workers/{mine}/heartbeat", json={"lease_id": grant["lease"]["id"]}),
+                 lambda: other.delete(f"/v1/workers/{mine}")):
+        response = call()
+        assert response.status_code == 403 and "acts only as itself" in response.text
+    # nor report a result under this worker's lease
+    body = {"lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)}
+    stolen = other.post(f"/v1/trials/{grant['trial']['id']}/result", json=body)
+    assert stolen.status_code == 409 and "another worker" in stolen.text
+    forged = api.worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=body,
+                             headers={"X-Cmtune-Worker": f"cmw_{mine.id}_guess"})
+    assert forged.status_code == 401
+    assert mine.post(f"/v1/trials/{grant['trial']['id']}/result", json=body).status_code == 200
+
+
+def test_revoked_tokens_stop_working(database_url):
+    api = make_api(database_url, token_cache_seconds=0.5)
+    try:
+        assert api.reader.get("/v1/studies").status_code == 200  # checked and cached
+        with api.store.write() as tx:
+            reader = next(t for t in tx.tokens() if t.role == "reader")
+            tx.revoke_token(reader.id)
+        time.sleep(0.6)
+        response = api.reader.get("/v1/studies")
+        assert response.status_code == 401 and "revoked" in response.json()["detail"]
+    finally:
+        api.db.dispose()
+
+
+def test_oversized_bodies_are_refused_before_they_are_read(api):
+    limit = api.settings.max_body_bytes
+    huge = b"x" * (limit + 1)
+    # by Content-Length, with or without a token
+    for client in (api.anonymous, api.admin):
+        response = client.post("/v1/studies", content=huge, headers={"content-type": "application/json"})
+        assert response.status_code == 413 and "CMTUNE_MAX_BODY_BYTES" in response.text
+    # streamed, without a Content-Length
+    def chunks():
+        for _ in range(limit // 65536 + 2):
+            yield b"x" * 65536
+
+    assert api.admin.post("/v1/studies", content=chunks()).status_code == 413
+    # an anonymous body is never parsed: malformed JSON gets 401, not 422
+    assert api.anonymous.post("/v1/studies", content=b'{"problem": ',
+                              headers={"content-type": "application/json"}).status_code == 401
+
+
+def test_free_text_fields_are_bounded(api):
+    big = {"name": "w", "hardware": HARDWARE, "software": {"jax": "x" * 100_000}}
+    assert api.worker.post("/v1/workers", json=big).status_code == 422
+    many = {"name": "w", "hardware": HARDWARE, "software": {f"p{i}": "1" for i in range(100)}}
+    assert api.worker.post("/v1/workers", json=many).status_code == 422
+    assert api.worker.post("/v1/workers", json={"name": "w" * 201, "hardware": HARDWARE}).status_code == 422
+    assert api.reader.get("/v1/workers").json() == []
+
+
+@pytest.mark.parametrize("model", ["", "/etc", "/etc/passwd", "pyproject.toml", "../../etc/hostname"])
+def test_a_model_is_never_a_path_on_the_server(api, model):
+    response = api.admin.post("/v1/studies", json={"model": model, "mesh": {"axes": {"model": 8}},
+                                                   "hardware": HARDWARE})
+    assert response.status_code == 422, response.text
+    assert "unknown model" in response.text
+    assert "root:" not in response.text and "[project]" not in response.text
+
+
+@pytest.mark.parametrize("path", [
+    "/v1/studies/99999999999999999999999999", "/v1/studies/18446744073709551616/trials",
+    "/v1/submissions/99999999999999999999", "/v1/studies/-1", "/v1/studies/0",
+])
+def test_ids_beyond_64_bits_get_422(api, path):
+    assert api.reader.get(path).status_code == 422
+
+
+def test_huge_integers_in_queries_and_bodies_get_422(api):
+    assert api.reader.get("/v1/studies", params={"offset": 2**70}).status_code == 422
+    params = {**PROBLEM, "m": 2**70, "platform": "cpu", "device_kind": "cpu"}
+    assert api.reader.get("/v1/configs", params=params).status_code == 422
+    worker = register(api.worker)
+    assert worker.post(f"/v1/trials/{2**70}/result", json={"lease_id": "x", "measurement": measurement(
+        PROBLEM, Decomposition.baseline(), 1.0)}).status_code == 422
+
+
+def test_healthz_tells_anonymous_callers_nothing_about_the_database(tmp_path):
+    # a PostgreSQL URL on a port nothing listens on: the database is down
+    settings = Settings(database_url="postgresql+psycopg://cmtune:secret@127.0.0.1:9/cmtune", auth="token")
+    client = TestClient(create_app(settings, prepare=False))
+    response = client.get("/healthz")
+    assert response.status_code == 503
+    assert "127.0.0.1" not in response.text and ":9" not in response.text and "secret" not in response.text
+
+
+def test_the_look_up_cache_is_bounded(api, monkeypatch):
+    from cmtune.service import lookup
+
+    monkeypatch.setattr(lookup, "MAX_ANSWERS", 50)
+    cache = api.store and lookup.ConfigCache(api.store, ttl_s=60)
+    from collective_matmul import Hardware, Problem
+
+    hardware = Hardware(**HARDWARE)
+    for m in range(8, 8 * 200, 8):
+        cache.tuned_for(hardware)
+        cache.lookup_json(Problem(**PROBLEM | {"m": m}), hardware)
+    assert len(cache._answers) <= 50
+
+
+def test_the_openapi_document_declares_auth_and_errors(api):
+    spec = api.anonymous.get("/openapi.json").json()
+    schemes = spec["components"]["securitySchemes"]
+    assert schemes["HTTPBearer"]["scheme"] == "bearer" and schemes["APIKeyHeader"]["name"] == "X-Cmtune-Worker"
+    for path, operations in spec["paths"].items():
+        if not path.startswith("/v1/"):
+            continue
+        for method, operation in operations.items():
+            assert operation.get("security"), f"{method.upper()} {path} declares no security"
+            assert {"401", "403", "413"} <= set(operation["responses"]), f"{method.upper()} {path}"
+            if "{" in path:
+                assert "422" in operation["responses"], f"{method.upper()} {path}"

@@ -1,0 +1,207 @@
+"""The step measurement: variants of a whole training step timed together, and `cmtune verify`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import collective_matmul.ring as ring
+from cmtune.tuner.step import StepMeasurement, StepSession, standard_variants, step_layout
+from collective_matmul import (
+    Bundle,
+    Decomposition,
+    FixedConfigs,
+    Hardware,
+    MeshSpec,
+    OpConfigs,
+    TransformerBlock,
+    TunedConfig,
+    model_problems,
+)
+from collective_matmul.wire import Protocol
+
+ROOT = Path(__file__).resolve().parents[2]
+D = Decomposition.from_id
+BLOCK = TransformerBlock(name="small", d_model=64, d_ff=128, heads=8, head_dim=8, gated_mlp=True, seq_len=64,
+                         global_batch=2, dtype="float32")
+RS_RING = D("ring-uni-c1-full-in")
+TUNED = {
+    "attn_out": OpConfigs(forward=RS_RING),
+    "mlp_down": OpConfigs(forward=D("ring-bi-c1-full-in"), grad_input=D("ring-uni-c2-full-dus"),
+                          grad_weight=D("ring-uni-c1-full-in-fuse")),
+    "mlp_up": OpConfigs(),  # tuned to the baseline: no ablation variant
+}
+
+
+def test_standard_variants():
+    variants = standard_variants(TUNED)
+    assert list(variants) == ["autodiff", "baseline", "tuned", "tuned-minus-attn_out", "tuned-minus-mlp_down"]
+    assert variants["tuned"].per_role["mlp_down"] == TUNED["mlp_down"]
+    assert "mlp_down" not in variants["tuned-minus-mlp_down"].per_role
+    assert variants["tuned-minus-mlp_down"].per_role["attn_out"] == TUNED["attn_out"]
+    assert list(standard_variants(TUNED, ablation=False)) == ["autodiff", "baseline", "tuned"]
+
+
+def test_a_step_session_times_every_variant_round_robin(monkeypatch):
+    # a deliberately wrong kernel: a reduce-scatter ring with chunks=4 is off by 0.1%
+    kernel = ring._matmul_reduce_scatter
+
+    def wrong(x, w, axis, config):
+        out = kernel(x, w, axis, config)
+        return out * 1.001 if config.chunks == 4 else out
+
+    monkeypatch.setattr(ring, "_matmul_reduce_scatter", wrong)
+    variants = standard_variants(TUNED) | {
+        "wrong": FixedConfigs({"attn_out": OpConfigs(forward=D("ring-uni-c4-full-in"))}),
+        "unfit": FixedConfigs({"mlp_up": OpConfigs(forward=D("ring-uni-c32-full-dus"))}),
+    }
+    mesh = jax.make_mesh((8,), ("model",))
+    session = StepSession(BLOCK, mesh, axis="model", protocol=Protocol(warmup=1, repeats=3))
+    events = []
+    result = session.measure(variants, on_event=events.append)
+
+    assert [v.name for v in result.variants] == list(variants)
+    assert result.reference == "autodiff" and result.mesh == {"model": 8} and result.batch_axes == []
+    assert result.hardware.key == "cpu:cpu:8:1" and result.block == BLOCK
+    status = {v.name: v.status for v in result.variants}
+    assert status == {"autodiff": "ok", "baseline": "ok", "tuned": "ok", "tuned-minus-attn_out": "ok",
+                      "tuned-minus-mlp_down": "ok", "wrong": "invalid", "unfit": "compile_error"}
+    for v in result.variants:
+        if v.ok:
+            assert len(v.timing.samples_s) == 3 and v.timing.median_s > 0
+            assert v.ratio is not None and v.ratio_iqr is not None and v.speedup > 0
+            assert v.compile_s > 0 and v.memory_bytes > 0 and v.loss > 0
+    reference = result.variant("autodiff")
+    assert reference.ratio == 1.0 and reference.configs == {} and reference.rel_error is None
+    assert result.variant("tuned").rel_error <= 1e-5
+    assert result.variant("tuned").configs["mlp_down"]["grad_weight"] == D("ring-uni-c1-full-in-fuse")
+    assert result.variant("tuned-minus-mlp_down").configs["mlp_down"]["forward"] == D("baseline")
+    wrong_variant = result.variant("wrong")
+    assert "relative error" in wrong_variant.message and wrong_variant.timing is None
+    assert wrong_variant.rel_error > 1e-4
+    assert "invalid decomposition" in result.variant("unfit").message
+    assert "chunks=32" in result.variant("unfit").message
+    assert any("round-robin, 3 rounds" in e for e in events)
+    # the record is plain JSON
+    again = StepMeasurement.model_validate_json(result.model_dump_json())
+    assert again.variant("tuned").speedup == result.variant("tuned").speedup
+
+
+def test_a_2d_mesh_shards_the_batch_over_the_data_axis():
+    from jax.sharding import AxisType
+
+    block = BLOCK.model_copy(update={"heads": 4, "global_batch": 4})
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    session = StepSession(block, mesh, protocol=Protocol(warmup=0, repeats=1))
+    assert session.batch_axis == "data" and session.x.sharding.spec == P("data", "model", None)
+    variants = {"autodiff": standard_variants({})["autodiff"], "tuned": FixedConfigs(TUNED)}
+    result = session.measure(variants)
+    assert [v.status for v in result.variants] == ["ok", "ok"] and result.batch_axes == ["data"]
+
+
+@pytest.mark.parametrize("mesh, batch, expected, data_shards, per_shard", [
+    ("data=16,model=4", 32, {"data": 2, "model": 4}, 2, 2),
+    ("model=8", 2, {"model": 8}, 1, 2),
+    ("data=3,model=2", 6, {"data": 3, "model": 2}, 3, 2),
+    ("pod=2,data=4,model=2", 16, {"pod": 2, "data": 2, "model": 2}, 4, 2),
+])
+def test_step_layout_keeps_one_ring_and_the_per_shard_batch(mesh, batch, expected, data_shards, per_shard):
+    block = BLOCK.model_copy(update={"global_batch": batch})
+    layout = step_layout(block, MeshSpec.parse(mesh))
+    assert dict(layout.mesh.shape) == expected
+    assert layout.data_shards == data_shards and layout.per_shard_batch == per_shard
+    assert layout.block.global_batch == data_shards * per_shard
+    assert layout.axis == "model"
+
+
+def test_step_layout_rejects_what_does_not_fit():
+    with pytest.raises(ValueError, match="needs 16 devices for one ring but 8 are present"):
+        step_layout(BLOCK, MeshSpec.parse("model=16"))
+    with pytest.raises(ValueError, match="heads=8 is not divisible by the tensor axis size 16"):
+        step_layout(BLOCK, MeshSpec.parse("model=16"), devices=jax.devices() * 2)
+
+
+# ---- cmtune verify -------------------------------------------------------------------------
+
+
+def cmtune(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "cmtune", *args], cwd=ROOT, text=True, capture_output=True,
+                          timeout=timeout)
+
+
+def flat(text: str) -> str:
+    """Rich output as one line of words (tables wrap and box their cells)."""
+    return " ".join(text.replace("│", " ").replace("┃", " ").split())
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A block JSON and a bundle tuning every reduce-scatter problem of it to a ring (1 and 2 processes)."""
+    model = tmp_path / "small.json"
+    model.write_text(BLOCK.model_dump_json())
+    bundle = Bundle()
+    for processes in (1, 2):
+        hw = Hardware(platform="cpu", device_kind="cpu", device_count=8, process_count=processes)
+        for mp in model_problems(BLOCK, MeshSpec.parse("data=1,model=8")):
+            if mp.problem.collective == "matmul_reduce_scatter":
+                bundle.add(TunedConfig(problem=mp.problem, hardware=hw, decomposition=RS_RING, time_s=1.0,
+                                       baseline_s=1.2, speedup=1.2))
+    path = tmp_path / "tuned.json"
+    bundle.save(path)
+    return model, path
+
+
+def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
+    model, bundle = files
+    out = tmp_path / "step.json"
+    run = cmtune("verify", "--model", str(model), "--mesh", "data=1,model=8", "--bundle", str(bundle),
+                 "--repeats", "2", "--warmup", "1", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    text = flat(run.stdout)
+    assert "configs per role" in text
+    assert "mlp_up.grad_input matmul_reduce_scatter:128x256x64:float32:8 ring-uni-c1-full-in exact (bundle)" in text
+    assert "speedup vs autodiff" in text and "1.00x (reference)" in text
+    for variant in ("autodiff", "baseline", "tuned", "tuned-minus-attn_out", "tuned-minus-mlp_down",
+                    "tuned-minus-qkv", "tuned-minus-mlp_up"):
+        assert f" {variant} ok " in text
+    result = StepMeasurement.model_validate_json(out.read_text())
+    assert result.variant("tuned").configs["mlp_down"]["forward"] == RS_RING
+    assert all(len(v.timing.samples_s) == 2 for v in result.variants)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope", "--mesh", "model=8", "--bundle", "x.json"], "unknown model 'nope'"),
+    (["--model", "tiny", "--mesh", "model=8"], "give the tuned configs with --bundle FILE or --server URL"),
+    (["--model", "tiny", "--mesh", "model=8", "--bundle", "x.json"], "heads=4 is not divisible by the tensor axis"),
+    (["--model", "tiny", "--mesh", "model=4", "--bundle", "/nonexistent/b.json"], "No such file"),
+    (["--model", "tiny", "--mesh", "data=3,model=4", "--bundle", "x.json"], "global_batch=4 is not divisible by the 3"),
+    (["--model", "tiny", "--mesh", "model=4", "--server", "http://x", "--devices", "virtual:2"],
+     "needs a ring of 4 devices but --devices virtual:2 gives 2"),
+    (["--model", "tiny", "--mesh", "model=4", "--server", "http://x", "--devices", "processes:3"],
+     "does not split over 3 processes"),
+])
+def test_verify_rejects_bad_input_with_a_useful_message(args, message):
+    run = cmtune("verify", *args, timeout=120)
+    assert run.returncode != 0
+    assert message in flat(run.stdout + run.stderr)
+
+
+@pytest.mark.slow
+def test_verify_on_two_processes(files, tmp_path):
+    model, bundle = files
+    out = tmp_path / "step.json"
+    run = cmtune("verify", "--model", str(model), "--mesh", "data=1,model=8", "--bundle", str(bundle),
+                 "--devices", "processes:2", "--repeats", "2", "--warmup", "1", "--no-ablation", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "cpu:cpu:8:2" in run.stdout and "1.00x (reference)" in flat(run.stdout)
+    result = json.loads(out.read_text())
+    assert result["hardware"]["process_count"] == 2
+    assert [v["status"] for v in result["variants"]] == ["ok", "ok", "ok"]
+    # the bundle's entries for two processes were found exactly
+    assert "attn_out matmul_reduce_scatter:128x64x64:float32:8 ring-uni-c1-full-in exact (bundle)" in flat(run.stdout)

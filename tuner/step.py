@@ -1,0 +1,431 @@
+"""The step measurement: the whole training step of one block, tuned configs against plain autodiff.
+
+What users buy cmtune for is a faster step, so each *variant* of the step (a `ConfigSource` for
+the block's four op calls, or `AUTODIFF`, what a user has without cmtune) is timed whole:
+``value_and_grad`` of the block's loss and the SGD update, jitted.  The protocol follows
+`cmtune.tuner.measure`:
+
+1. Parameters from `init_params` and inputs (x, target) from a seeded normal distribution, laid
+   out as the block expects (seq over the tensor axis, batch over the data axes).
+2. Each variant's `train_step` is compiled ahead of time, with the learning rate an argument;
+   compile seconds and the compiled memory estimate are recorded.
+3. The very program that is timed is checked: one step at a learning rate large enough that
+   the update dwarfs every parameter (found from one step of the reference), so ``p - new``
+   carries ``lr * grad`` to the last bits.  Every variant's loss and gradients are compared
+   with the reference variant's (plain autodiff) by dtype (relative error in norm: float32
+   <= 1e-5, bfloat16 <= 2e-2); a variant that disagrees is ``invalid`` and is not timed.
+4. Warm-up, then the variants round-robin (A B C ... A B C ...), each run synchronised with
+   `block_until_ready`; with several processes a barrier precedes each run and the slowest
+   process's time counts.  Every sample is kept; per variant the median, the IQR and the median
+   of its time over the reference's in the same round (paired by round) with that ratio's IQR.
+5. Failures are results per variant (``compile_error``, ``oom``, ``invalid``, ``error``); the
+   protocol's timeout is checked between rounds (every process agrees to stop together).
+
+`standard_variants` builds the usual set (autodiff, baseline, tuned and a per-role ablation)
+and `step_layout` the mesh and batch to measure a submission on.  The result types
+(`StepVariant`, `StepMeasurement`) are part of the wire contract (`collective_matmul.wire`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
+
+from collective_matmul.decomposition import OpConfigs
+from collective_matmul.models import MeshSpec, TransformerBlock
+from collective_matmul.problem import Hardware
+from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVariant, Timing, quartiles
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+REFERENCE = "autodiff"
+AUTO = "auto"
+
+# ---- results (JAX-free) ------------------------------------------------------------------
+
+
+# ---- variants and layout -----------------------------------------------------------------
+
+
+def standard_variants(tuned: Mapping, *, ablation: bool = True) -> dict:
+    """The usual variants of a step measurement from a per-role mapping of tuned `OpConfigs`.
+
+    ``autodiff`` (plain autodiff of the baseline: what users have; the reference), ``baseline``
+    (the custom VJPs, every role at the baseline configs), ``tuned`` (every role's tuned
+    configs) and, with ``ablation``, ``tuned-minus-<role>`` for each role whose tuned configs
+    are not all baseline (that role set back to the baseline) and ``tuned-fuse-<role>`` for each
+    role whose weight gradient is an unfused ring (the same ring fused: what the backward keeps
+    from the forward, or one loop for both gradients; see `collective_matmul.ring`).
+
+    Raises:
+        ValueError: if ``tuned`` names a role the block does not have.
+    """
+    from collective_matmul.block import AUTODIFF, ROLES, FixedConfigs
+
+    tuned = dict(tuned)
+    variants = {REFERENCE: AUTODIFF, "baseline": FixedConfigs(), "tuned": FixedConfigs(tuned)}
+    if ablation:
+        for role in ROLES:
+            if role in tuned and not tuned[role].is_baseline:
+                variants[f"tuned-minus-{role}"] = FixedConfigs({r: c for r, c in tuned.items() if r != role})
+        for role in ROLES:
+            weight = tuned[role].grad_weight if role in tuned else None
+            if weight is not None and weight.method == "ring" and not weight.fuse:
+                fused = tuned[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
+                variants[f"tuned-fuse-{role}"] = FixedConfigs(tuned | {role: fused})
+    return variants
+
+
+def run_step(task) -> StepMeasurement:
+    """A step trial, as a worker runs it: the submitted block on one ring of its mesh, every variant.
+
+    ``task`` is a `collective_matmul.wire.TrialTask` of kind ``step``.  Failures (a block that does
+    not fit the devices, out of memory, a compile error) come back as variant statuses.
+    """
+    step = task.step
+    spec = MeshSpec(axes=step.mesh, tensor_axis=step.tensor_axis)
+    layout = step_layout(step.block, spec)
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=task.protocol)
+    return session.measure(standard_variants(step.configs, ablation=step.ablation))
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a submission's step is measured: one ring of its tensor axis, its data axes cut down."""
+
+    block: TransformerBlock  # global_batch: per_shard_batch x the data shards measured
+    mesh: Mesh
+    axis: str
+    batch_axis: str | tuple[str, ...] | None
+    per_shard_batch: int
+    submitted: MeshSpec
+
+    @property
+    def data_shards(self) -> int:
+        return self.block.global_batch // self.per_shard_batch
+
+
+def step_layout(block: TransformerBlock, spec: MeshSpec, devices=None) -> StepLayout:
+    """The mesh and batch on which to measure ``block`` as submitted on ``spec``, with the devices at hand.
+
+    The tensor axis keeps its size (one ring, as tuned); each data axis is cut down, in order,
+    to what the remaining devices hold; every data shard keeps the submitted per-shard batch
+    (``global_batch / spec.batch_shards``), so the measured batch is that times the data shards
+    measured.  The mesh uses the first devices, with Explicit axes in the order of ``spec``.
+
+    Raises:
+        ValueError: if the devices cannot hold one ring or the block does not shard as submitted.
+    """
+    import jax
+    from jax.sharding import AxisType
+
+    from collective_matmul.block import check_block
+
+    devices = list(devices) if devices is not None else jax.devices()
+    ring = spec.tensor_size
+    if len(devices) < ring:
+        raise ValueError(
+            f"the tensor axis {spec.tensor_axis}={ring} needs {ring} devices for one ring but {len(devices)} "
+            f"are present; use --devices virtual:{ring} (or processes:N with N dividing {ring})"
+        )
+    check_block(block, tensor_size=ring, batch_shards=spec.batch_shards)
+    per_shard = block.global_batch // spec.batch_shards
+    capacity = len(devices) // ring
+    sizes: dict[str, int] = {}
+    for name, size in spec.axes.items():
+        if name == spec.tensor_axis:
+            sizes[name] = ring
+        else:
+            sizes[name] = max(1, min(size, capacity))
+            capacity //= sizes[name]
+    data_axes = tuple(name for name in sizes if name != spec.tensor_axis)
+    shards = math.prod(sizes[name] for name in data_axes)
+    measured = block.model_copy(update={"global_batch": per_shard * shards})
+    mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Explicit,) * len(sizes),
+                         devices=devices[: ring * shards])
+    return StepLayout(block=measured, mesh=mesh, axis=spec.tensor_axis, batch_axis=_one_or_many(data_axes),
+                      per_shard_batch=per_shard, submitted=spec)
+
+
+def _one_or_many(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+# ---- the session -------------------------------------------------------------------------
+
+
+class _Recorder:
+    """A `ConfigSource` that remembers what ``source`` gave each role."""
+
+    def __init__(self, source):
+        self.source = source
+        self.used: dict[str, OpConfigs] = {}
+
+    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None):
+        configs = self.source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+        self.used[role] = configs
+        return configs
+
+
+class StepSession:
+    """Parameters and inputs of one block on one mesh: measure variants of its training step.
+
+    Works in one process or across a `jax.distributed` cluster (every process must make the
+    same calls in the same order, with the same variants).
+
+    Args:
+        block: the shapes; ``global_batch`` is the batch measured.
+        mesh: the device mesh.
+        axis: the tensor-parallel mesh axis (the ring).
+        batch_axis: the mesh axis (or axes) sharding the batch; ``"auto"``: every other axis.
+        protocol: warm-up, repeats (rounds), seed and timeout.
+        lr: the SGD learning rate of the step.
+
+    Raises:
+        ValueError: if the block does not fit the mesh.
+    """
+
+    def __init__(self, block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,
+                 protocol: Protocol = Protocol(), lr: float = 1e-3):
+        import jax
+        import jax.numpy as jnp
+
+        from collective_matmul.block import activation_sharding, check_block, init_params
+
+        if axis not in mesh.shape:
+            raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+        if batch_axis == AUTO:
+            batch_axis = _one_or_many(tuple(name for name in mesh.axis_names if name != axis))
+        self.block, self.mesh, self.axis, self.batch_axis = block, mesh, axis, batch_axis
+        unknown = [name for name in self.batch_axes if name not in mesh.shape or name == axis]
+        if unknown:
+            raise ValueError(f"batch_axis {unknown} must name mesh axes {list(mesh.shape)} other than {axis!r}")
+        check_block(block, tensor_size=mesh.shape[axis],
+                    batch_shards=math.prod(mesh.shape[name] for name in self.batch_axes))
+        self.protocol, self.lr = protocol, lr
+        self.hardware = Hardware.detect(mesh.devices.flat)
+        key_params, key_x, key_target = jax.random.split(jax.random.key(protocol.seed), 3)
+        self.params = init_params(key_params, block, mesh, axis=axis)
+        shape, dtype = (block.global_batch, block.seq_len, block.d_model), jnp.dtype(block.dtype)
+        normal = jax.jit(lambda k: jax.random.normal(k, shape, dtype),
+                         out_shardings=activation_sharding(mesh, axis=axis, batch_axis=batch_axis))
+        self.x, self.target = normal(key_x), normal(key_target)
+
+    @property
+    def batch_axes(self) -> list[str]:
+        if self.batch_axis is None:
+            return []
+        return [self.batch_axis] if isinstance(self.batch_axis, str) else list(self.batch_axis)
+
+    def measure(self, variants: Mapping, *, reference: str = REFERENCE, protocol: Protocol | None = None,
+                on_event: Callable[[str], None] | None = None) -> StepMeasurement:
+        """Run the protocol for every variant; failures come back as variant statuses.
+
+        Args:
+            variants: name -> `ConfigSource` (or `AUTODIFF`), in the order to run them.
+            reference: the variant every other one is checked and timed against.
+            protocol: changes the warm-up, repeats and timeout (not the seed: the inputs are
+                this session's).
+            on_event: called with a line of progress (compiles, checks, timing).
+
+        Raises:
+            ValueError: if ``reference`` is not one of ``variants``.
+        """
+        if reference not in variants:
+            raise ValueError(f"the reference variant {reference!r} is not among {list(variants)}")
+        protocol = protocol or self.protocol
+        say = on_event or (lambda _line: None)
+        started = time.monotonic()
+        order = [reference, *(name for name in variants if name != reference)]
+        records: dict[str, dict] = {name: {"name": name} for name in order}
+        steps = {name: step for name in order
+                 if (step := self._compile(name, variants[name], records[name], say)) is not None}
+        expected = check_lr = None
+        if reference in steps:
+            check_lr = self._check_lr(steps[reference], records[reference])
+            expected = None if check_lr is None else self._run_check(steps[reference], check_lr, records[reference])
+        for name in order:
+            if name not in steps:
+                continue
+            if expected is None:
+                records[name].setdefault("status", Status.ERROR)
+                records[name].setdefault("message", f"not checked: the reference variant {reference!r} failed")
+                del steps[name]
+            elif name != reference:
+                got = self._run_check(steps[name], check_lr, records[name])
+                if got is None or not self._agrees(records[name], got, expected, reference):
+                    del steps[name]
+                del got
+        say(f"checked {len(steps)} of {len(order)} variants against {reference!r}")
+        del expected
+        if steps:
+            self._time(steps, records, reference, started, protocol, say)
+        results = [StepVariant(**records[name]) for name in variants]
+        return StepMeasurement(
+            block=self.block, mesh={name: int(size) for name, size in self.mesh.shape.items()},
+            tensor_axis=self.axis, batch_axes=self.batch_axes, hardware=self.hardware, protocol=protocol,
+            reference=reference, variants=results,
+        )
+
+    def _scalar(self, value: float):
+        """``value`` as a float32 scalar replicated over the mesh (an input every process agrees on)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.jit(lambda: jnp.float32(value), out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
+
+    def _compile(self, name: str, source, record: dict, say):
+        """Compile one variant's `train_step` (``lr`` an argument) ahead of time; None if it fails."""
+        import jax
+
+        from cmtune.tuner.measure import _memory_bytes, _message, classify_failure
+        from collective_matmul.block import Autodiff, train_step
+
+        recorder = source if isinstance(source, Autodiff) else _Recorder(source)
+        kwargs = dict(block=self.block, mesh=self.mesh, axis=self.axis, source=recorder, batch_axis=self.batch_axis)
+        try:
+            start = time.perf_counter()
+            step = jax.jit(lambda params, x, target, lr: train_step(params, x, target, lr=lr, **kwargs))
+            step = step.lower(self.params, self.x, self.target, self._scalar(self.lr)).compile()
+            record["compile_s"] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - any compile failure is a result
+            oom = classify_failure(exc) == Status.OOM
+            prefix = "invalid decomposition: " if isinstance(exc, ValueError) else ""
+            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=prefix + _message(exc),
+                          configs=getattr(recorder, "used", {}))
+            say(f"{name}: {record['status']}")
+            return None
+        record.update(memory_bytes=_memory_bytes(step), configs=getattr(recorder, "used", {}))
+        say(f"{name}: compiled in {record['compile_s']:.1f}s")
+        return step
+
+    def _check_lr(self, step, record: dict):
+        """A learning rate whose update dwarfs every parameter, so ``p - new`` carries the gradient
+        to the last bits (a power of two, from one step of the reference at lr=1); None if it fails."""
+        import jax
+        import jax.numpy as jnp
+
+        from cmtune.tuner.measure import _message, classify_failure
+
+        try:
+            new, _ = step(self.params, self.x, self.target, self._scalar(1.0))
+            norms = jax.jit(lambda p, n: jax.tree.map(
+                lambda a, b: (jnp.linalg.norm(a.astype(jnp.float32)),
+                              jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))), p, n))(self.params, new)
+            ratio = max(float(size) / max(float(change), 1e-30) for size, change in jax.tree.leaves(
+                norms, is_leaf=lambda v: isinstance(v, tuple)))
+        except Exception as exc:  # noqa: BLE001
+            record.update(status=classify_failure(exc), message=_message(exc))
+            return None
+        return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
+
+    def _run_check(self, step, lr, record: dict):
+        """One step of a variant at the check learning rate: ``(new_params, loss)``, or None if it fails."""
+        import jax
+
+        from cmtune.tuner.measure import _message, classify_failure
+
+        try:
+            new, loss = jax.block_until_ready(step(self.params, self.x, self.target, lr))
+        except Exception as exc:  # noqa: BLE001
+            record.update(status=classify_failure(exc), message=_message(exc))
+            return None
+        record["loss"] = float(loss)
+        return new, loss
+
+    def _agrees(self, record: dict, got, expected, reference: str) -> bool:
+        """Compare a variant's loss and gradients with the reference's; mark it ``invalid`` if they differ.
+
+        The gradient of a parameter is ``(p - new) / lr`` at the check learning rate, so the
+        relative error of the gradients is ``|new - new_ref| / |p - new_ref|``.
+        """
+        from cmtune.tuner.measure import TOLERANCE, _relative_error
+
+        (new, loss), (want_new, want_loss) = got, expected
+        errors = {"loss": _relative_error(loss, want_loss)}
+        for name in sorted(want_new):
+            diff, size = (float(v) for v in _update_error()(self.params[name], new[name], want_new[name]))
+            errors[f"d{name}"] = diff / size if size else diff
+        worst = max(errors, key=lambda k: errors[k] if math.isfinite(errors[k]) else math.inf)
+        record["rel_error"] = errors[worst] if math.isfinite(errors[worst]) else None
+        tolerance = TOLERANCE[self.block.dtype]
+        if not math.isfinite(errors[worst]) or errors[worst] > tolerance:
+            record.update(status=Status.INVALID, message=f"{worst}: relative error {errors[worst]:.3g} against "
+                                                         f"{reference!r} exceeds {tolerance:g}")
+            return False
+        return True
+
+    def _time(self, steps: dict, records: dict, reference: str, started: float, protocol: Protocol, say) -> None:
+        """Warm up, then run ``steps`` round-robin; fill in each record's timing and paired ratio."""
+        import jax
+
+        from cmtune.tuner.measure import _barrier, _message, _slowest_process, any_process, classify_failure
+
+        inputs = (self.params, self.x, self.target, self._scalar(self.lr))
+        running = list(steps)
+        samples: dict[str, list[float]] = {name: [] for name in running}
+
+        def run(name: str, timed: bool) -> None:
+            try:
+                if timed:
+                    _barrier()
+                start = time.perf_counter()
+                jax.block_until_ready(steps[name](*inputs))
+                if timed:
+                    samples[name].append(time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
+                records[name].update(status=classify_failure(exc), message=_message(exc))
+                running.remove(name)
+
+        say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
+        for _ in range(protocol.warmup):
+            for name in list(running):
+                run(name, timed=False)
+        say(f"timing {len(running)} variants round-robin, {protocol.repeats} rounds")
+        rounds = 0
+        timed_out = False
+        for _ in range(protocol.repeats):
+            for name in list(running):
+                run(name, timed=True)
+            rounds += 1
+            # every process must agree to stop, or the SPMD programs would diverge
+            if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
+                timed_out = True
+                break
+        slowest = {name: _slowest_process(samples[name]) for name in steps}
+        base = slowest[reference]
+        for name in steps:
+            record = records[name]
+            if "status" in record:  # failed while timing
+                continue
+            times = slowest[name]
+            ratios = [t / b for t, b in zip(times, base, strict=False)]  # the reference may have failed
+            q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
+            record.update(
+                status=Status.TIMEOUT if timed_out else Status.OK,
+                message=f"stopped after {rounds} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
+                if timed_out else "",
+                timing=Timing.of(times) if times else None, ratio=ratio,
+                ratio_iqr=None if ratio is None else q3 - q1,
+            )
+
+
+
+@cache
+def _update_error():
+    """Jitted ``(|a - b|, |p - b|)`` in float32: the error of an update ``a`` against ``b`` from ``p``."""
+    import jax
+    import jax.numpy as jnp
+
+    def terms(p, a, b):
+        p, a, b = (v.astype(jnp.float32) for v in (p, a, b))
+        return jnp.linalg.norm(a - b), jnp.linalg.norm(p - b)
+
+    return jax.jit(terms)
