@@ -138,11 +138,13 @@ def status(
     """Studies and workers of a running service."""
     from rich.table import Table
 
-    from collective_matmul.wire import StudyPage, WorkerPublic
+    from collective_matmul.wire import StudyPage, SubmissionPublic, SubmissionSummary, WorkerPublic
 
     with _api(server, token, token_file) as client:
         studies = StudyPage.model_validate(_check(client.get("/v1/studies", params={"state": state} if state else {})))
         workers = [WorkerPublic.model_validate(w) for w in _check(client.get("/v1/workers"))]
+        summaries = [SubmissionSummary.model_validate(s) for s in _check(client.get("/v1/submissions"))][:10]
+        models = [SubmissionPublic.model_validate(_check(client.get(f"/v1/submissions/{s.id}"))) for s in summaries]
     table = Table(title=f"studies on {server} ({studies.total})")
     for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned"):
         table.add_column(col)
@@ -152,4 +154,30 @@ def status(
         table.add_row(str(s.id), s.state, s.problem_key, s.hardware_key,
                       f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned)
     console.print(table)
+    if models:
+        console.print(_models_table(models))
     console.print(f"workers online: {sum(w.online for w in workers)} of {len(workers)} registered")
+
+
+def _models_table(models):
+    """Per submitted model: the time saved per step estimated from the ops against the step as measured."""
+    from rich.table import Table
+
+    table = Table(title="submitted models: estimated from the ops against the step as measured")
+    for col in ("submission", "model", "mesh", "hardware", "saved/step estimated", "saved/step measured",
+                "step vs plain autodiff", "step vs all-baseline", "runs"):
+        table.add_column(col)
+    for sub in models:
+        step = sub.step
+
+        def speed(s):
+            return f"{s.median:.2f}x ({s.low:.2f}-{s.high:.2f})" if s else "-"
+
+        table.add_row(
+            str(sub.id), sub.name, ",".join(f"{k}={v}" for k, v in sub.mesh["axes"].items()), sub.hardware_key,
+            f"{sub.saved_s_per_step * 1e3:.0f} ms" if sub.saved_s_per_step is not None else "-",
+            f"{step.measured_saved_s_per_step * 1e3:.0f} ms" if step and step.measured_saved_s_per_step is not None
+            else "-",
+            speed(step.vs_autodiff) if step else "-", speed(step.vs_baseline) if step else "-",
+            (step.variant or step.state) if step else "-")
+    return table

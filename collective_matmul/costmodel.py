@@ -82,17 +82,26 @@ PROFILES: dict[str, HardwareProfile] = {
         source="NVIDIA H200 SXM datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s, NVLink 900 GB/s",
     ),
     # Virtual CPU devices share the host's cores: transfers are memory copies that compete with
-    # the matmuls, so nothing overlaps.  `calibrate_cpu` replaces these rates with measured ones.
+    # the matmuls, so nothing overlaps.  `calibrate_cpu` measures these rates on the spot (for
+    # studying the model; the engine orders candidates with this static profile).
     "cpu": HardwareProfile(
         name="cpu", flops_per_s={"float32": 50e9, "bfloat16": 10e9, "float16": 10e9},
         link_bytes_per_s=5e9, latency_s=30e-6, memory_bytes_per_s=10e9, overlap=False,
         half_rows=16, launch_s=20e-6, loop_s=20e-6, source="defaults; see calibrate_cpu",
     ),
+    # A platform cmtune has no figures for: an overlapping accelerator of middling rates, so the
+    # order of candidates is plausible until measurements take over.
+    "generic": HardwareProfile(
+        name="generic", flops_per_s={"bfloat16": 200e12, "float16": 200e12, "float32": 50e12},
+        link_bytes_per_s=50e9, latency_s=10e-6, memory_bytes_per_s=1e12,
+        source="no published figures: middling accelerator rates",
+    ),
 }
 
 
 def profile_for(hardware: Hardware) -> HardwareProfile | None:
-    """The closest published profile for ``hardware`` (by platform and device kind), or None."""
+    """The closest profile for ``hardware`` (by platform and device kind), or None for a platform
+    without figures (`profile_name_for` of the engine then uses ``generic``)."""
     kind = hardware.device_kind.lower()
     if hardware.platform == "tpu":
         for version in ("v5p", "v5e", "v5 lite", "v4"):

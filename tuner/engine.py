@@ -92,9 +92,10 @@ _DROP_PROPOSALS = ("time budget", "no improvement", "baseline failed")
 
 
 def profile_name_for(hardware: Hardware) -> str:
-    """The static cost-model profile of a platform (the engine never calibrates: see `study_settings`)."""
+    """The static cost-model profile of a platform, ``generic`` for one without figures (the engine
+    never calibrates: see `study_settings`)."""
     profile = profile_for(hardware)
-    return profile.name if profile is not None else "tpu-v4"
+    return profile.name if profile is not None else "generic"
 
 
 def study_settings(problem: Problem, hardware: Hardware, *, trials: int | None = None, minutes: float | None = None,

@@ -181,7 +181,7 @@ async function overview() {
   const columns = [
     { key: "id", label: "study", num: true, value: (s) => s.id, render: (s) => el("a", { href: `/ui/studies/${s.id}` }, `#${s.id}`) },
     { key: "state", label: "state", value: (s) => s.state, render: (s) => stateBadge(s.state) },
-    { key: "problem", label: "problem", value: (s) => s.problem_key },
+    { key: "problem", label: "problem (or step of a model)", value: (s) => s.problem_key },
     { key: "hardware", label: "hardware", value: (s) => s.hardware_key },
     { key: "progress", label: "progress (trials)", value: (s) => s.trials_done / s.trials_budget,
       render: (s) => el("span", { class: "progress" }, el("span", { class: "bar" }, el("span", { style: `width:${Math.min(100, 100 * s.trials_done / s.trials_budget)}%` })),
@@ -301,13 +301,38 @@ async function submissionPage(id) {
     { key: "speedup", label: "speedup", num: true, value: (e) => e.speedup, render: (e) => el("span", { class: e.speedup > 1 ? "good" : "" }, x(e.speedup)) },
     { key: "saved", label: "saved per step", num: true, value: (e) => e.saved_s_per_step, render: (e) => ms(e.saved_s_per_step) },
   ];
+  const step = sub.step;
+  const speed = (s) => (s ? `${s.median.toFixed(2)}× (IQR ${s.low.toFixed(2)}–${s.high.toFixed(2)})` : "–");
+  const stepCards = step ? [
+    el("div", { class: "card" }, el("div", { class: "muted" }, "measured step vs plain autodiff"),
+      el("div", { class: "value", id: "step-vs-autodiff" }, step.vs_autodiff ? speed(step.vs_autodiff) : step.state)),
+    el("div", { class: "card" }, el("div", { class: "muted" }, "vs the all-baseline custom VJP"),
+      el("div", { class: "value", id: "step-vs-baseline" }, speed(step.vs_baseline))),
+    el("div", { class: "card" }, el("div", { class: "muted" }, "saved per step: measured"),
+      el("div", { class: "value", id: "saved-measured" }, step.measured_saved_s_per_step === null ? "–" : ms(step.measured_saved_s_per_step))),
+  ] : [];
+  const variantColumns = [
+    { key: "name", label: "variant", value: (v) => v.name, render: (v) => (v.name === step.variant ? el("strong", {}, `${v.name} (runs)`) : v.name) },
+    { key: "status", label: "status", value: (v) => v.status, render: (v) => stateBadge(v.status === "ok" ? "completed" : "failed") },
+    { key: "median", label: "step time", num: true, value: (v) => (v.timing ? v.timing.median_s : null), render: (v) => ms(v.timing ? v.timing.median_s : null) },
+    { key: "iqr", label: "spread (IQR)", num: true, value: (v) => (v.timing ? v.timing.iqr_s : null), render: (v) => ms(v.timing ? v.timing.iqr_s : null) },
+    { key: "speedup", label: "vs plain autodiff", num: true, value: (v) => (v.ratio ? 1 / v.ratio : null), render: (v) => x(v.ratio ? 1 / v.ratio : null) },
+    { key: "compile", label: "compile", num: true, value: (v) => v.compile_s, render: (v) => (v.compile_s === null ? "–" : `${v.compile_s.toFixed(1)} s`) },
+    { key: "message", label: "error", value: (v) => v.message || "" },
+  ];
   keepFocus(() => main.replaceChildren(
     el("h1", {}, `Model ${sub.name} on ${Object.entries(sub.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
     el("div", { class: "cards" },
       el("div", { class: "card" }, el("div", { class: "muted" }, "layers"), el("div", { class: "value" }, sub.layers)),
-      el("div", { class: "card" }, el("div", { class: "muted" }, "estimated time saved per training step"),
-        el("div", { class: "value", id: "saved-per-step" }, sub.saved_s_per_step === null ? "when every study is done" : ms(sub.saved_s_per_step)))),
+      el("div", { class: "card" }, el("div", { class: "muted" }, "saved per step: estimated from the ops"),
+        el("div", { class: "value", id: "saved-per-step" }, sub.saved_s_per_step === null ? "when every study is done" : ms(sub.saved_s_per_step))),
+      ...stepCards),
     dataTable("roles", columns, sub.entries),
+    step ? el("h2", {}, "The whole training step, measured") : null,
+    step ? el("p", { class: "muted", id: "step-message" }, step.message || `step study #${step.study_id}: ${step.state}`) : null,
+    step && step.variants.length ? dataTable("variants", variantColumns, step.variants) : null,
+    sub.overrides.length ? el("h2", {}, "Roles this model runs otherwise") : null,
+    sub.overrides.length ? el("ul", { id: "overrides" }, sub.overrides.map((o) => el("li", {}, el("strong", {}, o.role), ` — ${o.reason}`))) : null,
   ));
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -339,3 +340,12 @@ def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp
     assert Bundle.load(old).overrides == []
     Bundle.load(old).save(old)
     assert '"version": 2' in old.read_text()
+
+
+def test_the_bundle_example_in_the_docs_loads(tmp_path):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
+    example = text[text.index("```json", text.index("## Bundle format")) + len("```json"):]
+    (tmp_path / "example.json").write_text(example[: example.index("```")])
+    bundle = Bundle.load(tmp_path / "example.json")
+    assert bundle.version == 2 and len(bundle.configs) == 1
+    assert bundle.overrides[0].role == "mlp_down" and bundle.overrides[0].configs.forward.method == "baseline"

@@ -83,7 +83,8 @@ def shot(page, name: str) -> None:
 
 def test_overview_lists_studies_and_workers(page, site):
     rows = page.locator("#studies tbody tr")
-    assert rows.count() == 9  # the tiny preset: 9 unique problems (forward, input and weight gradients)
+    assert rows.count() == 10  # the tiny preset: 9 unique problems (forward, input and weight gradients), the step
+    assert "step:tiny" in page.locator("#studies").inner_text()
     assert "?token=" not in page.url  # the token went to local storage, not the address bar
     text = page.locator("main").inner_text()
     assert "completed" in text and "allgather_matmul:512x256x768:float32:8" in text
@@ -94,7 +95,7 @@ def test_overview_lists_studies_and_workers(page, site):
 
 
 def test_clicking_a_study_opens_it_with_its_trials_and_plots(page, site):
-    page.locator("#studies tbody tr", has_text=f"#{site['first']}").first.click()
+    page.locator("#studies").get_by_role("link", name=f"#{site['first']}", exact=True).click()
     page.wait_for_url(f"**/ui/studies/{site['first']}")
     page.wait_for_selector("#trial-plot")
     study = site["seed"].admin.get(f"/v1/studies/{site['first']}/trials").json()
@@ -130,13 +131,15 @@ def test_sorting_and_filtering_the_trials_table(page, site):
 def test_overview_updates_without_reload(page, site):
     page.evaluate("window.__marker = 'same page'")
     second = site["second"]
-    row = page.locator("#studies tbody tr", has_text=f"#{second}")
+    row = page.locator("#studies tbody tr").filter(
+        has=page.get_by_role("link", name=f"#{second}", exact=True))
     before = row.locator(".progress").inner_text()
     site["seed"].run_trial()  # the second study progresses
     done_before = before.split()[0]
     page.wait_for_function(
         """([study, done]) => [...document.querySelectorAll('#studies tbody tr')].some(r =>
-             r.innerText.includes('#' + study) && r.querySelector('.progress').innerText.split(' ')[0] !== done)""",
+             r.querySelector('a')?.innerText === '#' + study
+             && r.querySelector('.progress').innerText.split(' ')[0] !== done)""",
         arg=[second, done_before], timeout=15000)
     assert page.evaluate("window.__marker") == "same page"
 
@@ -184,4 +187,36 @@ def test_without_a_token_the_page_asks_for_one(browser, site):
     page.fill("#token-form input", site["tokens"]["reader"])
     page.click("#token-form button")
     page.wait_for_selector("#studies tbody tr")
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def measured_site(tmp_path_factory):
+    """A model whose studies and step study all ran (synthetic results), and whose mlp_up was set back."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('ui-step') / 'ui.sqlite'}"
+    tokens = contract.create_tokens(url)
+    with running_server(database_url=url) as server:
+        seed = Seeder(server.url, tokens["admin"], tokens["worker"])
+        body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
+                "budget": {"trials": 2}, "confirm_top": 1}
+        created = seed.admin.post("/v1/studies", json=body).json()
+        while (grant := seed.worker.post(f"/v1/workers/{seed.worker}/lease").json())["trial"]["kind"] != "step":
+            contract.report(seed.worker, grant)
+        seconds = contract.STEP_SECONDS | {"tuned-minus-mlp_up": 0.7}
+        seed.worker.post(f"/v1/trials/{grant['trial']['id']}/result",
+                         json={"lease_id": grant["lease"]["id"], "step": contract.step_result(grant["trial"], seconds)})
+        yield {"url": server.url, "tokens": tokens, "submission": created["submission_id"]}
+
+
+def test_the_model_page_shows_the_step_measured_against_the_estimate(browser, measured_site):
+    context = browser.new_context(viewport={"width": 1366, "height": 800})
+    page = context.new_page()
+    page.goto(f"{measured_site['url']}/ui/submissions/{measured_site['submission']}?token="
+              f"{measured_site['tokens']['reader']}")
+    page.wait_for_selector("#variants tbody tr")
+    assert page.locator("#step-vs-autodiff").inner_text().startswith("1.43×")  # 1.0 / 0.7
+    assert "ms" in page.locator("#saved-measured").inner_text() and "ms" in page.locator("#saved-per-step").inner_text()
+    assert "tuned-minus-mlp_up (runs)" in page.locator("#variants").inner_text()
+    assert "set back to the baseline" in page.locator("#overrides").inner_text()
+    shot(page, "model-measured")
     context.close()

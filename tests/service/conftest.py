@@ -145,6 +145,17 @@ def register(client, name: str = "w0", hardware: dict = HARDWARE) -> Worker:
     return Worker(body["id"], body["credential"], client)
 
 
+def report(worker: Worker, grant: dict, landscape=cost) -> None:
+    """Report a synthetic result for a leased search or confirmation trial."""
+    trial = grant["trial"]
+    configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
+    results = [measurement(trial["problem"], c, landscape(c)) for c in configs]
+    body = {"lease_id": grant["lease"]["id"]}
+    body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
+    reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
+    assert reply.status_code == 200, reply.text
+
+
 def run_trial(worker: Worker, landscape=cost) -> dict | None:
     """Lease one trial and report a synthetic result; None when nothing was leased.
 
@@ -161,12 +172,7 @@ def run_trial(worker: Worker, landscape=cost) -> dict | None:
         reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
         assert reply.status_code == 200, reply.text
         return grant
-    configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
-    results = [measurement(trial["problem"], c, landscape(c)) for c in configs]
-    body = {"lease_id": grant["lease"]["id"]}
-    body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
-    reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
-    assert reply.status_code == 200, reply.text
+    report(worker, grant, landscape)
     return grant
 
 

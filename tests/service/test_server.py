@@ -23,7 +23,7 @@ from cmtune.service.store import SqlStore
 from cmtune.tuner.measure import Session
 from collective_matmul import Decomposition, Problem
 from collective_matmul.wire import Protocol
-from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, create_tokens, register, reset_postgres
+from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, create_tokens, register, reset_postgres, run_trial
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,3 +189,22 @@ def test_a_revoked_token_stops_working_on_every_server_process(tmp_path):
         missing = subprocess.run([sys.executable, "-m", "cmtune", "token", "revoke", "999"], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=60)
         assert missing.returncode == 1 and "does not exist" in missing.stdout
+
+
+def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
+    url = f"sqlite:///{tmp_path / 'status.sqlite'}"
+    tok = create_tokens(url, ["admin", "worker", "reader"])
+    with running_server(database_url=url) as server:
+        admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        admin.post("/v1/studies", json={"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}},
+                                        "hardware": HARDWARE, "budget": {"trials": 2}, "confirm_top": 1})
+        worker = register(httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['worker']}"},
+                                       timeout=30))
+        while run_trial(worker) is not None:
+            pass
+        run = subprocess.run([sys.executable, "-m", "cmtune", "status", "--server", server.url], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60,
+                             env=os.environ | {"CMTUNE_TOKEN": tok["reader"], "COLUMNS": "250"})
+    assert run.returncode == 0, run.stderr
+    assert "step:tiny" in run.stdout and "submitted models" in run.stdout
+    assert "1.25x" in run.stdout  # the synthetic step: 1.0 s with plain autodiff, 0.8 s tuned

@@ -14,6 +14,16 @@ def test_profiles_are_chosen_by_hardware():
     assert [profile_for(h).name for h in (tpu, lite, gpu, cpu)] == ["tpu-v5p", "tpu-v5e", "h200-nvlink", "cpu"]
 
 
+def test_an_unknown_platform_is_tuned_with_the_generic_profile():
+    from cmtune.tuner.engine import profile_name_for, study_settings
+
+    rocm = Hardware(platform="rocm", device_kind="MI300X", device_count=8)
+    assert profile_for(rocm) is None
+    assert profile_name_for(rocm) == "generic"
+    problem = Problem.parse("ag:4096x1024x4096:bfloat16:8")
+    assert study_settings(problem, rocm).profile == "generic"
+
+
 def test_overlap_makes_rings_win_on_large_shapes_with_fast_compute():
     big = Problem.parse("ag:65536x8192x8192:bfloat16:8")
     tpu = PROFILES["tpu-v4"]

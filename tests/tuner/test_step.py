@@ -80,8 +80,8 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
     reference = result.variant("autodiff")
     assert reference.ratio == 1.0 and reference.configs == {} and reference.rel_error is None
     assert result.variant("tuned").rel_error <= 1e-5
-    assert result.variant("tuned").configs["mlp_down"]["grad_weight"] == D("ring-uni-c1-full-in-fuse")
-    assert result.variant("tuned-minus-mlp_down").configs["mlp_down"]["forward"] == D("baseline")
+    assert result.variant("tuned").configs["mlp_down"].grad_weight == D("ring-uni-c1-full-in-fuse")
+    assert result.variant("tuned-minus-mlp_down").configs["mlp_down"].forward == D("baseline")
     wrong_variant = result.variant("wrong")
     assert "relative error" in wrong_variant.message and wrong_variant.timing is None
     assert wrong_variant.rel_error > 1e-4
@@ -171,14 +171,14 @@ def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
                     "tuned-minus-qkv", "tuned-minus-mlp_up"):
         assert f" {variant} ok " in text
     result = StepMeasurement.model_validate_json(out.read_text())
-    assert result.variant("tuned").configs["mlp_down"]["forward"] == RS_RING
+    assert result.variant("tuned").configs["mlp_down"].forward == RS_RING
     assert all(len(v.timing.samples_s) == 2 for v in result.variants)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "nope", "--mesh", "model=8", "--bundle", "x.json"], "unknown model 'nope'"),
     (["--model", "tiny", "--mesh", "model=8"], "give the tuned configs with --bundle FILE or --server URL"),
-    (["--model", "tiny", "--mesh", "model=8", "--bundle", "x.json"], "heads=4 is not divisible by the tensor axis"),
+    (["--model", "tiny", "--mesh", "model=16", "--bundle", "x.json"], "heads=8 is not divisible by the tensor axis"),
     (["--model", "tiny", "--mesh", "model=4", "--bundle", "/nonexistent/b.json"], "No such file"),
     (["--model", "tiny", "--mesh", "data=3,model=4", "--bundle", "x.json"], "global_batch=4 is not divisible by the 3"),
     (["--model", "tiny", "--mesh", "model=4", "--server", "http://x", "--devices", "virtual:2"],

@@ -1,0 +1,174 @@
+"""Benchmark the whole training step: tuned configs against what a user would otherwise run.
+
+    python bench/step.py                                   # 3 block sizes, processes:2 and virtual:8 (~1 h)
+    python bench/step.py --sizes demo --devices processes:2 --repeats 9
+
+For every block size and device layout:
+
+1. `cmtune tune --model <block> --mesh data=1,model=8 --devices <layout>` tunes every problem of the
+   step (forward, input and weight gradients) and writes a bundle.
+2. One `StepSession` on the same layout times, interleaved round-robin (slowest process per run):
+   ``autodiff`` (the baseline ops under plain autodiff: what a user has without cmtune; the
+   reference), ``baseline`` (the custom VJP, every role at the baseline), ``tuned`` (the bundle),
+   ``costmodel`` (each problem's cost-model favourite, no tuning) and ``always-ring`` (one fixed
+   ring for every forward, input and weight gradient: what a user of XLA's size-threshold flag
+   gets once a shape crosses it).
+3. The op-level estimate (the tuned configs' time saved per layer, summed from the bundle's
+   confirmation rounds) against the step as measured (baseline minus tuned).
+
+Prints one markdown table (speedups: median of the paired per-round ratios to plain autodiff,
+IQR in brackets) for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {
+    "small": dict(d_model=512, d_ff=1024, heads=8, head_dim=16, seq_len=512, global_batch=4),
+    "demo": dict(d_model=1024, d_ff=2048, heads=8, head_dim=16, seq_len=512, global_batch=4),
+    "large": dict(d_model=1536, d_ff=3072, heads=8, head_dim=32, seq_len=512, global_batch=4),
+}
+VARIANTS = ("autodiff", "baseline", "tuned", "costmodel", "always-ring")
+
+
+def block_file(name: str, directory: Path) -> Path:
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps({"name": f"bench-{name}", "dtype": "float32", "layers": 1, **SIZES[name]}))
+    return path
+
+
+def tune(block: Path, devices: str, bundle: Path, trials: int, repeats: int) -> float:
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "cmtune", "tune", "--model", str(block), "--mesh", "data=1,model=8",
+                          "--devices", devices, "--trials", str(trials), "--repeats", str(repeats),
+                          "--out", str(bundle)],
+                         cwd=ROOT, capture_output=True, text=True, env=os.environ | {"COLUMNS": "200"})
+    if run.returncode != 0:
+        raise RuntimeError(f"cmtune tune failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    return time.monotonic() - started
+
+
+def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path) -> None:
+    """Run this file's `--step` mode on ``devices`` (a gloo group for processes:N)."""
+    argv = [str(Path(__file__)), "--step", str(block), "--bundle", str(bundle), "--repeats", str(repeats),
+            "--json", str(out)]
+    kind, _, count = devices.partition(":")
+    if kind == "processes":
+        from cmtune.tuner.cluster import launch
+
+        launch(int(count), argv, local_devices=8 // int(count), cwd=ROOT, timeout_s=3600)
+    else:
+        subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, env=os.environ | {"CMTUNE_VIRTUAL": count})
+
+
+def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
+    """One process of the step measurement (every process of a group runs this)."""
+    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
+
+    configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
+              else DeviceSpec("auto"))
+    import jax
+
+    from cmtune.tuner.step import StepSession, step_layout
+    from collective_matmul import AUTODIFF, FixedConfigs, OpConfigs, Tuned, configs_per_role
+    from collective_matmul.decomposition import Decomposition
+    from collective_matmul.models import MeshSpec, TransformerBlock
+    from collective_matmul.wire import Protocol
+
+    block = TransformerBlock.model_validate_json(Path(block_path).read_text())
+    layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
+    where = dict(mesh=layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis)
+    ring = Decomposition(direction="unidirectional", chunks=1, unroll="full")
+    variants = {
+        "autodiff": AUTODIFF,
+        "baseline": FixedConfigs(),
+        "tuned": FixedConfigs(configs_per_role(Tuned(bundle=bundle), layout.block, **where)),
+        "costmodel": FixedConfigs(configs_per_role(Tuned(), layout.block, **where)),
+        "always-ring": FixedConfigs({}, default=OpConfigs(forward=ring, grad_input=ring, grad_weight=ring)),
+    }
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=Protocol(repeats=repeats, warmup=2))
+    result = session.measure(variants)
+    if jax.process_index() == 0:
+        Path(out).write_text(result.model_dump_json())
+
+
+def estimate_saved(block: Path, bundle: Path) -> float:
+    """Time saved per layer by the tuned configs, by the ops' confirmation rounds (baseline - tuned)."""
+    from collective_matmul.bundle import Bundle
+    from collective_matmul.models import MeshSpec, TransformerBlock, role_problems
+
+    configs = Bundle.load(bundle)
+    saved = 0.0
+    for slots in role_problems(TransformerBlock.model_validate_json(block.read_text()),
+                               MeshSpec.parse("data=1,model=8")).values():
+        for problem in slots.values():
+            entry = next((c for c in configs.configs if c.problem == problem), None)
+            saved += (entry.baseline_s - entry.time_s) if entry is not None else 0.0
+    return saved
+
+
+def speedup(result, name: str) -> str:
+    q = result.paired(name, "autodiff")
+    if q is None:
+        return f"{result.variant(name).status}"
+    return f"{1 / q[1]:.2f}x ({1 / q[2]:.2f}-{1 / q[0]:.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="small,demo,large")
+    parser.add_argument("--devices", nargs="+", default=["processes:2", "virtual:8"])
+    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=9, help="rounds of the step variants")
+    parser.add_argument("--step", help=argparse.SUPPRESS)
+    parser.add_argument("--bundle", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step:
+        return step_main(args.step, args.bundle, args.repeats, args.json)
+    from collective_matmul.wire import StepMeasurement
+
+    directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-step-"))
+    rows = []
+    for devices in args.devices:
+        for name in args.sizes.split(","):
+            block = block_file(name, directory)
+            bundle, out = directory / f"{name}-{devices.replace(':', '')}.bundle.json", directory / f"{name}.json"
+            tune_s = tune(block, devices, bundle, args.trials, 5)
+            started = time.monotonic()
+            measure(block, devices, bundle, args.repeats, out)
+            result = StepMeasurement.model_validate_json(out.read_text())
+            tuned, base = result.variant("tuned"), result.variant("baseline")
+            measured = (base.timing.median_s - tuned.timing.median_s) if tuned.ok and base.ok else None
+            compiles = " / ".join(f"{result.variant(v).compile_s:.1f}" if result.variant(v).compile_s else "-"
+                                  for v in VARIANTS)
+            rows.append(
+                f"| {name} ({SIZES[name]['d_model']}/{SIZES[name]['d_ff']}) | {devices} "
+                f"| {result.variant('autodiff').timing.median_s * 1e3:.0f} ms "
+                + "".join(f"| {speedup(result, v)} " for v in VARIANTS[1:])
+                + f"| {estimate_saved(block, bundle) * 1e3:.0f} ms | "
+                + (f"{measured * 1e3:.0f} ms" if measured is not None else "-")
+                + f" | {compiles} | {tune_s:.0f} s + {time.monotonic() - started:.0f} s |")
+            print(rows[-1], flush=True)
+    print(f"\n{os.cpu_count()} CPUs, {args.repeats} interleaved rounds per variant, float32, seq 512, batch 4, "
+          f"data=1,model=8; tuning: {args.trials} trials per problem\n")
+    print("| block (d_model/d_ff) | devices | plain autodiff | all-baseline custom VJP | tuned | cost model "
+          "| always ring | saved/layer estimated | saved/layer measured | compile s (each variant) | tune + step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
