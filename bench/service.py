@@ -8,8 +8,11 @@
    answered) for the throughput, then paced at 1000 requests/s (latency counted from each
    request's due time) for the latency at the target load; three rounds each.
 2. Lease + report: 32 simulated workers (threads), each looping lease -> synthetic result ->
-   report over many studies; cycles/s, and every lease checked for duplicates (a trial held by
-   two workers at once, or one candidate of a study leased twice).
+   report over many studies kept open by a submitter (default sampler and budget, so every
+   proposal is made during the run); three rounds: cycles/s, each request's median latency,
+   and every lease checked for duplicates (a trial held by two workers at once, or one
+   candidate of a study leased twice).  ``--lease-workers 1`` gives the cost of one cycle
+   without contention.
 3. The cached `Tuned.lookup` in-process: nanoseconds per call (timeit, 7 rounds).
 """
 
@@ -25,6 +28,7 @@ import tempfile
 import threading
 import time
 import timeit
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -135,6 +139,7 @@ def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: 
     run, and only cycles after ``warmup`` seconds count.
     """
     from collective_matmul.wire import (
+        WORKER_HEADER,
         HardwareIn,
         LeaseGranted,
         Measurement,
@@ -144,46 +149,62 @@ def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: 
         StudyPage,
         Timing,
         WorkerCreate,
+        WorkerRegistered,
     )
 
     headers = {"Authorization": f"Bearer {token}"}
     hardware = HardwareIn(**HARDWARE)
     hw = hardware.to_hardware()
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
-        ids = [client.post("/v1/workers", json=WorkerCreate(name=f"sim{i}", hardware=hardware)
-                           .model_dump(mode="json")).json()["id"] for i in range(workers)]
+        registered = [WorkerRegistered.model_validate_json(client.post(
+            "/v1/workers", json=WorkerCreate(name=f"sim{i}", hardware=hardware).model_dump(mode="json")).content)
+            for i in range(workers)]
     held: dict[int, int] = {}
     leased_candidates: set[tuple] = set()
     counts = {"cycles": 0, "duplicates": 0, "failures": 0, "studies": 0, "empty": 0}
     lock = threading.Lock()
+    lease_s: list[float] = []
+    result_s: list[float] = []
     started = time.perf_counter()
     counting_from, deadline = started + warmup, started + warmup + seconds
     created = iter(range(1, 1 << 30))
 
-    def submit(client: httpx.Client, n: int) -> None:
-        for _ in range(n):
+    def submit_one(client: httpx.Client) -> None:
+        with lock:
             i = next(created)
-            collective, dtype = LEASE_PROBLEMS[i % len(LEASE_PROBLEMS)]
-            problem = Problem(collective=collective, m=64 * i, k=256, n=256, dtype=dtype, axis_size=8)
-            body = StudyCreate(problem=problem, hardware=hardware)
-            client.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True)).raise_for_status()
-            with lock:
-                counts["studies"] += time.perf_counter() >= counting_from
+        collective, dtype = LEASE_PROBLEMS[i % len(LEASE_PROBLEMS)]
+        problem = Problem(collective=collective, m=64 * i, k=256, n=256, dtype=dtype, axis_size=8)
+        body = StudyCreate(problem=problem, hardware=hardware)
+        client.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True)).raise_for_status()
+        with lock:
+            counts["studies"] += time.perf_counter() >= counting_from
 
     def submitter() -> None:
-        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
-            submit(c, active)
+        """Keeps ``active`` studies open: creating them one request at a time would make the
+        submitter, not the lease path, the limit, so missing studies are created 8 at a time."""
+        clients = [httpx.Client(base_url=url, headers=headers, timeout=60) for _ in range(8)]
+        with ThreadPoolExecutor(len(clients)) as pool:
+            def submit(n: int) -> None:
+                list(pool.map(lambda k: submit_one(clients[k % len(clients)]), range(n)))
+
+            submit(active)
+            c = clients[0]
             while time.perf_counter() < deadline:
                 open_studies = sum(
                     StudyPage.model_validate(c.get("/v1/studies", params={"state": s, "limit": 1}).json()).total
                     for s in ("pending", "running", "confirming"))
-                submit(c, max(0, active - open_studies))
-                time.sleep(0.05)
+                submit(max(0, active - open_studies))
+                time.sleep(0.1)
+        for client in clients:
+            client.close()
 
-    def run(worker_id: int) -> None:
-        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+    def run(me: WorkerRegistered) -> None:
+        worker_id = me.id
+        with httpx.Client(base_url=url, headers=headers | {WORKER_HEADER: me.credential}, timeout=60) as c:
             while (now := time.perf_counter()) < deadline:
+                t0 = time.perf_counter()
                 response = c.post(f"/v1/workers/{worker_id}/lease")
+                lease_s.append(time.perf_counter() - t0)
                 if response.status_code != 200:
                     with lock:
                         counts["failures"] += response.status_code != 204
@@ -206,18 +227,21 @@ def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: 
                 with lock:
                     held.pop(trial.id, None)
                 body = ResultIn.of(grant.lease.id, trial.kind, results)
+                t0 = time.perf_counter()
                 reply = c.post(f"/v1/trials/{trial.id}/result", json=body.model_dump(mode="json"))
+                result_s.append(time.perf_counter() - t0)
                 with lock:
                     if now >= counting_from and time.perf_counter() < deadline:
                         counts["cycles"] += reply.status_code == 200
                     counts["failures"] += reply.status_code != 200
 
-    threads = [threading.Thread(target=submitter)] + [threading.Thread(target=run, args=(i,)) for i in ids]
+    threads = [threading.Thread(target=submitter)] + [threading.Thread(target=run, args=(w,)) for w in registered]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"cycles_per_s": counts["cycles"] / seconds, **counts}
+    return {"cycles_per_s": counts["cycles"] / seconds, **counts,
+            "lease_p50_ms": statistics.median(lease_s) * 1e3, "result_p50_ms": statistics.median(result_s) * 1e3}
 
 
 def ask_cost(repeats: int = 50) -> dict:
@@ -258,7 +282,8 @@ def cached_client_lookup() -> dict:
     return {"median_us": statistics.median(rounds), "min_us": min(rounds), "max_us": max(rounds)}
 
 
-def run_backend(name: str, url: str, seconds: float, workers: int, only: str | None = None) -> dict:
+def run_backend(name: str, url: str, seconds: float, workers: int, only: str | None = None,
+                lease_workers: int = 32) -> dict:
     from cmtune.service.launcher import running_server
 
     token = prepare(url)
@@ -266,7 +291,7 @@ def run_backend(name: str, url: str, seconds: float, workers: int, only: str | N
                         workers=workers) as server:
         if only == "lease":
             return {"backend": f"{name}, {workers} process{'es' if workers > 1 else ''}", "closed": [],
-                    "paced": [], "lease": lease_load(server.url, token, seconds)}
+                    "paced": [], "lease": [lease_load(server.url, token, seconds, lease_workers) for _ in range(3)]}
         asyncio.run(lookup_load(server.url, token, 2))  # warm-up (connections, caches), not recorded
         closed = [asyncio.run(lookup_load(server.url, token, seconds)) for _ in range(3)]
         paced = []
@@ -276,7 +301,7 @@ def run_backend(name: str, url: str, seconds: float, workers: int, only: str | N
             if before is not None:  # each worker process keeps its own histogram
                 result["server_p99_ms"] = bucket_quantile(before, config_buckets(server.url), 0.99) * 1e3
             paced.append(result)
-        lease = lease_load(server.url, token, seconds)
+        lease = [lease_load(server.url, token, seconds, lease_workers) for _ in range(3)]
     return {"backend": f"{name}, {workers} process{'es' if workers > 1 else ''}", "closed": closed,
             "paced": paced, "lease": lease}
 
@@ -311,12 +336,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="server processes (cmtune serve --workers), one run each")
     parser.add_argument("--only", choices=["lease"], help="run only the lease+report benchmark")
+    parser.add_argument("--lease-workers", type=int, default=32, help="simulated workers of the lease benchmark")
+    parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgresql"], default=["sqlite", "postgresql"],
+                        help="postgresql needs CMTUNE_TEST_DATABASE_URL")
     args = parser.parse_args()
     Path(args.sqlite).unlink(missing_ok=True)
     backends = [("sqlite", f"sqlite:///{args.sqlite}")]
     if os.environ.get("CMTUNE_TEST_DATABASE_URL"):
         backends.append(("postgresql", os.environ["CMTUNE_TEST_DATABASE_URL"]))
-    results = [run_backend(name, url, args.seconds, workers, args.only) for name, url in backends
+    backends = [(name, url) for name, url in backends if name in args.backends]
+    results = [run_backend(name, url, args.seconds, workers, args.only, args.lease_workers) for name, url in backends
                for workers in args.workers]
     client = cached_client_lookup()
     print(f"{os.cpu_count()} CPUs, {args.seconds:.0f} s per round, 3 rounds, 64 connections; "
@@ -334,13 +363,16 @@ def main() -> None:
                       if "server_p99_ms" in rounds[0] else "-")
             print(f"| {r['backend']} | {label} | {' | '.join(cells)} | {inside} "
                   f"| {sum(x['errors'] for x in rounds)} |")
-    print("\n| backend | lease+report cycles/s (32 workers) | cycles | studies created | empty leases | failed "
-          "| duplicate leases |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| backend | lease+report cycles/s ({args.lease_workers} workers) | cycles | studies created "
+          "| empty leases | failed | duplicate leases | lease p50 | result p50 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        lease = r["lease"]
-        print(f"| {r['backend']} | {lease['cycles_per_s']:.1f} | {lease['cycles']} | {lease['studies']} "
-              f"| {lease['empty']} | {lease['failures']} | {lease['duplicates']} |")
+        rounds = r["lease"]
+        total = {k: sum(x[k] for x in rounds) for k in ("cycles", "studies", "empty", "failures", "duplicates")}
+        print(f"| {r['backend']} | {_spread([x['cycles_per_s'] for x in rounds], '{:.1f}')} | {total['cycles']} "
+              f"| {total['studies']} | {total['empty']} | {total['failures']} | {total['duplicates']} "
+              f"| {_spread([x['lease_p50_ms'] for x in rounds], '{:.0f} ms')} "
+              f"| {_spread([x['result_p50_ms'] for x in rounds], '{:.0f} ms')} |")
     asks = ask_cost()
     print("\none engine ask (median of 50): " + ", ".join(f"{k} {v:.2f} ms" for k, v in asks.items()))
     print(f"\ncached `Tuned.lookup`: {client['median_us']:.2f} µs median of 7 rounds "

@@ -7,14 +7,20 @@ For every block size and device layout:
 
 1. `cmtune tune --model <block> --mesh data=1,model=8 --devices <layout>` tunes every problem of the
    step (forward, input and weight gradients) and writes a bundle.
-2. One `StepSession` on the same layout times, interleaved round-robin (slowest process per run):
-   ``autodiff`` (the baseline ops under plain autodiff: what a user has without cmtune; the
-   reference), ``baseline`` (the custom VJP, every role at the baseline), ``tuned`` (the bundle),
-   ``costmodel`` (each problem's cost-model favourite, no tuning) and ``always-ring`` (one fixed
-   ring for every forward, input and weight gradient: what a user of XLA's size-threshold flag
-   gets once a shape crosses it).
-3. The op-level estimate (the tuned configs' time saved per layer, summed from the bundle's
-   confirmation rounds) against the step as measured (baseline minus tuned).
+2. The step study, as a worker runs it: one `StepSession` times the step variants
+   (`standard_variants`: plain autodiff, the all-baseline custom VJP, the op-tuned configs, the
+   whole-step alternatives and the per-role ablation) and `step_decision` picks what runs; its
+   overrides go into the bundle, as the service stores them.
+3. A fresh confirmation in the same session, interleaved round-robin (slowest process per run),
+   so the decision's own samples never grade it: ``autodiff`` (the baseline ops under plain
+   autodiff: what a user has without cmtune; the reference), ``baseline`` (the custom VJP,
+   every role at the baseline), ``tuned`` (what cmtune runs: the op-tuned configs and the step
+   decision's overrides), ``op-tuned`` (the per-problem winners alone), ``costmodel`` (each
+   problem's cost-model favourite, no tuning) and ``always-ring`` (one fixed ring for every
+   forward, input and weight gradient: what a user of XLA's size-threshold flag gets once a
+   shape crosses it).
+4. The op-level estimate (the op-tuned configs' time saved per layer, summed from the bundle's
+   confirmation rounds) against the step as measured (all-baseline minus op-tuned).
 
 Prints one markdown table (speedups: median of the paired per-round ratios to plain autodiff,
 IQR in brackets) for docs/benchmarks.md.
@@ -39,7 +45,7 @@ SIZES = {
     "demo": dict(d_model=1024, d_ff=2048, heads=8, head_dim=16, seq_len=512, global_batch=4),
     "large": dict(d_model=1536, d_ff=3072, heads=8, head_dim=32, seq_len=512, global_batch=4),
 }
-VARIANTS = ("autodiff", "baseline", "tuned", "costmodel", "always-ring")
+VARIANTS = ("autodiff", "baseline", "tuned", "op-tuned", "costmodel", "always-ring")
 
 
 def block_file(name: str, directory: Path) -> Path:
@@ -73,35 +79,45 @@ def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path) ->
 
 
 def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
-    """One process of the step measurement (every process of a group runs this)."""
+    """One process of the step measurement (every process of a group runs this, SPMD: the decision
+    is a function of the measurement, which every process holds whole)."""
     from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
 
     configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
               else DeviceSpec("auto"))
     import jax
 
-    from cmtune.tuner.step import StepSession, step_layout
-    from collective_matmul import AUTODIFF, FixedConfigs, OpConfigs, Tuned, configs_per_role
-    from collective_matmul.decomposition import Decomposition
+    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.step import StepSession, ring_everywhere, standard_variants, step_layout
+    from collective_matmul import AUTODIFF, Bundle, FixedConfigs, Tuned, configs_per_role, ring_hardware
     from collective_matmul.models import MeshSpec, TransformerBlock
     from collective_matmul.wire import Protocol
 
     block = TransformerBlock.model_validate_json(Path(block_path).read_text())
     layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
     where = dict(mesh=layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis)
-    ring = Decomposition(direction="unidirectional", chunks=1, unroll="full")
+    op_tuned = configs_per_role(Tuned(bundle=bundle), layout.block, **where)
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=Protocol(repeats=repeats, warmup=2))
+    decided = session.measure(standard_variants(op_tuned))
+    decision = step_decision(decided, op_tuned)
     variants = {
         "autodiff": AUTODIFF,
         "baseline": FixedConfigs(),
-        "tuned": FixedConfigs(configs_per_role(Tuned(bundle=bundle), layout.block, **where)),
+        "tuned": FixedConfigs(op_tuned | decision.overrides),
+        "op-tuned": FixedConfigs(op_tuned),
         "costmodel": FixedConfigs(configs_per_role(Tuned(), layout.block, **where)),
-        "always-ring": FixedConfigs({}, default=OpConfigs(forward=ring, grad_input=ring, grad_weight=ring)),
+        "always-ring": FixedConfigs(ring_everywhere()),
     }
-    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                          protocol=Protocol(repeats=repeats, warmup=2))
-    result = session.measure(variants)
+    confirmed = session.measure(variants)
     if jax.process_index() == 0:
-        Path(out).write_text(result.model_dump_json())
+        tuned = Bundle.load(bundle)
+        for override in decision.role_overrides(block.name, ring_hardware(layout.mesh, layout.axis)):
+            tuned.add_override(override)
+        tuned.save(bundle)
+        Path(out).write_text(json.dumps({"decided": decided.model_dump(mode="json"), "decision": decision.variant,
+                                         "summary": decision.summary,
+                                         "confirmed": confirmed.model_dump(mode="json")}))
 
 
 def estimate_saved(block: Path, bundle: Path) -> float:
@@ -141,33 +157,39 @@ def main() -> None:
     from collective_matmul.wire import StepMeasurement
 
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-step-"))
-    rows = []
+    rows, notes = [], []
     for devices in args.devices:
         for name in args.sizes.split(","):
             block = block_file(name, directory)
-            bundle, out = directory / f"{name}-{devices.replace(':', '')}.bundle.json", directory / f"{name}.json"
+            stem = f"{name}-{devices.replace(':', '')}"
+            bundle, out = directory / f"{stem}.bundle.json", directory / f"{stem}.step.json"
             tune_s = tune(block, devices, bundle, args.trials, 5)
             started = time.monotonic()
             measure(block, devices, bundle, args.repeats, out)
-            result = StepMeasurement.model_validate_json(out.read_text())
-            tuned, base = result.variant("tuned"), result.variant("baseline")
+            record = json.loads(out.read_text())
+            result = StepMeasurement.model_validate(record["confirmed"])
+            tuned, base = result.variant("op-tuned"), result.variant("baseline")
             measured = (base.timing.median_s - tuned.timing.median_s) if tuned.ok and base.ok else None
             compiles = " / ".join(f"{result.variant(v).compile_s:.1f}" if result.variant(v).compile_s else "-"
                                   for v in VARIANTS)
             rows.append(
                 f"| {name} ({SIZES[name]['d_model']}/{SIZES[name]['d_ff']}) | {devices} "
-                f"| {result.variant('autodiff').timing.median_s * 1e3:.0f} ms "
+                f"| {result.variant('autodiff').timing.median_s * 1e3:.0f} ms | {record['decision']} "
                 + "".join(f"| {speedup(result, v)} " for v in VARIANTS[1:])
                 + f"| {estimate_saved(block, bundle) * 1e3:.0f} ms | "
                 + (f"{measured * 1e3:.0f} ms" if measured is not None else "-")
                 + f" | {compiles} | {tune_s:.0f} s + {time.monotonic() - started:.0f} s |")
+            notes.append(f"- {name}, {devices}: the step decision: {record['summary']}")
             print(rows[-1], flush=True)
     print(f"\n{os.cpu_count()} CPUs, {args.repeats} interleaved rounds per variant, float32, seq 512, batch 4, "
           f"data=1,model=8; tuning: {args.trials} trials per problem\n")
-    print("| block (d_model/d_ff) | devices | plain autodiff | all-baseline custom VJP | tuned | cost model "
-          "| always ring | saved/layer estimated | saved/layer measured | compile s (each variant) | tune + step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| block (d_model/d_ff) | devices | plain autodiff | step decision | all-baseline custom VJP | tuned "
+          "| op-tuned | cost model | always ring | saved/layer estimated | saved/layer measured (op-tuned) "
+          "| compile s (each variant) | tune + step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print("\n" + "\n".join(notes))
+    print(f"\nbundles (with the step decision's overrides) and step records: {directory}")
 
 
 if __name__ == "__main__":

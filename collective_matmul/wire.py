@@ -157,7 +157,26 @@ class Timing(BaseModel):
         return cls(samples_s=samples, median_s=median, iqr_s=q3 - q1, min_s=min(samples), max_s=max(samples))
 
 
-class Measurement(BaseModel):
+class _Timed:
+    """What a timed record (`Measurement`, `StepVariant`) says about its ``status`` and ``ratio``
+    (its time over the reference's: the baseline's, or plain autodiff's for a step)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+    @property
+    def speedup(self) -> float | None:
+        """Reference time over this record's (> 1: faster than the reference)."""
+        return 1.0 / self.ratio if self.ratio else None
+
+    @property
+    def speedup_iqr(self) -> float:
+        """IQR of the speedup, to first order from the ratio's IQR (d(1/r) = dr / r**2)."""
+        return (self.ratio_iqr or 0.0) / self.ratio**2 if self.ratio else 0.0
+
+
+class Measurement(_Timed, BaseModel):
     """The record of one candidate timed against the baseline; stored as is.
 
     Validated where it arrives (a worker's result): every number finite, times above zero, an
@@ -197,25 +216,11 @@ class Measurement(BaseModel):
                     raise ValueError(f"ratio_iqr={self.ratio_iqr!r} disagrees with the samples ({q3 - q1!r})")
         return self
 
-    @property
-    def speedup(self) -> float | None:
-        """Baseline time over candidate time (> 1 is faster than the baseline)."""
-        return 1.0 / self.ratio if self.ratio else None
-
-    @property
-    def speedup_iqr(self) -> float:
-        """IQR of the speedup, to first order from the ratio's IQR (d(1/r) = dr / r**2)."""
-        return (self.ratio_iqr or 0.0) / self.ratio**2 if self.ratio else 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == Status.OK
-
 
 # --- the training step ------------------------------------------------------------------------
 
 
-class StepVariant(BaseModel):
+class StepVariant(_Timed, BaseModel):
     """One variant of the training step, measured (validated like a `Measurement` where it arrives)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -244,20 +249,6 @@ class StepVariant(BaseModel):
         if self.status == Status.OK and (self.timing is None or self.ratio is None):
             raise ValueError(f"an 'ok' step variant ({self.name}) needs its timing and ratio")
         return self
-
-    @property
-    def ok(self) -> bool:
-        return self.status == Status.OK
-
-    @property
-    def speedup(self) -> float | None:
-        """Reference time over this variant's (> 1: faster than plain autodiff)."""
-        return 1.0 / self.ratio if self.ratio else None
-
-    @property
-    def speedup_iqr(self) -> float:
-        """IQR of the speedup, to first order from the ratio's IQR (d(1/r) = dr / r**2)."""
-        return (self.ratio_iqr or 0.0) / self.ratio**2 if self.ratio else 0.0
 
 
 class StepMeasurement(BaseModel):
@@ -486,6 +477,9 @@ class WorkerPublic(BaseModel):
     current_trial_id: int | None
     trials_done: int
     memory_bytes: int | None = Field(default=None, description="memory of one device, as the worker reported it")
+
+
+WORKER_HEADER = "X-Cmtune-Worker"  # the header that carries a worker's own credential
 
 
 class WorkerRegistered(WorkerPublic):

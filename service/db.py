@@ -48,7 +48,9 @@ def make_engine(url: str) -> Engine:
             connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
-    return create_engine(url, pool_size=20, max_overflow=40, pool_pre_ping=True)
+    # as many pooled connections as the request threads that can hold one (anyio's limiter: 40),
+    # so a busy server reuses connections instead of opening and closing overflow ones
+    return create_engine(url, pool_size=40, max_overflow=10, pool_pre_ping=True)
 
 
 class Database:

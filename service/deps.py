@@ -23,10 +23,10 @@ from cmtune.service.models import Role
 from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore, TokenInfo
 from cmtune.tuner.engine import Engine
+from collective_matmul.wire import WORKER_HEADER
 
 MAX_CACHED = 10_000
 Id = Annotated[int, Path(ge=1, le=2**63 - 1, description="a positive 64-bit id")]
-WORKER_HEADER = "X-Cmtune-Worker"
 
 
 @dataclass

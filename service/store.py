@@ -134,6 +134,9 @@ class TunedRow:
     study_id: int | None
 
 
+_PENDING = trials.alias("pending")  # the claim's subquery (built once: an alias copies every column)
+
+
 class SqlStore:
     """The database behind the service, and per-process caches of what never changes."""
 
@@ -282,21 +285,21 @@ class SqlTx:
         return added
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
-        query = (select(trials.c.id).join(studies, studies.c.id == trials.c.study_id)
-                 .where(trials.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
-                 .order_by(trials.c.study_id, trials.c.number).limit(1))
+        pending = _PENDING
+        query = (select(pending.c.id).join(studies, studies.c.id == pending.c.study_id)
+                 .where(pending.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
+                 .order_by(pending.c.study_id, pending.c.number).limit(1))
         if study_ids is not None:
-            query = query.where(trials.c.study_id.in_(list(study_ids)))
+            query = query.where(pending.c.study_id.in_(list(study_ids)))
         if hardware is not None:
             query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
                 .where(hardware_t.c.key == hardware.identity().key)
-        # PostgreSQL: concurrent claims skip each other's row; SQLite: the write transaction is exclusive
-        trial_id = self.scalar(query.with_for_update(of=trials, skip_locked=True))
-        if trial_id is None:
-            return None
-        row = self._one(update(trials).where(trials.c.id == trial_id).values(
+        # One statement.  PostgreSQL: concurrent claims skip each other's row (SKIP LOCKED);
+        # SQLite: the write transaction is exclusive.
+        oldest = query.with_for_update(of=pending, skip_locked=True).scalar_subquery()
+        row = self._one(update(trials).where(trials.c.id == oldest).values(
             state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=worker_id).returning(*self._TRIAL))
-        return _trial_record(row, False)
+        return _trial_record(row, False) if row is not None else None
 
     def update_study(self, study_id: int, **changes) -> None:
         self.execute(update(studies).where(studies.c.id == study_id).values(**changes))

@@ -70,6 +70,7 @@ from collective_matmul.wire import (
     Status,
     StepMeasurement,
     StepTask,
+    StepVariant,
     StudyKind,
     StudyState,
     TrialKind,
@@ -376,10 +377,7 @@ class Engine:
         if study.state.active:
             if decision.ok:
                 model = study.step.block.name
-                tx.save_overrides(model, study.hardware, [
-                    RoleOverride(model=model, role=role, hardware=study.hardware.identity(), configs=chosen,
-                                 reason=decision.reasons[role], step_speedup=1 / decision.ratio)
-                    for role, chosen in decision.overrides.items()])
+                tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware))
                 tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=1)
                 self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
                                  stop_reason=decision.variant)
@@ -483,6 +481,13 @@ class StepDecision:
     summary: str
 
 
+    def role_overrides(self, model: str, hardware: Hardware) -> list[RoleOverride]:
+        """The decision's changes as the per-role overrides of ``model`` on ``hardware``."""
+        return [RoleOverride(model=model, role=role, hardware=hardware.identity(), configs=configs,
+                             reason=self.reasons[role], step_speedup=1 / self.ratio)
+                for role, configs in self.overrides.items()]
+
+
 def _fmt(quartiles_: tuple[float, float, float]) -> str:
     q1, median, q3 = quartiles_
     return f"{1 / median:.2f}x (IQR {1 / q3:.2f}-{1 / q1:.2f})"
@@ -492,11 +497,12 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
     """Which configuration of the step runs, from one step measurement.
 
     1. The tuned step (every role's tuned configs) is the default.
-    2. A variant that changes one thing (``tuned-minus-<role>``: that role set back to the
-       baseline; ``tuned-fuse-<role>``: its ring weight gradient fused) or ``baseline`` (every
-       role set back) replaces it only if it is faster than the tuned step beyond the spread: its
-       time over the tuned step's, paired by round, is below 1 in three rounds of four (upper
-       quartile < 1).  Among such variants the fastest against plain autodiff wins.
+    2. Any other variant of the custom-VJP ops (an ablation such as ``tuned-minus-<role>`` or
+       ``tuned-fuse-<role>``, the all-``baseline`` step, or a whole-step alternative such as
+       ``tuned-ring-fill``; see `cmtune.tuner.step.standard_variants`) replaces it only if it is
+       faster than the tuned step beyond the spread: its time over the tuned step's, paired by
+       round, is below 1 in three rounds of four (upper quartile < 1).  Among such variants the
+       fastest against plain autodiff wins.
     3. The change becomes per-role overrides for this model, each with its reason; the decision
        reports the measured speedup of what runs, against plain autodiff and the all-baseline step.
     """
@@ -510,18 +516,16 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
                             f"the step could not be measured: {bad.name} {bad.status}: {bad.message}")
     chosen, chosen_ratio, overrides, reasons = "tuned", tuned_variant.ratio, {}, {}
     for variant in measurement.variants:
-        changes = _changes(variant.name, tuned)
-        if changes is None or not variant.ok:
+        changes = _changes(variant, tuned)
+        if not changes or not variant.ok:
             continue
         paired = measurement.paired(variant.name, "tuned")
         if paired is None or paired[2] >= 1 or variant.ratio >= chosen_ratio:
             continue
-        chosen, chosen_ratio = variant.name, variant.ratio
-        overrides = changes
-        what = "runs its weight gradient fused" if variant.name.startswith("tuned-fuse-") \
-            else "is set back to the baseline"
+        chosen, chosen_ratio, overrides = variant.name, variant.ratio, changes
         reasons = {role: f"{variant.name} ran the step {_fmt(paired)} faster than the tuned configs, so {role} "
-                         f"{what} for {measurement.block.name}" for role in changes}
+                         + ("is set back to the baseline" if configs.is_baseline else f"runs {configs.ids}")
+                         + f" for {measurement.block.name}" for role, configs in changes.items()}
     vs_reference = measurement.paired(chosen, measurement.reference)
     parts = [f"{chosen}: {_fmt(vs_reference)} against plain autodiff"]
     if any(v.name == "baseline" and v.ok for v in measurement.variants):
@@ -530,15 +534,8 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
     return StepDecision(True, chosen, chosen_ratio, overrides, reasons, summary)
 
 
-def _changes(name: str, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs] | None:
-    """The per-role overrides a one-change variant stands for (None: not such a variant)."""
-    if name == "baseline":
-        return {role: OpConfigs() for role, configs in tuned.items() if not configs.is_baseline}
-    for prefix in ("tuned-minus-", "tuned-fuse-"):
-        role = name.removeprefix(prefix)
-        if name.startswith(prefix) and role in tuned:
-            if prefix == "tuned-minus-":
-                return {role: OpConfigs()}
-            return {role: tuned[role].model_copy(update={
-                "grad_weight": tuned[role].grad_weight.model_copy(update={"fuse": True})})}
-    return None
+def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs]:
+    """The roles ``variant`` runs otherwise than ``tuned``, with what it runs (empty for plain
+    autodiff, which calls no op of ours, and for the tuned step itself)."""
+    return {role: configs for role, configs in variant.configs.items()
+            if configs != tuned.get(role, OpConfigs())}

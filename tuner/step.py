@@ -21,7 +21,8 @@ the block's four op calls, or `AUTODIFF`, what a user has without cmtune) is tim
 5. Failures are results per variant (``compile_error``, ``oom``, ``invalid``, ``error``); the
    protocol's timeout is checked between rounds (every process agrees to stop together).
 
-`standard_variants` builds the usual set (autodiff, baseline, tuned and a per-role ablation)
+`standard_variants` builds the usual set (autodiff, baseline, tuned, two whole-step
+alternatives and a per-role ablation)
 and `step_layout` the mesh and batch to measure a submission on.  The result types
 (`StepVariant`, `StepMeasurement`) are part of the wire contract (`collective_matmul.wire`).
 """
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.models import MeshSpec, TransformerBlock
+from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware
 from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVariant, Timing, quartiles
 
@@ -52,33 +53,70 @@ AUTO = "auto"
 # ---- variants and layout -----------------------------------------------------------------
 
 
-def standard_variants(tuned: Mapping, *, ablation: bool = True) -> dict:
-    """The usual variants of a step measurement from a per-role mapping of tuned `OpConfigs`.
+# One ring for every slot: what a user who switches collective matmuls on everywhere gets (XLA's
+# size-threshold flag once every shape crosses it).  The step tries it whole, and in every slot
+# the tuned configs leave at the baseline, because what an op wins alone and what it wins inside
+# the step differ (a weight-gradient ring that loses alone can win in the step).
+FIXED_RING = Decomposition(direction="unidirectional", chunks=1, unroll="full")
+
+
+def ring_everywhere() -> dict[str, OpConfigs]:
+    """Every role's forward, input and weight gradient on `FIXED_RING` (the weight gradient unfused)."""
+    return {role: OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING, grad_weight=FIXED_RING) for role in ROLES}
+
+
+def ring_fill(tuned: Mapping[str, OpConfigs]) -> dict[str, OpConfigs]:
+    """``tuned`` with each slot it leaves at the baseline on `FIXED_RING` (rings it chose stay)."""
+    filled = {}
+    for role in ROLES:
+        configs = tuned.get(role, OpConfigs())
+        filled[role] = OpConfigs(**{slot: getattr(configs, slot) if getattr(configs, slot).method == "ring"
+                                    else FIXED_RING for slot in SLOTS})
+    return filled
+
+
+def variant_configs(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) -> dict[str, dict | None]:
+    """The usual variants of a step measurement, each as its per-role `OpConfigs` (None: plain autodiff).
 
     ``autodiff`` (plain autodiff of the baseline: what users have; the reference), ``baseline``
     (the custom VJPs, every role at the baseline configs), ``tuned`` (every role's tuned
-    configs) and, with ``ablation``, ``tuned-minus-<role>`` for each role whose tuned configs
-    are not all baseline (that role set back to the baseline) and ``tuned-fuse-<role>`` for each
-    role whose weight gradient is an unfused ring (the same ring fused: what the backward keeps
-    from the forward, or one loop for both gradients; see `collective_matmul.ring`).
+    configs), the whole-step alternatives ``tuned-ring-fill`` (`ring_fill`) and ``always-ring``
+    (`ring_everywhere`), each only where it differs from the variants before it, and, with
+    ``ablation``, ``tuned-minus-<role>`` for each role whose tuned configs are not all baseline
+    (that role set back to the baseline) and ``tuned-fuse-<role>`` for each role whose weight
+    gradient is an unfused ring (the same ring fused: what the backward keeps from the forward,
+    or one loop for both gradients; see `collective_matmul.ring`).
 
     Raises:
         ValueError: if ``tuned`` names a role the block does not have.
     """
-    from collective_matmul.block import AUTODIFF, ROLES, FixedConfigs
-
-    tuned = dict(tuned)
-    variants = {REFERENCE: AUTODIFF, "baseline": FixedConfigs(), "tuned": FixedConfigs(tuned)}
+    unknown = sorted(set(tuned) - set(ROLES))
+    if unknown:
+        raise ValueError(f"unknown roles {unknown}; the block's roles are {list(ROLES)}")
+    whole = {role: tuned.get(role, OpConfigs()) for role in ROLES}
+    variants: dict[str, dict | None] = {REFERENCE: None, "baseline": {role: OpConfigs() for role in ROLES},
+                                        "tuned": whole}
+    for name, configs in (("tuned-ring-fill", ring_fill(whole)), ("always-ring", ring_everywhere())):
+        if configs not in variants.values():
+            variants[name] = configs
     if ablation:
         for role in ROLES:
-            if role in tuned and not tuned[role].is_baseline:
-                variants[f"tuned-minus-{role}"] = FixedConfigs({r: c for r, c in tuned.items() if r != role})
+            if not whole[role].is_baseline:
+                variants[f"tuned-minus-{role}"] = whole | {role: OpConfigs()}
         for role in ROLES:
-            weight = tuned[role].grad_weight if role in tuned else None
-            if weight is not None and weight.method == "ring" and not weight.fuse:
-                fused = tuned[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
-                variants[f"tuned-fuse-{role}"] = FixedConfigs(tuned | {role: fused})
+            weight = whole[role].grad_weight
+            if weight.method == "ring" and not weight.fuse:
+                fused = whole[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
+                variants[f"tuned-fuse-{role}"] = whole | {role: fused}
     return variants
+
+
+def standard_variants(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) -> dict:
+    """`variant_configs` as config sources for `StepSession.measure` (`AUTODIFF` or `FixedConfigs`)."""
+    from collective_matmul.block import AUTODIFF, FixedConfigs
+
+    return {name: AUTODIFF if configs is None else FixedConfigs(configs)
+            for name, configs in variant_configs(tuned, ablation=ablation).items()}
 
 
 def run_step(task) -> StepMeasurement:

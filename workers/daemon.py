@@ -35,6 +35,7 @@ from cmtune.tuner.cluster import EXIT_HUNG, Group
 from cmtune.tuner.local import LocalRunner, Watchdog, follow
 from collective_matmul.problem import Hardware
 from collective_matmul.wire import (
+    WORKER_HEADER,
     HardwareIn,
     LeaseGranted,
     Measurement,
@@ -48,7 +49,6 @@ from collective_matmul.wire import (
     WorkerRegistered,
 )
 
-WORKER_HEADER = "X-Cmtune-Worker"
 EXIT_CRASHED = 70  # the daemon failed outside any trial's protocol (its supervisor restarts it)
 
 log = logging.getLogger("cmtune.worker")

@@ -82,4 +82,6 @@ def test_mesh_parse():
         MeshSpec.parse("data:2")
     with pytest.raises(ValidationError, match="tensor_axis 'tp' is not a mesh axis"):
         MeshSpec.parse("data=2", tensor_axis="tp")
+    with pytest.raises(ValueError, match="names axis 'model' twice: give each axis once"):
+        MeshSpec.parse("model=8,model=2")  # not the last value silently
     assert Problem.parse("ag:64x64x96:float32:4").m == 64

@@ -181,13 +181,15 @@ STEP_SECONDS = {"autodiff": 1.0, "baseline": 0.95, "tuned": 0.8}
 
 def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: int = 4) -> dict:
     """A worker's synthetic step measurement for a step trial (the service is under test, not the step)."""
+    from cmtune.tuner.step import variant_configs
     from collective_matmul.wire import StepMeasurement, StepVariant, TrialTask
 
     task = TrialTask.model_validate(trial)
     seconds = seconds or STEP_SECONDS
+    measured = variant_configs(task.step.configs)  # what a worker measures, by name
     variants = []
     for name, s in seconds.items():
-        configs = task.step.configs if name == "tuned" else {}
+        configs = measured[name] or {}
         variants.append(StepVariant(name=name, status="ok", configs=configs, timing=Timing.of([s] * rounds),
                                     ratio=s / seconds["autodiff"], ratio_iqr=0.0, compile_s=1.0))
     return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,

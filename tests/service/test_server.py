@@ -202,9 +202,17 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
                                        timeout=30))
         while run_trial(worker) is not None:
             pass
-        run = subprocess.run([sys.executable, "-m", "cmtune", "status", "--server", server.url], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60,
-                             env=os.environ | {"CMTUNE_TOKEN": tok["reader"], "COLUMNS": "250"})
+        token_file = tmp_path / "reader.token"
+        token_file.write_text(tok["reader"] + "\n")  # the token stays out of every argv
+
+        def status(*args):
+            env = {k: v for k, v in os.environ.items() if k != "CMTUNE_TOKEN"} | {"COLUMNS": "250"}
+            return subprocess.run([sys.executable, "-m", "cmtune", "status", "--server", server.url, *args],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+
+        run = status("--token-file", str(token_file))
+        unreadable = status("--token-file", str(tmp_path / "missing.token"))
+    assert unreadable.returncode != 0 and "cannot read" in unreadable.stderr and "missing.token" in unreadable.stderr
     assert run.returncode == 0, run.stderr
     assert "step:tiny" in run.stdout and "submitted models" in run.stdout
     assert "1.25x" in run.stdout  # the synthetic step: 1.0 s with plain autodiff, 0.8 s tuned

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul.ring as ring
-from cmtune.tuner.step import StepMeasurement, StepSession, standard_variants, step_layout
+from cmtune.tuner.step import FIXED_RING, StepMeasurement, StepSession, standard_variants, step_layout
 from collective_matmul import (
     Bundle,
     Decomposition,
@@ -41,11 +41,23 @@ TUNED = {
 
 def test_standard_variants():
     variants = standard_variants(TUNED)
-    assert list(variants) == ["autodiff", "baseline", "tuned", "tuned-minus-attn_out", "tuned-minus-mlp_down"]
+    assert list(variants) == ["autodiff", "baseline", "tuned", "tuned-ring-fill", "always-ring",
+                              "tuned-minus-attn_out", "tuned-minus-mlp_down"]
     assert variants["tuned"].per_role["mlp_down"] == TUNED["mlp_down"]
-    assert "mlp_down" not in variants["tuned-minus-mlp_down"].per_role
+    assert variants["tuned-minus-mlp_down"].per_role["mlp_down"] == OpConfigs()
     assert variants["tuned-minus-mlp_down"].per_role["attn_out"] == TUNED["attn_out"]
-    assert list(standard_variants(TUNED, ablation=False)) == ["autodiff", "baseline", "tuned"]
+    # the ring fill keeps every ring tuned and puts the one fixed ring where tuned left the baseline
+    ring, fill = FIXED_RING, variants["tuned-ring-fill"].per_role
+    assert fill["mlp_down"] == TUNED["mlp_down"]
+    assert fill["attn_out"] == OpConfigs(forward=RS_RING, grad_input=ring, grad_weight=ring)
+    assert fill["qkv"] == fill["mlp_up"] == OpConfigs(forward=ring, grad_input=ring, grad_weight=ring)
+    assert not fill["qkv"].grad_weight.fuse  # the weight gradient gathers again, overlapped
+    assert set(variants["always-ring"].per_role.values()) == {OpConfigs(forward=ring, grad_input=ring,
+                                                                        grad_weight=ring)}
+    assert list(standard_variants(TUNED, ablation=False)) == ["autodiff", "baseline", "tuned", "tuned-ring-fill",
+                                                              "always-ring"]
+    # an alternative equal to a variant before it is not measured twice (nothing tuned: always-ring is the fill)
+    assert list(standard_variants({})) == ["autodiff", "baseline", "tuned", "tuned-ring-fill"]
 
 
 def test_a_step_session_times_every_variant_round_robin(monkeypatch):
@@ -70,8 +82,9 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
     assert result.reference == "autodiff" and result.mesh == {"model": 8} and result.batch_axes == []
     assert result.hardware.key == "cpu:cpu:8:1" and result.block == BLOCK
     status = {v.name: v.status for v in result.variants}
-    assert status == {"autodiff": "ok", "baseline": "ok", "tuned": "ok", "tuned-minus-attn_out": "ok",
-                      "tuned-minus-mlp_down": "ok", "wrong": "invalid", "unfit": "compile_error"}
+    assert status == {"autodiff": "ok", "baseline": "ok", "tuned": "ok", "tuned-ring-fill": "ok", "always-ring": "ok",
+                      "tuned-minus-attn_out": "ok", "tuned-minus-mlp_down": "ok", "wrong": "invalid",
+                      "unfit": "compile_error"}
     for v in result.variants:
         if v.ok:
             assert len(v.timing.samples_s) == 3 and v.timing.median_s > 0
@@ -167,8 +180,8 @@ def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
     assert "configs per role" in text
     assert "mlp_up.grad_input matmul_reduce_scatter:128x256x64:float32:8 ring-uni-c1-full-in exact (bundle)" in text
     assert "speedup vs autodiff" in text and "1.00x (reference)" in text
-    for variant in ("autodiff", "baseline", "tuned", "tuned-minus-attn_out", "tuned-minus-mlp_down",
-                    "tuned-minus-qkv", "tuned-minus-mlp_up"):
+    for variant in ("autodiff", "baseline", "tuned", "tuned-ring-fill", "always-ring", "tuned-minus-attn_out",
+                    "tuned-minus-mlp_down", "tuned-minus-qkv", "tuned-minus-mlp_up"):
         assert f" {variant} ok " in text
     result = StepMeasurement.model_validate_json(out.read_text())
     assert result.variant("tuned").configs["mlp_down"].forward == RS_RING
@@ -205,3 +218,43 @@ def test_verify_on_two_processes(files, tmp_path):
     assert [v["status"] for v in result["variants"]] == ["ok", "ok", "ok"]
     # the bundle's entries for two processes were found exactly
     assert "attn_out matmul_reduce_scatter:128x64x64:float32:8 ring-uni-c1-full-in exact (bundle)" in flat(run.stdout)
+
+
+def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
+    """A step measurement with these samples per variant (configs as the worker would record them)."""
+    from cmtune.tuner.step import variant_configs
+    from collective_matmul.wire import StepVariant, Timing, quartiles
+
+    configs = variant_configs(TUNED)
+    reference = samples["autodiff"]
+    variants = []
+    for name, times in samples.items():
+        q1, median, q3 = quartiles([t / r for t, r in zip(times, reference, strict=True)])
+        variants.append(StepVariant(name=name, status="ok", configs=configs[name] or {}, timing=Timing.of(times),
+                                    ratio=median, ratio_iqr=q3 - q1))
+    return StepMeasurement(block=BLOCK, mesh={"model": 8}, tensor_axis="model",
+                           hardware=Hardware(platform="cpu", device_kind="cpu", device_count=8),
+                           protocol=Protocol(repeats=4), variants=variants)
+
+
+def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread():
+    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.step import variant_configs
+
+    tuned = variant_configs(TUNED)["tuned"]
+    wins = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
+                           "tuned": [0.8, 0.82, 0.79, 0.81], "tuned-ring-fill": [0.7, 0.71, 0.69, 0.72],
+                           "always-ring": [0.75, 0.74, 0.76, 0.75]})
+    decision = step_decision(wins, tuned)
+    assert decision.ok and decision.variant == "tuned-ring-fill"
+    fill = variant_configs(TUNED)["tuned-ring-fill"]
+    # the overrides are exactly the roles the fill changed, with what they run now
+    assert decision.overrides == {role: fill[role] for role in ("qkv", "attn_out", "mlp_up")}
+    assert "ring-uni-c1-full-auto" in decision.reasons["qkv"] and "tuned-ring-fill ran the step" in \
+        decision.reasons["qkv"]
+    assert "against plain autodiff" in decision.summary and "overrides: attn_out, mlp_up, qkv" in decision.summary
+    # faster in the median but not in three rounds of four: the tuned configs stay
+    noisy = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "tuned": [0.8, 0.8, 0.8, 0.8],
+                            "tuned-ring-fill": [0.7, 0.95, 0.75, 0.9], "always-ring": [0.9, 0.9, 0.9, 0.9]})
+    kept = step_decision(noisy, tuned)
+    assert kept.variant == "tuned" and kept.overrides == {}
