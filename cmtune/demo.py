@@ -89,8 +89,8 @@ def run_demo(directory: Path, *, model: str, trials: int, repeats: int, ablation
             console.print(f"dashboard: {server.url}/ui/submissions/{created.submission_id}?token={tokens['reader']}")
             console.print(f"API docs:  {server.url}/docs")
             if keep_serving:
-                console.print(f"serving at {server.url} (admin token {tokens['admin']}); Ctrl-C to stop")
-                _wait_for_interrupt()
+                _serve_until_interrupted(f"serving at {server.url} (admin token {tokens['admin']}); Ctrl-C to stop",
+                                         console)
         finally:
             _stop_worker(worker)
 
@@ -148,8 +148,9 @@ def _ops_table(sub: SubmissionPublic) -> Table:
 
 def _step_table(sub: SubmissionPublic) -> Table:
     step = sub.step
-    table = Table(title=f"the whole training step of {sub.name}, measured "
-                        f"(speedup = reference / variant, median of paired rounds, IQR in brackets)")
+    title = (f"the whole training step of {sub.name}, measured "
+             "(speedup = reference / variant, median of paired rounds, IQR in brackets)")
+    table = Table(title=title, min_width=len(title))  # one line for the title where the terminal allows
     for col, justify in [("variant", "left"), ("step time", "right"), ("vs plain autodiff", "right"),
                          ("compile", "right")]:
         table.add_column(col, justify=justify)
@@ -193,8 +194,10 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _wait_for_interrupt() -> None:
+def _serve_until_interrupted(message: str, console: Console) -> None:
+    """Print ``message`` and wait for Ctrl-C or SIGTERM: a signal right after the message is a normal stop too."""
     try:
+        console.print(message)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
