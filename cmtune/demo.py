@@ -150,7 +150,8 @@ def _step_table(sub: SubmissionPublic) -> Table:
     step = sub.step
     title = (f"the whole training step of {sub.name}, measured "
              "(speedup = reference / variant, median of paired rounds, IQR in brackets)")
-    table = Table(title=title, min_width=len(title))  # one line for the title where the terminal allows
+    # one line for the title where the terminal allows; the decision's reasons read best left-aligned
+    table = Table(title=title, min_width=len(title), caption_justify="left")
     for col, justify in [("variant", "left"), ("step time", "right"), ("vs plain autodiff", "right"),
                          ("compile", "right")]:
         table.add_column(col, justify=justify)
