@@ -264,6 +264,19 @@ class StepMeasurement(BaseModel):
     protocol: Protocol
     reference: str = "autodiff"
     variants: list[StepVariant] = Field(min_length=1, max_length=64)
+    confirmation: list[StepVariant] = Field(
+        default_factory=list, max_length=8,
+        description="fresh rounds, timed after the decision, of the reference, the all-baseline step and the "
+                    "variant chosen: the speedups reported come from these, never from the rounds that chose "
+                    "(empty: none were run)")
+
+    def graded(self, chosen: str) -> StepMeasurement:
+        """The rounds to report ``chosen`` from: the confirmation where it timed both the reference and
+        ``chosen``, else the rounds that decided (this measurement itself)."""
+        timed = {v.name for v in self.confirmation if v.ok}
+        if {self.reference, chosen} <= timed:
+            return self.model_copy(update={"variants": self.confirmation, "confirmation": []})
+        return self
 
     def variant(self, name: str) -> StepVariant:
         """The variant called ``name``.
@@ -695,7 +708,10 @@ class StepPublic(BaseModel):
         description="the all-baseline step's median minus the chosen one's, times the model's layers")
     mesh: dict[str, int] | None = Field(description="the mesh measured (one ring of the submitted one)")
     batch: int | None = Field(description="the batch measured")
-    variants: list[StepVariant] = Field(default_factory=list)
+    variants: list[StepVariant] = Field(default_factory=list, description="the rounds that chose the variant")
+    confirmation: list[StepVariant] = Field(
+        default_factory=list, description="fresh rounds after the decision (reference, all-baseline, chosen): "
+                                          "the speedups above come from these where present")
 
 
 class SubmissionPublic(BaseModel):

@@ -370,6 +370,10 @@ class Engine:
             if any(v.name == "tuned" for v in result.variants) else {}
         if any(sent.get(role) not in (None, configs[role]) for role in ROLES):
             raise InvalidError(f"trial {trial.id} measured other configs than it was given")
+        measured = {v.name: v.configs for v in result.variants}
+        if any(measured.get(v.name) != v.configs for v in result.confirmation):
+            raise InvalidError(f"trial {trial.id}: each confirmation variant must be one of the variants measured, "
+                               "with the same configs")
         decision = step_decision(result, configs)
         done = dict(state=T.COMPLETED, status=Status.OK if decision.ok else Status.ERROR, ratio=decision.ratio,
                     step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
@@ -504,7 +508,9 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
        round, is below 1 in three rounds of four (upper quartile < 1).  Among such variants the
        fastest against plain autodiff wins.
     3. The change becomes per-role overrides for this model, each with its reason; the decision
-       reports the measured speedup of what runs, against plain autodiff and the all-baseline step.
+       reports the measured speedup of what runs, against plain autodiff and the all-baseline step,
+       from the measurement's confirmation (fresh rounds timed after the decision; see
+       `cmtune.tuner.step.run_step`) where it has one, else from the rounds that decided.
     """
     try:
         reference, tuned_variant = measurement.variant(measurement.reference), measurement.variant("tuned")
@@ -526,12 +532,14 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
         reasons = {role: f"{variant.name} ran the step {_fmt(paired)} faster than the tuned configs, so {role} "
                          + ("is set back to the baseline" if configs.is_baseline else f"runs {configs.ids}")
                          + f" for {measurement.block.name}" for role, configs in changes.items()}
-    vs_reference = measurement.paired(chosen, measurement.reference)
+    graded = measurement.graded(chosen)  # report from fresh rounds where the worker ran them
+    vs_reference = graded.paired(chosen, graded.reference)
     parts = [f"{chosen}: {_fmt(vs_reference)} against plain autodiff"]
-    if any(v.name == "baseline" and v.ok for v in measurement.variants):
-        parts.append(f"{_fmt(measurement.paired(chosen, 'baseline'))} against the all-baseline step")
-    summary = "; ".join(parts) + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
-    return StepDecision(True, chosen, chosen_ratio, overrides, reasons, summary)
+    if any(v.name == "baseline" and v.ok for v in graded.variants):
+        parts.append(f"{_fmt(graded.paired(chosen, 'baseline'))} against the all-baseline step")
+    rounds = "fresh rounds after the decision" if graded is not measurement else "the rounds that decided"
+    summary = "; ".join(parts) + f" ({rounds})" + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
+    return StepDecision(True, chosen, graded.variant(chosen).ratio, overrides, reasons, summary)
 
 
 def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs]:

@@ -130,7 +130,34 @@ def run_step(task) -> StepMeasurement:
     layout = step_layout(step.block, spec)
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
                           protocol=task.protocol)
-    return session.measure(standard_variants(step.configs, ablation=step.ablation))
+    variants = standard_variants(step.configs, ablation=step.ablation)
+    measured = session.measure(variants)
+    return confirm(session, measured, variants, step.configs)
+
+
+def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, tuned: Mapping[str, OpConfigs],
+            ) -> StepMeasurement:
+    """``measured`` with a confirmation: the reference, the all-baseline step and the variant that
+    `step_decision` chooses, timed again in fresh interleaved rounds, so that the speedup reported
+    is not read from the rounds that picked the winner (those favour it).
+
+    Process 0 decides and the others follow (`Group`), so every process compiles the same
+    programs.  Nothing is re-timed when the decision could not be made.
+    """
+    from cmtune.tuner.cluster import Group
+    from cmtune.tuner.engine import step_decision
+
+    group, message = Group(), None
+    if group.leader:
+        decision = step_decision(measured, tuned)
+        message = {"variant": decision.variant if decision.ok else None}
+    chosen = group.share(message)["variant"]
+    if chosen is None:
+        return measured
+    names = dict.fromkeys([measured.reference, "baseline", chosen])
+    again = session.measure({name: variants[name] for name in names if name in variants},
+                            reference=measured.reference)
+    return measured.model_copy(update={"confirmation": again.variants})
 
 
 @dataclass(frozen=True)

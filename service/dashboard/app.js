@@ -331,6 +331,8 @@ async function submissionPage(id) {
     step ? el("h2", {}, "The whole training step, measured") : null,
     step ? el("p", { class: "muted", id: "step-message" }, step.message || `step study #${step.study_id}: ${step.state}`) : null,
     step && step.variants.length ? dataTable("variants", variantColumns, step.variants) : null,
+    step && step.confirmation.length ? el("p", { class: "muted" }, "Timed again after the decision, in fresh rounds: the speedups above come from these.") : null,
+    step && step.confirmation.length ? dataTable("confirmation", variantColumns, step.confirmation) : null,
     sub.overrides.length ? el("h2", {}, "Roles this model runs otherwise") : null,
     sub.overrides.length ? el("ul", { id: "overrides" }, sub.overrides.map((o) => el("li", {}, el("strong", {}, o.role), ` — ${o.reason}`))) : null,
   ));

@@ -179,19 +179,22 @@ def run_trial(worker: Worker, landscape=cost) -> dict | None:
 STEP_SECONDS = {"autodiff": 1.0, "baseline": 0.95, "tuned": 0.8}
 
 
-def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: int = 4) -> dict:
-    """A worker's synthetic step measurement for a step trial (the service is under test, not the step)."""
+def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: int = 4,
+                confirmation: dict[str, float] | None = None) -> dict:
+    """A worker's synthetic step measurement for a step trial (the service is under test, not the step);
+    ``confirmation``: the seconds of the variants timed again after the decision."""
     from cmtune.tuner.step import variant_configs
     from collective_matmul.wire import StepMeasurement, StepVariant, TrialTask
 
     task = TrialTask.model_validate(trial)
-    seconds = seconds or STEP_SECONDS
     measured = variant_configs(task.step.configs)  # what a worker measures, by name
-    variants = []
-    for name, s in seconds.items():
-        configs = measured[name] or {}
-        variants.append(StepVariant(name=name, status="ok", configs=configs, timing=Timing.of([s] * rounds),
-                                    ratio=s / seconds["autodiff"], ratio_iqr=0.0, compile_s=1.0))
+
+    def timed(seconds: dict[str, float]) -> list[StepVariant]:
+        return [StepVariant(name=name, status="ok", configs=measured[name] or {}, timing=Timing.of([s] * rounds),
+                            ratio=s / seconds["autodiff"], ratio_iqr=0.0, compile_s=1.0)
+                for name, s in seconds.items()]
+
     return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
                            hardware=Hardware(**HARDWARE), protocol=task.protocol,
-                           variants=variants).model_dump(mode="json")
+                           variants=timed(seconds or STEP_SECONDS),
+                           confirmation=timed(confirmation) if confirmation else []).model_dump(mode="json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -378,11 +379,20 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
         assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=payload).status_code == 200
     seconds = {"autodiff": 1.0, "baseline": 0.95, "tuned": 0.8, "tuned-minus-mlp_up": 0.7,
                "tuned-minus-qkv": 0.85}
-    result = {"lease_id": grant["lease"]["id"], "step": step_result(grant["trial"], seconds)}
+    fresh = {"autodiff": 1.0, "baseline": 0.95, "tuned-minus-mlp_up": 0.75}
+    result = {"lease_id": grant["lease"]["id"], "step": step_result(grant["trial"], seconds, confirmation=fresh)}
+    # a confirmation must re-time variants as they were measured
+    forged = json.loads(json.dumps(result))
+    forged["step"]["confirmation"][2]["configs"] = {}
+    response = worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=forged)
+    assert response.status_code == 422 and "same configs" in response.text
     assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=result).status_code == 200
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     assert sub["step"]["variant"] == "tuned-minus-mlp_up"
-    assert sub["step"]["vs_autodiff"]["median"] == pytest.approx(1 / 0.7)
+    # chosen from the deciding rounds, reported from the fresh ones
+    assert sub["step"]["vs_autodiff"]["median"] == pytest.approx(1 / 0.75)
+    assert sub["step"]["vs_baseline"]["median"] == pytest.approx(0.95 / 0.75)
+    assert [v["name"] for v in sub["step"]["confirmation"]] == list(fresh)
     (override,) = sub["overrides"]
     assert override["role"] == "mlp_up" and override["model"] == "tiny"
     assert override["configs"]["forward"]["method"] == "baseline"

@@ -105,6 +105,19 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
     again = StepMeasurement.model_validate_json(result.model_dump_json())
     assert again.variant("tuned").speedup == result.variant("tuned").speedup
 
+    # the worker then times the reference, the all-baseline step and the chosen variant again
+    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.step import confirm, variant_configs
+
+    tuned = variant_configs(TUNED)["tuned"]
+    chosen = step_decision(result, tuned).variant
+    confirmed = confirm(session, result, variants, tuned)
+    assert confirmed.variants == result.variants
+    assert [v.name for v in confirmed.confirmation] == list(dict.fromkeys(["autodiff", "baseline", chosen]))
+    assert all(v.ok and len(v.timing.samples_s) == 3 for v in confirmed.confirmation)
+    assert confirmed.confirmation[0].timing != result.variants[0].timing  # fresh rounds, not a copy
+    assert "(fresh rounds after the decision)" in step_decision(confirmed, tuned).summary
+
 
 def test_a_2d_mesh_shards_the_batch_over_the_data_axis():
     from jax.sharding import AxisType
@@ -262,3 +275,26 @@ def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread
                             "tuned-ring-fill": [0.7, 0.95, 0.75, 0.9], "always-ring": [0.9, 0.9, 0.9, 0.9]})
     kept = step_decision(noisy, tuned)
     assert kept.variant == "tuned" and kept.overrides == {}
+
+
+def test_the_step_decision_reports_from_the_fresh_rounds():
+    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.step import variant_configs
+
+    tuned = variant_configs(TUNED)["tuned"]
+    deciding = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
+                               "tuned": [0.8, 0.82, 0.79, 0.81], "tuned-ring-fill": [0.7, 0.71, 0.69, 0.72]})
+    fresh = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.95, 0.95, 0.95],
+                            "tuned-ring-fill": [0.76, 0.74, 0.75, 0.75]})
+    measured = deciding.model_copy(update={"confirmation": fresh.variants})
+    decision = step_decision(measured, tuned)
+    # the choice comes from the deciding rounds, the numbers from the fresh ones
+    assert decision.variant == "tuned-ring-fill" and decision.ratio == pytest.approx(0.75)
+    assert "1.33x" in decision.summary and "(fresh rounds after the decision)" in decision.summary
+    assert measured.graded("tuned-ring-fill").variants == fresh.variants
+    assert measured.graded("tuned") is measured  # not timed again
+    # a confirmation without the reference is not a grade: the deciding rounds are reported, and said to be
+    partial = deciding.model_copy(update={"confirmation": fresh.variants[1:]})
+    assert partial.graded("tuned-ring-fill") is partial
+    assert step_decision(partial, tuned).ratio == pytest.approx(0.705)
+    assert "(the rounds that decided)" in step_decision(partial, tuned).summary
