@@ -167,12 +167,12 @@ def _models_table(models):
     for col in ("submission", "model", "mesh", "hardware", "saved/step estimated", "saved/step measured",
                 "step vs plain autodiff", "step vs all-baseline", "runs"):
         table.add_column(col)
+
+    def speed(s):
+        return f"{s.median:.2f}x ({s.low:.2f}-{s.high:.2f})" if s else "-"
+
     for sub in models:
         step = sub.step
-
-        def speed(s):
-            return f"{s.median:.2f}x ({s.low:.2f}-{s.high:.2f})" if s else "-"
-
         table.add_row(
             str(sub.id), sub.name, ",".join(f"{k}={v}" for k, v in sub.mesh["axes"].items()), sub.hardware_key,
             f"{sub.saved_s_per_step * 1e3:.0f} ms" if sub.saved_s_per_step is not None else "-",

@@ -170,11 +170,9 @@ def _step_table(sub: SubmissionPublic) -> Table:
     lines = []
     if step.vs_autodiff is not None:
         timed = "timed again after the decision" if step.confirmation else "from the rounds that decided"
-        lines.append(f"measured step speedup ({timed}): {step.vs_autodiff.median:.2f}x (IQR "
-                     f"{step.vs_autodiff.low:.2f}-{step.vs_autodiff.high:.2f}) over plain autodiff")
+        lines.append(f"measured step speedup ({timed}): {step.vs_autodiff} over plain autodiff")
     if step.vs_baseline is not None:
-        lines.append(f"{step.vs_baseline.median:.2f}x (IQR {step.vs_baseline.low:.2f}-{step.vs_baseline.high:.2f}) "
-                     "over the all-baseline custom VJP")
+        lines.append(f"{step.vs_baseline} over the all-baseline custom VJP")
     if step.measured_saved_s_per_step is not None and sub.saved_s_per_step is not None:
         lines.append(f"saved per step: {step.measured_saved_s_per_step * 1e3:.0f} ms measured, "
                      f"{sub.saved_s_per_step * 1e3:.0f} ms estimated from the ops")

@@ -88,7 +88,6 @@ class Tuned:
     def _from_server(self, problem: Problem, hardware: Hardware) -> Lookup | None:
         if self.server is None:
             return None
-
         params = problem.model_dump() | {"platform": hardware.platform, "device_kind": hardware.device_kind,
                                          "device_count": hardware.device_count,
                                          "process_count": hardware.process_count}

@@ -693,6 +693,9 @@ class Speedup(BaseModel):
         q1, median, q3 = quartiles_
         return cls(median=1 / median, low=1 / q3, high=1 / q1)
 
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x (IQR {self.low:.2f}-{self.high:.2f})"
+
 
 class StepPublic(BaseModel):
     """A submitted model's step, measured: what runs, and how much faster it is."""

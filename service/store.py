@@ -285,18 +285,17 @@ class SqlTx:
         return added
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
-        pending = _PENDING
-        query = (select(pending.c.id).join(studies, studies.c.id == pending.c.study_id)
-                 .where(pending.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
-                 .order_by(pending.c.study_id, pending.c.number).limit(1))
+        query = (select(_PENDING.c.id).join(studies, studies.c.id == _PENDING.c.study_id)
+                 .where(_PENDING.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
+                 .order_by(_PENDING.c.study_id, _PENDING.c.number).limit(1))
         if study_ids is not None:
-            query = query.where(pending.c.study_id.in_(list(study_ids)))
+            query = query.where(_PENDING.c.study_id.in_(list(study_ids)))
         if hardware is not None:
             query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
                 .where(hardware_t.c.key == hardware.identity().key)
         # One statement.  PostgreSQL: concurrent claims skip each other's row (SKIP LOCKED);
         # SQLite: the write transaction is exclusive.
-        oldest = query.with_for_update(of=pending, skip_locked=True).scalar_subquery()
+        oldest = query.with_for_update(of=_PENDING, skip_locked=True).scalar_subquery()
         row = self._one(update(trials).where(trials.c.id == oldest).values(
             state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=worker_id).returning(*self._TRIAL))
         return _trial_record(row, False) if row is not None else None

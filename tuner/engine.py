@@ -67,6 +67,7 @@ from collective_matmul.space import candidates
 from collective_matmul.wire import (
     Measurement,
     Protocol,
+    Speedup,
     Status,
     StepMeasurement,
     StepTask,
@@ -484,7 +485,6 @@ class StepDecision:
     reasons: dict[str, str]
     summary: str
 
-
     def role_overrides(self, model: str, hardware: Hardware) -> list[RoleOverride]:
         """The decision's changes as the per-role overrides of ``model`` on ``hardware``."""
         return [RoleOverride(model=model, role=role, hardware=hardware.identity(), configs=configs,
@@ -493,8 +493,7 @@ class StepDecision:
 
 
 def _fmt(quartiles_: tuple[float, float, float]) -> str:
-    q1, median, q3 = quartiles_
-    return f"{1 / median:.2f}x (IQR {1 / q3:.2f}-{1 / q1:.2f})"
+    return str(Speedup.of(quartiles_))
 
 
 def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> StepDecision:

@@ -281,6 +281,9 @@ class StepSession:
         normal = jax.jit(lambda k: jax.random.normal(k, shape, dtype),
                          out_shardings=activation_sharding(mesh, axis=axis, batch_axis=batch_axis))
         self.x, self.target = normal(key_x), normal(key_target)
+        # name -> (source, executable, record fields): a variant measured again (the confirmation
+        # after a decision) with the very same config source is not compiled again
+        self._compiled: dict[str, tuple[object, object, dict]] = {}
 
     @property
     def batch_axes(self) -> list[str]:
@@ -347,7 +350,16 @@ class StepSession:
         return jax.jit(lambda: jnp.float32(value), out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
     def _compile(self, name: str, source, record: dict, say):
-        """Compile one variant's `train_step` (``lr`` an argument) ahead of time; None if it fails."""
+        """Compile one variant's `train_step` (``lr`` an argument) ahead of time; None if it fails.
+
+        A variant this session compiled before from the same source object is reused, with the
+        compile time and memory recorded then.
+        """
+        cached = self._compiled.get(name)
+        if cached is not None and cached[0] is source:
+            record.update(cached[2])
+            say(f"{name}: compiled before in {record['compile_s']:.1f}s")
+            return cached[1]
         import jax
 
         from cmtune.tuner.measure import _memory_bytes, _message, classify_failure
@@ -369,6 +381,7 @@ class StepSession:
             return None
         record.update(memory_bytes=_memory_bytes(step), configs=getattr(recorder, "used", {}))
         say(f"{name}: compiled in {record['compile_s']:.1f}s")
+        self._compiled[name] = (source, step, {key: record[key] for key in ("compile_s", "memory_bytes", "configs")})
         return step
 
     def _check_lr(self, step, record: dict):

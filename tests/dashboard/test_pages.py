@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,15 +41,21 @@ class Seeder:
         return contract.run_trial(self.worker)
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    url = f"sqlite:///{tmp_path_factory.mktemp('ui') / 'ui.sqlite'}"
+@contextmanager
+def submitted_tiny(directory: Path, **options):
+    """A real server on a fresh SQLite file, its tokens, a `Seeder`, and the tiny model submitted
+    on data=1,model=8 with ``options`` (budget, confirm_top, ...)."""
+    url = f"sqlite:///{directory / 'ui.sqlite'}"
     tokens = contract.create_tokens(url)
     with running_server(database_url=url) as server:
         seed = Seeder(server.url, tokens["admin"], tokens["worker"])
-        body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
-                "budget": {"trials": 5}}
-        created = seed.admin.post("/v1/studies", json=body).json()
+        body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE} | options
+        yield server, tokens, seed, seed.admin.post("/v1/studies", json=body).json()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    with submitted_tiny(tmp_path_factory.mktemp("ui"), budget={"trials": 5}) as (server, tokens, seed, created):
         first = created["studies"][0]["id"]
         # finish the first study completely, and two trials of the second
         while (grant := seed.run_trial()) is not None and grant["trial"]["study_id"] == first:
@@ -193,13 +200,8 @@ def test_without_a_token_the_page_asks_for_one(browser, site):
 @pytest.fixture(scope="module")
 def measured_site(tmp_path_factory):
     """A model whose studies and step study all ran (synthetic results), and whose mlp_up was set back."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('ui-step') / 'ui.sqlite'}"
-    tokens = contract.create_tokens(url)
-    with running_server(database_url=url) as server:
-        seed = Seeder(server.url, tokens["admin"], tokens["worker"])
-        body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
-                "budget": {"trials": 2}, "confirm_top": 1}
-        created = seed.admin.post("/v1/studies", json=body).json()
+    with submitted_tiny(tmp_path_factory.mktemp("ui-step"), budget={"trials": 2}, confirm_top=1) as (
+            server, tokens, seed, created):
         while (grant := seed.worker.post(f"/v1/workers/{seed.worker}/lease").json())["trial"]["kind"] != "step":
             contract.report(seed.worker, grant)
         seconds = contract.STEP_SECONDS | {"tuned-minus-mlp_up": 0.7}
