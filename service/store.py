@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import and_, delete, func, insert, select, update
+from sqlalchemy import and_, bindparam, case, delete, func, insert, null, select, type_coerce, update
 from sqlalchemy.orm import Session
 
 from cmtune.service.db import Database
@@ -134,7 +134,66 @@ class TunedRow:
     study_id: int | None
 
 
-_PENDING = trials.alias("pending")  # the claim's subquery (built once: an alias copies every column)
+# The hot paths' statements, built once: SQLAlchemy reuses their compiled form without building
+# and keying them again on every call; they take their values as parameters.
+_P = bindparam
+# created_at tells a cached study from a row that reused its id after a rollback (SQLite)
+_MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_reason, studies.c.message,
+            studies.c.started_at, studies.c.finished_at, studies.c.trials_done, studies.c.best_trial_id,
+            studies.c.best_ratio)
+_STUDY = select(*_MUTABLE).where(studies.c.id == _P("study_id"))
+_STUDY_LOCKED = _STUDY.with_for_update()
+_UPDATE_STUDY = update(studies).where(studies.c.id == _P("_study_id"))  # SET: the other parameters
+
+_TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
+          trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
+          trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at)
+# a study's history: a search trial's candidate comes back from its id, so its JSON is not fetched
+_BRIEF = (*_TRIAL[:4], type_coerce(case((trials.c.kind == TrialKind.SEARCH.value, null()),
+                                        else_=trials.c.decompositions), trials.c.decompositions.type)
+          .label("decompositions"), *_TRIAL[5:])
+_TRIALS = select(*_BRIEF).where(trials.c.study_id == _P("study_id")).order_by(trials.c.number)
+_TRIALS_MEASURED = select(*_BRIEF, trials.c.measurements).where(trials.c.study_id == _P("study_id")) \
+    .order_by(trials.c.number)
+_TRIAL_ONE = select(*_TRIAL, trials.c.measurements).where(trials.c.id == _P("trial_id"))
+_TRIAL_LOCKED = _TRIAL_ONE.with_for_update()
+_UPDATE_TRIAL = update(trials).where(trials.c.id == _P("_trial_id"))
+_INSERT_TRIALS = insert(trials).returning(trials.c.id, sort_by_parameter_order=True)
+
+_LEASE_COLUMNS = (leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active)
+_LEASE = select(*_LEASE_COLUMNS).where(leases.c.id == _P("lease_id"))
+_LEASE_LOCKED = _LEASE.with_for_update()
+_UPDATE_LEASE = update(leases).where(leases.c.id == _P("_lease_id"))
+_INSERT_LEASE = insert(leases)
+_LEASE_AND_TRIAL = select(*_TRIAL, trials.c.measurements, leases.c.id.label("lease_id"),
+                          leases.c.worker_id.label("lease_worker_id"), leases.c.expires_at.label("lease_expires_at"),
+                          leases.c.active.label("lease_active")) \
+    .join(leases, leases.c.trial_id == trials.c.id) \
+    .where(trials.c.id == _P("trial_id"), leases.c.id == _P("lease_id")).with_for_update()
+_TOUCH_WORKER = update(workers).where(workers.c.id == _P("_worker_id"), workers.c.active.is_(True)) \
+    .values(last_heartbeat=_P("now")).returning(workers)
+_COUNT_WORKER_TRIAL = update(workers).where(workers.c.id == _P("_worker_id")) \
+    .values(trials_done=workers.c.trials_done + 1)
+
+
+@functools.cache
+def _claim(by_studies: bool, by_hardware: bool):
+    """The claim: the oldest pending trial (of the studies ``study_ids``, or on ``hardware_key``) becomes
+    leased by ``claimer``, in one statement."""
+    pending = trials.alias("pending")
+    query = (select(pending.c.id).join(studies, studies.c.id == pending.c.study_id)
+             .where(pending.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
+             .order_by(pending.c.study_id, pending.c.number).limit(1))
+    if by_studies:
+        query = query.where(pending.c.study_id.in_(_P("study_ids", expanding=True)))
+    if by_hardware:
+        query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
+            .where(hardware_t.c.key == _P("hardware_key"))
+    # PostgreSQL: concurrent claims skip each other's row (SKIP LOCKED); SQLite: the write transaction
+    # is exclusive
+    oldest = query.with_for_update(of=pending, skip_locked=True).scalar_subquery()
+    return update(trials).where(trials.c.id == oldest).values(
+        state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=_P("claimer")).returning(*_TRIAL)
 
 
 class SqlStore:
@@ -165,15 +224,17 @@ class SqlTx:
         self.store = store
         # Core statements on the session's connection: its transaction, without the ORM's work per statement
         self.connection = session.connection()
+        # studies read in this transaction (reads only; a write or a locking read goes to the database)
+        self._studies: dict[int, StudyRecord] = {}
 
-    def execute(self, statement):
-        return self.connection.execute(statement)
+    def execute(self, statement, parameters=None):
+        return self.connection.execute(statement, parameters)
 
-    def scalar(self, statement):
-        return self.connection.execute(statement).scalar()
+    def scalar(self, statement, parameters=None):
+        return self.connection.execute(statement, parameters).scalar()
 
-    def _one(self, statement):
-        return self.connection.execute(statement).one_or_none()
+    def _one(self, statement, parameters=None):
+        return self.connection.execute(statement, parameters).one_or_none()
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -217,17 +278,14 @@ class SqlTx:
         return query.outerjoin(problems, problems.c.id == studies.c.problem_id) \
             .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
 
-    # created_at tells a cached study from a row that reused its id after a rollback (SQLite)
-    _MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_reason, studies.c.message,
-                studies.c.started_at, studies.c.finished_at, studies.c.trials_done, studies.c.best_trial_id,
-                studies.c.best_ratio)
-
     def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
-        query = select(*self._MUTABLE).where(studies.c.id == study_id)
-        row = self._one(query.with_for_update() if lock else query)
+        if not lock and (seen := self._studies.get(study_id)) is not None:
+            return seen
+        row = self._one(_STUDY_LOCKED if lock else _STUDY, {"study_id": study_id})
         if row is None:
             raise NotFoundError(f"study {study_id} does not exist")
-        return self._study_record(self._fixed(study_id, row.created_at), row)
+        record = self._studies[study_id] = self._study_record(self._fixed(study_id, row.created_at), row)
+        return record
 
     def _fixed(self, study_id: int, created_at: dt.datetime) -> _Fixed:
         fixed = self.store.fixed.get(study_id)
@@ -249,18 +307,12 @@ class SqlTx:
             best_trial_id=row.best_trial_id, best_ratio=row.best_ratio, kind=fixed.kind, step=fixed.step,
             submission_id=fixed.submission_id)
 
-    _TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
-              trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
-              trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at)
-
     def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
-        columns = (*self._TRIAL, trials.c.measurements) if measurements else self._TRIAL
-        rows = self.execute(select(*columns).where(trials.c.study_id == study_id).order_by(trials.c.number))
+        rows = self.execute(_TRIALS_MEASURED if measurements else _TRIALS, {"study_id": study_id})
         return [_trial_record(row, measurements) for row in rows]
 
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
-        query = select(*self._TRIAL, trials.c.measurements).where(trials.c.id == trial_id)
-        row = self._one(query.with_for_update() if lock else query)
+        row = self._one(_TRIAL_LOCKED if lock else _TRIAL_ONE, {"trial_id": trial_id})
         if row is None:
             raise NotFoundError(f"trial {trial_id} does not exist")
         return _trial_record(row, True)
@@ -268,40 +320,33 @@ class SqlTx:
     def add_trials(self, study_id, kind, candidates, now, *, after: int | None = None) -> list[TrialRecord]:
         if after is None:
             after = self.scalar(select(func.max(trials.c.number)).where(trials.c.study_id == study_id)) or 0
-        number = after
-        added = []
-        for configs in candidates:
-            number += 1
+        records = []
+        for number, configs in enumerate(candidates, start=after + 1):
             configs = tuple(configs)
             if kind == TrialKind.SEARCH and decomposition_of(configs[0].id) != configs[0]:
                 raise ValueError(f"{configs[0]!r} does not round-trip through its id {configs[0].id!r}")
-            record = TrialRecord(id=0, study_id=study_id, number=number, kind=kind, decompositions=configs,
-                                 state=TrialState.PENDING, created_at=now)
-            trial_id = self.execute(insert(trials).values(
-                study_id=study_id, number=number, kind=kind, state=TrialState.PENDING, attempts=0, created_at=now,
-                decompositions=[d.model_dump(mode="json") for d in configs],
-                decomposition_id=record.decomposition_id).returning(trials.c.id)).scalar_one()
-            added.append(dataclasses.replace(record, id=trial_id))
-        return added
+            records.append(TrialRecord(id=0, study_id=study_id, number=number, kind=kind, decompositions=configs,
+                                       state=TrialState.PENDING, created_at=now))
+        if not records:
+            return []
+        ids = self.execute(_INSERT_TRIALS, [dict(
+            study_id=study_id, number=r.number, kind=kind, state=TrialState.PENDING, attempts=0, created_at=now,
+            decompositions=[d.model_dump(mode="json") for d in r.decompositions], decomposition_id=r.decomposition_id)
+            for r in records]).scalars().all()
+        return [dataclasses.replace(r, id=i) for r, i in zip(records, ids, strict=True)]
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
-        query = (select(_PENDING.c.id).join(studies, studies.c.id == _PENDING.c.study_id)
-                 .where(_PENDING.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
-                 .order_by(_PENDING.c.study_id, _PENDING.c.number).limit(1))
+        parameters = {"claimer": worker_id}
         if study_ids is not None:
-            query = query.where(_PENDING.c.study_id.in_(list(study_ids)))
+            parameters["study_ids"] = list(study_ids)
         if hardware is not None:
-            query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
-                .where(hardware_t.c.key == hardware.identity().key)
-        # One statement.  PostgreSQL: concurrent claims skip each other's row (SKIP LOCKED);
-        # SQLite: the write transaction is exclusive.
-        oldest = query.with_for_update(of=_PENDING, skip_locked=True).scalar_subquery()
-        row = self._one(update(trials).where(trials.c.id == oldest).values(
-            state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=worker_id).returning(*self._TRIAL))
+            parameters["hardware_key"] = hardware.identity().key
+        row = self._one(_claim(study_ids is not None, hardware is not None), parameters)
         return _trial_record(row, False) if row is not None else None
 
     def update_study(self, study_id: int, **changes) -> None:
-        self.execute(update(studies).where(studies.c.id == study_id).values(**changes))
+        self._studies.pop(study_id, None)
+        self.execute(_UPDATE_STUDY, {"_study_id": study_id, **changes})
 
     def update_trial(self, trial_id: int, **changes) -> None:
         if changes.get("measurements") is not None:
@@ -309,7 +354,7 @@ class SqlTx:
         if changes.get("step") is not None:  # a step trial's result lives where the measurements do
             changes["measurements"] = [changes.pop("step").model_dump(mode="json")]
         changes.pop("step", None)
-        self.execute(update(trials).where(trials.c.id == trial_id).values(**changes))
+        self.execute(_UPDATE_TRIAL, {"_trial_id": trial_id, **changes})
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
         ids = self.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
@@ -385,7 +430,7 @@ class SqlTx:
     def list_studies(self, *, state: StudyState | None, hardware: str | None, offset: int,
                      limit: int) -> tuple[list[StudyRecord], int]:
         """A page of studies, newest first, and the total; two queries whatever the page size."""
-        query = self._with_keys(select(*self._MUTABLE, *self._FIXED[:3], *self._FIXED[4:], *_problem_columns(),
+        query = self._with_keys(select(*_MUTABLE, *self._FIXED[:3], *self._FIXED[4:], *_problem_columns(),
                                        *_hardware_columns()))
         count = select(func.count()).select_from(studies)
         if state is not None:
@@ -516,8 +561,7 @@ class SqlTx:
         Raises:
             NotFoundError: the worker is not registered (or left).
         """
-        row = self._one(update(workers).where(workers.c.id == worker_id, workers.c.active.is_(True))
-                        .values(last_heartbeat=now).returning(workers))
+        row = self._one(_TOUCH_WORKER, {"_worker_id": worker_id, "now": now})
         if row is None:
             raise NotFoundError(f"worker {worker_id} is not registered; register again with POST /v1/workers")
         hardware = self.store.hardware.get(row.hardware_id)
@@ -529,7 +573,7 @@ class SqlTx:
                           trials_done=row.trials_done, memory_bytes=row.memory_bytes)
 
     def count_worker_trial(self, worker_id: int) -> None:
-        self.execute(update(workers).where(workers.c.id == worker_id).values(trials_done=workers.c.trials_done + 1))
+        self.execute(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})
 
     def update_worker(self, worker_id: int, **changes) -> None:
         self.execute(update(workers).where(workers.c.id == worker_id).values(**changes))
@@ -541,26 +585,29 @@ class SqlTx:
     def add_lease(self, *, trial_id: int, worker_id: int, now: dt.datetime, seconds: float) -> LeaseInfo:
         lease = LeaseInfo(id=str(uuid.uuid4()), trial_id=trial_id, worker_id=worker_id,
                           expires_at=now + dt.timedelta(seconds=seconds), active=True)
-        self.execute(insert(leases).values(created_at=now, **dataclasses.asdict(lease)))
+        self.execute(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
         return lease
 
     def lease(self, lease_id: str, *, lock: bool = False) -> LeaseInfo | None:
-        query = select(leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active) \
-            .where(leases.c.id == lease_id)
-        row = self._one(query.with_for_update() if lock else query)
+        row = self._one(_LEASE_LOCKED if lock else _LEASE, {"lease_id": lease_id})
         return LeaseInfo(**row._mapping) if row is not None else None
 
     def lease_and_trial(self, lease_id: str, trial_id: int) -> tuple[LeaseInfo | None, TrialRecord]:
-        """The lease and the trial a result names, both locked for this transaction.
+        """The lease and the trial a result names, both locked for this transaction (one statement
+        when the lease holds the trial).
 
         Raises:
             NotFoundError: there is no such trial.
         """
-        trial = self.trial(trial_id, lock=True)
-        return self.lease(lease_id, lock=True), trial
+        row = self._one(_LEASE_AND_TRIAL, {"lease_id": lease_id, "trial_id": trial_id})
+        if row is None:  # no such lease, or one of another trial: the caller says which
+            return self.lease(lease_id, lock=True), self.trial(trial_id, lock=True)
+        held = LeaseInfo(id=row.lease_id, trial_id=row.id, worker_id=row.lease_worker_id,
+                         expires_at=row.lease_expires_at, active=row.lease_active)
+        return held, _trial_record(row, True)
 
     def update_lease(self, lease_id: str, **changes) -> None:
-        self.execute(update(leases).where(leases.c.id == lease_id).values(**changes))
+        self.execute(_UPDATE_LEASE, {"_lease_id": lease_id, **changes})
 
     def active_leases(self, *, expired_before: dt.datetime | None = None, worker_id: int | None = None,
                       study_id: int | None = None) -> list[LeaseInfo]:
