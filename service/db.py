@@ -1,21 +1,22 @@
-"""Engine and sessions: SQLite (WAL, busy timeout, immediate write transactions) or PostgreSQL."""
+"""Engine and transactions: SQLite (WAL, busy timeout, immediate write transactions) or PostgreSQL."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.exc import DisconnectionError, OperationalError
 
 from cmtune.service.errors import UnavailableError
 
 log = logging.getLogger("cmtune.service")
 
 WRITE = {"cmtune_write": True}
+PING_AFTER_IDLE_S = 5.0
 
 
 def make_engine(url: str) -> Engine:
@@ -50,43 +51,58 @@ def make_engine(url: str) -> Engine:
         return engine
     # as many pooled connections as the request threads that can hold one (anyio's limiter: 40),
     # so a busy server reuses connections instead of opening and closing overflow ones
-    return create_engine(url, pool_size=40, max_overflow=10, pool_pre_ping=True)
+    engine = create_engine(url, pool_size=40, max_overflow=10)
+    _ping_when_idle(engine)
+    return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Check a pooled connection before use only when it sat idle over `PING_AFTER_IDLE_S` (a database
+    restart or a dropped socket shows there); a busy pool pays no round trip per transaction, as
+    ``pool_pre_ping`` would.  A dead connection is replaced before the transaction starts."""
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(_dbapi_connection, record):
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_connection, record, _proxy):
+        if time.monotonic() - record.info.get("idle_since", time.monotonic()) < PING_AFTER_IDLE_S:
+            return
+        try:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("SELECT 1")
+            cursor.close()
+            dbapi_connection.rollback()
+        except Exception as exc:  # the pool discards this connection and checks out another
+            raise DisconnectionError(f"pooled connection dead after idling: {exc}") from exc
 
 
 class Database:
-    """The engine plus the two session factories (reads, and writes)."""
+    """The engine, and transactions on it (reads, and writes)."""
 
     def __init__(self, url: str):
         self.url = url
         self.engine = make_engine(url)
-        self._read = sessionmaker(self.engine, expire_on_commit=False)
-        self._write = sessionmaker(self.engine.execution_options(**WRITE), expire_on_commit=False)
+        self._writer = self.engine.execution_options(**WRITE)
 
     @property
     def is_postgres(self) -> bool:
         return self.engine.dialect.name == "postgresql"
 
     @contextmanager
-    def session(self, *, write: bool = False) -> Iterator[Session]:
-        """One transaction: commits on success, rolls back on any error, wraps driver errors.
+    def transaction(self, *, write: bool = False) -> Iterator[Connection]:
+        """One transaction on a pooled connection (Core, no ORM unit of work): commits on success,
+        rolls back on any error, wraps driver errors.
 
         Domain errors pass through unchanged; database failures become `UnavailableError`.
         """
-        session = (self._write if write else self._read)()
         try:
-            yield session
-            session.commit()
-        except SQLAlchemyError as exc:
-            session.rollback()
-            if isinstance(exc, OperationalError):
-                log.warning("database unavailable: %s", exc.orig)  # where it is stays in the server's log
-                raise UnavailableError("database unavailable; retry shortly") from exc
-            raise
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
+            with (self._writer if write else self.engine).begin() as connection:
+                yield connection
+        except OperationalError as exc:
+            log.warning("database unavailable: %s", exc.orig)  # where it is stays in the server's log
+            raise UnavailableError("database unavailable; retry shortly") from exc
 
     def dispose(self) -> None:
         self.engine.dispose()

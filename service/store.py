@@ -22,8 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import and_, bindparam, case, delete, func, insert, null, select, type_coerce, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, null, select, type_coerce, update
 
 from cmtune.service.db import Database
 from cmtune.service.models import (
@@ -206,8 +205,8 @@ class SqlStore:
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[SqlTx]:
-        with self.db.session(write=write) as session:
-            yield SqlTx(session, self)
+        with self.db.transaction(write=write) as connection:
+            yield SqlTx(connection, self)
 
     def read(self):
         return self.transaction(write=False)
@@ -219,11 +218,9 @@ class SqlStore:
 class SqlTx:
     """One transaction: the engine's `StoreTx` and the service's queries."""
 
-    def __init__(self, session: Session, store: SqlStore):
-        self.session = session
+    def __init__(self, connection: Connection, store: SqlStore):
+        self.connection = connection  # Core statements in one transaction (no ORM unit of work)
         self.store = store
-        # Core statements on the session's connection: its transaction, without the ORM's work per statement
-        self.connection = session.connection()
         # studies read in this transaction (reads only; a write or a locking read goes to the database)
         self._studies: dict[int, StudyRecord] = {}
 

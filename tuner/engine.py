@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -172,7 +173,7 @@ class Engine:
         return tx.study(study.id)
 
     def searcher(self, study: StudyRecord) -> Searcher:
-        return Searcher(study.problem, study.settings.profile or profile_name_for(study.hardware), study.settings)
+        return _searcher(study.problem, study.settings.profile or profile_name_for(study.hardware), study.settings)
 
     def refill(self, tx: StoreTx, study_id: int, *, now: dt.datetime) -> list[TrialRecord]:
         """Bring a searching study forward: top its proposals up, or confirm, or finish.
@@ -437,6 +438,13 @@ class Engine:
         if to not in TRIAL_MOVES.get(trial.state, ()):
             raise ConflictError(f"trial {trial.id} is {trial.state}; it cannot become {to}")
         tx.update_trial(trial.id, state=to, **changes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _searcher(problem: Problem, profile: str, settings: SearchSettings) -> Searcher:
+    """Searchers of the studies in progress: a searcher is a pure function of these three (its space
+    and cost-model order are computed once per study, not once per ask)."""
+    return Searcher(problem, profile, settings)
 
 
 def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:

@@ -20,7 +20,7 @@ router = APIRouter(tags=["health"])
 def healthz(state: StateDep) -> dict:
     """200 when the service can reach its database (anonymous: it says no more than that)."""
     with state.store.read() as tx:
-        tx.session.execute(text("SELECT 1"))
+        tx.execute(text("SELECT 1"))
     return {"status": "ok", "database": state.store.db.engine.dialect.name}
 
 

@@ -141,8 +141,8 @@ def test_idempotent_and_stale_reports(api):
     first, second = worker.post(url, json=body), worker.post(url, json=body)
     assert first.json() == {"trial_id": grant["trial"]["id"], "state": "completed", "duplicate": False}
     assert second.status_code == 200 and second.json()["duplicate"] is True
-    with api.db.session() as session:  # counted once
-        assert session.scalar(select(func.count()).select_from(Trial).where(Trial.state == "completed")) == 1
+    with api.db.transaction() as connection:  # counted once
+        assert connection.scalar(select(func.count()).select_from(Trial).where(Trial.state == "completed")) == 1
     foreign = {"lease_id": "00000000-0000-0000-0000-000000000000", "measurement": body["measurement"]}
     assert worker.post(url, json=foreign).status_code == 409
     wrong = {"lease_id": grant["lease"]["id"],
@@ -243,9 +243,9 @@ def test_bad_bodies_get_4xx_with_a_useful_message_and_store_nothing(api, body, m
     response = api.admin.post("/v1/studies", json=payload)
     assert response.status_code == 422, response.text
     assert message in response.text
-    with api.db.session() as session:
-        assert session.scalar(select(func.count()).select_from(Study)) == 0
-        assert session.scalar(select(func.count()).select_from(Submission)) == 0
+    with api.db.transaction() as connection:
+        assert connection.scalar(select(func.count()).select_from(Study)) == 0
+        assert connection.scalar(select(func.count()).select_from(Submission)) == 0
 
 
 def test_malformed_json_and_unknown_ids(api):

@@ -262,3 +262,27 @@ def test_the_openapi_document_declares_auth_and_errors(api):
             assert {"401", "403", "413"} <= set(operation["responses"]), f"{method.upper()} {path}"
             if "{" in path:
                 assert "422" in operation["responses"], f"{method.upper()} {path}"
+
+
+def test_connections_the_database_dropped_are_replaced_before_use(database_url, monkeypatch):
+    """A busy pool skips the per-transaction ping; a connection that idled is checked first, so a
+    database restart (here: every session of ours killed) costs no request once it has idled."""
+    from sqlalchemy import text
+
+    from cmtune.service import db as db_module
+    from cmtune.service.db import Database
+
+    if not database_url.startswith("postgresql"):
+        pytest.skip("SQLite has no server connection to lose")
+    database = Database(database_url)
+    with database.transaction() as connection:
+        ours = connection.scalar(text("SELECT pg_backend_pid()"))
+    killer = Database(database_url)
+    with killer.transaction() as connection:
+        assert connection.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": ours})
+    killer.dispose()
+    monkeypatch.setattr(db_module, "PING_AFTER_IDLE_S", 0.0)  # the pooled connection has idled long enough
+    with database.transaction() as connection:
+        assert connection.scalar(text("SELECT 1")) == 1
+        assert connection.scalar(text("SELECT pg_backend_pid()")) != ours
+    database.dispose()

@@ -137,7 +137,7 @@ def test_token_cli_stores_only_a_hash(tmp_path):
     db = Database(url)
     with SqlStore(db).read() as tx:
         assert tx.token(token).role == "reader"
-        stored = tx.session.scalar(select(Token.hash))
+        stored = tx.scalar(select(Token.hash))
         assert stored != token and token not in stored
     db.dispose()
 
@@ -163,7 +163,7 @@ def test_token_value_from_a_secret_is_idempotent(tmp_path):
     db = Database(url)
     with SqlStore(db).read() as tx:
         assert tx.token(secret).role == "worker"
-        assert tx.session.scalar(select(func.count()).select_from(Token)) == 1
+        assert tx.scalar(select(func.count()).select_from(Token)) == 1
     db.dispose()
 
 
