@@ -7,9 +7,10 @@
    ``GET /v1/configs`` for a mix of exact, nearest and model answers: closed loop (as fast as
    answered) for the throughput, then paced at 1000 requests/s (latency counted from each
    request's due time) for the latency at the target load; three rounds each.
-2. Lease + report: 32 simulated workers (threads), each looping lease -> synthetic result ->
-   report over many studies kept open by a submitter (default sampler and budget, so every
-   proposal is made during the run); three rounds: cycles/s, each request's median latency,
+2. Lease + report: 32 simulated workers (keep-alive connections, each with its own credential,
+   raw asyncio HTTP/1.1 in this process), each looping lease -> synthetic result -> report over
+   many studies kept open by a submitter (default sampler and budget, so every proposal is made
+   during the run); three rounds: cycles/s, each request's median latency,
    and every lease checked for duplicates (a trial held by two workers at once, or one
    candidate of a study leased twice).  ``--lease-workers 1`` gives the cost of one cycle
    without contention.
@@ -25,10 +26,8 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import timeit
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -130,14 +129,51 @@ def synthetic_ratio(config) -> float:
             + (0.04 if config.unroll != "full" else 0) + (0.02 if config.accumulate == "concat" else 0))
 
 
+class Http:
+    """One keep-alive HTTP/1.1 connection (raw asyncio: the load generator must not be the limit)."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        self.host, self.port = url.removeprefix("http://").split(":")
+        self.headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.reader = self.writer = None
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.headers}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self.writer.write(head.encode() + body)
+        status = int((await self.reader.readline()).split()[1])
+        length, close = 0, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+            close |= name.lower() == b"connection" and value.strip().lower() == b"close"
+        payload = await self.reader.readexactly(length)
+        if close:
+            self.close()
+        return status, payload
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.reader = self.writer = None
+
+
 def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: int = 40,
                warmup: float = 3.0) -> dict:
     """32 simulated workers lease, report a synthetic result, lease again; studies keep coming.
 
-    Steady state: a submitter thread keeps ``active`` studies open by creating new ones (default
-    sampler and budget) as others complete, so every proposal the engine makes is made inside the
-    run, and only cycles after ``warmup`` seconds count.
+    Each worker is one keep-alive connection with its own credential, sending what the worker
+    daemon sends (the wire types' JSON).  Steady state: a submitter keeps ``active`` studies open
+    by creating new ones (default sampler and budget) as others complete, so every proposal the
+    engine makes is made inside the run, and only cycles after ``warmup`` seconds count.
     """
+    return asyncio.run(_lease_load(url, token, seconds, workers, active, warmup))
+
+
+async def _lease_load(url: str, token: str, seconds: float, workers: int, active: int, warmup: float) -> dict:
     from collective_matmul.wire import (
         WORKER_HEADER,
         HardwareIn,
@@ -155,91 +191,84 @@ def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: 
     headers = {"Authorization": f"Bearer {token}"}
     hardware = HardwareIn(**HARDWARE)
     hw = hardware.to_hardware()
-    with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
-        registered = [WorkerRegistered.model_validate_json(client.post(
-            "/v1/workers", json=WorkerCreate(name=f"sim{i}", hardware=hardware).model_dump(mode="json")).content)
-            for i in range(workers)]
+    admin = Http(url, headers)
+    registered = []
+    for i in range(workers):
+        body = WorkerCreate(name=f"sim{i}", hardware=hardware).model_dump_json().encode()
+        registered.append(WorkerRegistered.model_validate_json((await admin.request("POST", "/v1/workers", body))[1]))
     held: dict[int, int] = {}
     leased_candidates: set[tuple] = set()
     counts = {"cycles": 0, "duplicates": 0, "failures": 0, "studies": 0, "empty": 0}
-    lock = threading.Lock()
     lease_s: list[float] = []
     result_s: list[float] = []
     started = time.perf_counter()
     counting_from, deadline = started + warmup, started + warmup + seconds
     created = iter(range(1, 1 << 30))
 
-    def submit_one(client: httpx.Client) -> None:
-        with lock:
-            i = next(created)
+    async def submit_one(client: Http) -> None:
+        i = next(created)
         collective, dtype = LEASE_PROBLEMS[i % len(LEASE_PROBLEMS)]
         problem = Problem(collective=collective, m=64 * i, k=256, n=256, dtype=dtype, axis_size=8)
-        body = StudyCreate(problem=problem, hardware=hardware)
-        client.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True)).raise_for_status()
-        with lock:
-            counts["studies"] += time.perf_counter() >= counting_from
+        body = StudyCreate(problem=problem, hardware=hardware).model_dump_json(exclude_none=True).encode()
+        status, payload = await client.request("POST", "/v1/studies", body)
+        if status != 201:
+            raise RuntimeError(f"creating a study: {status} {payload[:300]!r}")
+        counts["studies"] += time.perf_counter() >= counting_from
 
-    def submitter() -> None:
-        """Keeps ``active`` studies open: creating them one request at a time would make the
-        submitter, not the lease path, the limit, so missing studies are created 8 at a time."""
-        clients = [httpx.Client(base_url=url, headers=headers, timeout=60) for _ in range(8)]
-        with ThreadPoolExecutor(len(clients)) as pool:
-            def submit(n: int) -> None:
-                list(pool.map(lambda k: submit_one(clients[k % len(clients)]), range(n)))
+    async def submitter() -> None:
+        """Keeps ``active`` studies open (counted twice a second), creating missing ones 8 at a time."""
+        clients = [Http(url, headers) for _ in range(8)]
 
-            submit(active)
-            c = clients[0]
-            while time.perf_counter() < deadline:
-                open_studies = sum(
-                    StudyPage.model_validate(c.get("/v1/studies", params={"state": s, "limit": 1}).json()).total
-                    for s in ("pending", "running", "confirming"))
-                submit(max(0, active - open_studies))
-                time.sleep(0.1)
+        async def submit(n: int) -> None:
+            for start in range(0, n, len(clients)):
+                await asyncio.gather(*(submit_one(c) for c in clients[:min(len(clients), n - start)]))
+
+        await submit(active)
+        while time.perf_counter() < deadline:
+            open_studies = 0
+            for state in ("pending", "running", "confirming"):
+                _, payload = await admin.request("GET", f"/v1/studies?state={state}&limit=1")
+                open_studies += StudyPage.model_validate_json(payload).total
+            await submit(max(0, active - open_studies))
+            await asyncio.sleep(0.5)
         for client in clients:
             client.close()
 
-    def run(me: WorkerRegistered) -> None:
+    async def run(me: WorkerRegistered) -> None:
         worker_id = me.id
-        with httpx.Client(base_url=url, headers=headers | {WORKER_HEADER: me.credential}, timeout=60) as c:
-            while (now := time.perf_counter()) < deadline:
-                t0 = time.perf_counter()
-                response = c.post(f"/v1/workers/{worker_id}/lease")
-                lease_s.append(time.perf_counter() - t0)
-                if response.status_code != 200:
-                    with lock:
-                        counts["failures"] += response.status_code != 204
-                        counts["empty"] += response.status_code == 204
-                    time.sleep(0.01)
-                    continue
-                grant = LeaseGranted.model_validate_json(response.content)
-                trial = grant.trial
-                with lock:
-                    if trial.id in held:
-                        counts["duplicates"] += 1
-                    held[trial.id] = worker_id
-                    if trial.kind == "search":
-                        key = (trial.study_id, trial.decomposition.id)
-                        counts["duplicates"] += key in leased_candidates
-                        leased_candidates.add(key)
-                results = [Measurement(problem=trial.problem, decomposition=d, hardware=hw, status="ok",
-                                       candidate=Timing.of([1e-3 * synthetic_ratio(d)]), baseline=Timing.of([1e-3]),
-                                       ratio=synthetic_ratio(d), ratio_iqr=0.0) for d in trial.decompositions]
-                with lock:
-                    held.pop(trial.id, None)
-                body = ResultIn.of(grant.lease.id, trial.kind, results)
-                t0 = time.perf_counter()
-                reply = c.post(f"/v1/trials/{trial.id}/result", json=body.model_dump(mode="json"))
-                result_s.append(time.perf_counter() - t0)
-                with lock:
-                    if now >= counting_from and time.perf_counter() < deadline:
-                        counts["cycles"] += reply.status_code == 200
-                    counts["failures"] += reply.status_code != 200
+        client = Http(url, headers | {WORKER_HEADER: me.credential})
+        while (now := time.perf_counter()) < deadline:
+            t0 = time.perf_counter()
+            status, payload = await client.request("POST", f"/v1/workers/{worker_id}/lease")
+            lease_s.append(time.perf_counter() - t0)
+            if status != 200:
+                counts["failures"] += status != 204
+                counts["empty"] += status == 204
+                await asyncio.sleep(0.01)
+                continue
+            grant = LeaseGranted.model_validate_json(payload)
+            trial = grant.trial
+            counts["duplicates"] += trial.id in held
+            held[trial.id] = worker_id
+            if trial.kind == "search":
+                key = (trial.study_id, trial.decomposition.id)
+                counts["duplicates"] += key in leased_candidates
+                leased_candidates.add(key)
+            results = [Measurement(problem=trial.problem, decomposition=d, hardware=hw, status="ok",
+                                   candidate=Timing.of([1e-3 * synthetic_ratio(d)]), baseline=Timing.of([1e-3]),
+                                   ratio=synthetic_ratio(d), ratio_iqr=0.0) for d in trial.decompositions]
+            held.pop(trial.id, None)
+            body = ResultIn.of(grant.lease.id, trial.kind, results).model_dump_json().encode()
+            t0 = time.perf_counter()
+            status, _ = await client.request("POST", f"/v1/trials/{trial.id}/result", body)
+            result_s.append(time.perf_counter() - t0)
+            if now >= counting_from and time.perf_counter() < deadline:
+                counts["cycles"] += status == 200
+            counts["failures"] += status != 200
+        client.close()
 
-    threads = [threading.Thread(target=submitter)] + [threading.Thread(target=run, args=(w,)) for w in registered]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    await asyncio.gather(submitter(), *(run(w) for w in registered))
+    admin.close()
     return {"cycles_per_s": counts["cycles"] / seconds, **counts,
             "lease_p50_ms": statistics.median(lease_s) * 1e3, "result_p50_ms": statistics.median(result_s) * 1e3}
 

@@ -49,7 +49,7 @@ def make_engine(url: str) -> Engine:
             connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
-    # as many pooled connections as the request threads that can hold one (anyio's limiter: 40),
+    # more pooled connections than the request threads that can hold one (`Settings.request_threads`),
     # so a busy server reuses connections instead of opening and closing overflow ones
     engine = create_engine(url, pool_size=40, max_overflow=10)
     _ping_when_idle(engine)

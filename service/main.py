@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import asynccontextmanager
 
+from anyio import to_thread
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
@@ -53,7 +55,12 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
     store = SqlStore(db)
     state = AppState(settings=settings, store=store, engine=Engine(ready=settings.ready_proposals),
                      cache=ConfigCache(store, settings.config_cache_seconds))
-    app = FastAPI(title="cmtune", version=__version__, description=DESCRIPTION)
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
+        yield
+
+    app = FastAPI(title="cmtune", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.cmtune = state
     app.state.registry, latency = health.make_registry(state)
     errors.register(app)

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 << 20, ge=1024, description="largest request body accepted")
     ready_proposals: int = Field(default=2, ge=1, le=32, description="search proposals the engine keeps "
                                  "queued per study, so that a lease is a claim, not an ask")
+    request_threads: int = Field(default=4, ge=1, le=256, description="threads per server process that run "
+                                 "the routes which wait on the database; a few keep the interpreter's lock "
+                                 "from being passed around more than work gets done (see docs/benchmarks.md)")
     host: str = "127.0.0.1"
     port: int = Field(default=8470, ge=1, le=65535)
 

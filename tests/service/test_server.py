@@ -61,6 +61,15 @@ def test_32_concurrent_leases_never_share_a_trial(database_url):
             per_study[key] = body["trial"]["id"]
 
 
+def test_blocking_routes_run_on_the_configured_number_of_threads(tmp_path):
+    from anyio import to_thread
+    from fastapi.testclient import TestClient
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", request_threads=3))
+    with TestClient(app) as client:  # runs the app's lifespan, as uvicorn does
+        assert client.portal.call(lambda: to_thread.current_default_thread_limiter().total_tokens) == 3
+
+
 def test_real_measurement_round_trip_over_http(tmp_path):
     """A real server, a real measurement on 8 virtual devices, reported and confirmed."""
     url = f"sqlite:///{tmp_path / 'e2e.sqlite'}"
