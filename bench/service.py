@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import os
 import statistics
 import sys
@@ -117,6 +118,7 @@ async def lookup_load(url: str, token: str, seconds: float, *, concurrency: int 
             "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3, "requests": len(latencies), "errors": errors}
 
 
+_STUDY_NUMBERS = itertools.count(1)  # across rounds: a problem that already has a study is not studied again
 LEASE_PROBLEMS = [("allgather_matmul", "bfloat16"), ("matmul_reduce_scatter", "float32"),
                   ("matmul_reduce_scatter", "bfloat16")]  # 49, 25 and 49 candidates
 
@@ -138,12 +140,16 @@ class Http:
         self.reader = self.writer = None
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.headers}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-        self.writer.write(head.encode() + body)
-        status = int((await self.reader.readline()).split()[1])
+        for _ in range(2):  # a connection that idled past the server's keep-alive is closed: open another
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
+            self.writer.write(head.encode() + body)
+            if status_line := await self.reader.readline():
+                break
+            self.close()
+        status = int(status_line.split()[1])
         length, close = 0, False
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
@@ -203,10 +209,9 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
     result_s: list[float] = []
     started = time.perf_counter()
     counting_from, deadline = started + warmup, started + warmup + seconds
-    created = iter(range(1, 1 << 30))
 
     async def submit_one(client: Http) -> None:
-        i = next(created)
+        i = next(_STUDY_NUMBERS)
         collective, dtype = LEASE_PROBLEMS[i % len(LEASE_PROBLEMS)]
         problem = Problem(collective=collective, m=64 * i, k=256, n=256, dtype=dtype, axis_size=8)
         body = StudyCreate(problem=problem, hardware=hardware).model_dump_json(exclude_none=True).encode()

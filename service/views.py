@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 
+from fastapi import Response
+from pydantic import BaseModel
+
 from cmtune.service.store import SqlTx, WorkerInfo
 from cmtune.tuner.store import StudyRecord, TrialRecord
 from collective_matmul.wire import (
@@ -14,6 +17,12 @@ from collective_matmul.wire import (
     TrialPublic,
     WorkerPublic,
 )
+
+
+def json_response(body: BaseModel, status_code: int = 200) -> Response:
+    """``body`` serialised where the route runs: a hot route's answer (lease, result) is not handed to
+    another thread to be serialised, as FastAPI does with what a blocking route returns."""
+    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from cmtune.service import queue
 from cmtune.service.deps import Id, StateDep, WorkerDep
 from cmtune.service.errors import ConflictError, responses
 from cmtune.service.models import utcnow
+from cmtune.service.views import json_response
 from collective_matmul.wire import ResultIn, ResultOut
 
 router = APIRouter(prefix="/v1/trials", tags=["trials"], responses=responses(401, 403, 404, 409, 413, 503))
 
 
 @router.post("/{trial_id}/result", response_model=ResultOut)
-def post_result(trial_id: Id, body: ResultIn, state: StateDep, worker_id: WorkerDep) -> ResultOut:
+def post_result(trial_id: Id, body: ResultIn, state: StateDep, worker_id: WorkerDep) -> Response:
     """Store a result under its lease, from the lease's own worker; the same report twice is harmless, a stale
     or late lease, or another worker's, gets 409."""
     with state.store.write() as tx:
@@ -25,4 +26,4 @@ def post_result(trial_id: Id, body: ResultIn, state: StateDep, worker_id: Worker
                             "to the queue: drop this result and lease again")
     if not outcome.duplicate:
         state.cache.clear()
-    return ResultOut(trial_id=outcome.trial.id, state=outcome.trial.state, duplicate=outcome.duplicate)
+    return json_response(ResultOut(trial_id=outcome.trial.id, state=outcome.trial.state, duplicate=outcome.duplicate))

@@ -10,7 +10,7 @@ from cmtune.service import queue
 from cmtune.service.deps import Id, ReaderDep, StateDep, WorkerDep, WorkerRoleDep
 from cmtune.service.errors import responses
 from cmtune.service.models import utcnow
-from cmtune.service.views import worker_public
+from cmtune.service.views import json_response, worker_public
 from collective_matmul.wire import (
     HeartbeatIn,
     HeartbeatOut,
@@ -64,7 +64,7 @@ def lease(worker_id: Id, state: StateDep, _: WorkerDep):
         if claimed is None:
             return Response(status_code=204)
         granted, task = claimed
-        return LeaseGranted(lease=LeasePublic(id=granted.id, expires_at=granted.expires_at), trial=task)
+        return json_response(LeaseGranted(lease=LeasePublic(id=granted.id, expires_at=granted.expires_at), trial=task))
 
 
 @router.delete("/{worker_id}", status_code=204, responses=responses(404))
