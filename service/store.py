@@ -164,10 +164,11 @@ _LEASE = select(*_LEASE_COLUMNS).where(leases.c.id == _P("lease_id"))
 _LEASE_LOCKED = _LEASE.with_for_update()
 _UPDATE_LEASE = update(leases).where(leases.c.id == _P("_lease_id"))
 _INSERT_LEASE = insert(leases)
+_STUDY_COLUMNS = tuple(c.label(f"owner_{c.name}") for c in _MUTABLE)  # beside a trial's, in one row
 _LEASE_AND_TRIAL = select(*_TRIAL, trials.c.measurements, leases.c.id.label("lease_id"),
                           leases.c.worker_id.label("lease_worker_id"), leases.c.expires_at.label("lease_expires_at"),
-                          leases.c.active.label("lease_active")) \
-    .join(leases, leases.c.trial_id == trials.c.id) \
+                          leases.c.active.label("lease_active"), *_STUDY_COLUMNS) \
+    .join(leases, leases.c.trial_id == trials.c.id).join(studies, studies.c.id == trials.c.study_id) \
     .where(trials.c.id == _P("trial_id"), leases.c.id == _P("lease_id")).with_for_update()
 _TOUCH_WORKER = update(workers).where(workers.c.id == _P("_worker_id"), workers.c.active.is_(True)) \
     .values(last_heartbeat=_P("now")).returning(workers)
@@ -176,9 +177,10 @@ _COUNT_WORKER_TRIAL = update(workers).where(workers.c.id == _P("_worker_id")) \
 
 
 @functools.cache
-def _claim(by_studies: bool, by_hardware: bool):
+def _claim(by_studies: bool, by_hardware: bool, with_study: bool):
     """The claim: the oldest pending trial (of the studies ``study_ids``, or on ``hardware_key``) becomes
-    leased by ``claimer``, in one statement."""
+    leased by ``claimer``, in one statement; ``with_study`` (PostgreSQL: SQLite's RETURNING names only
+    the updated table) returns its study's `_MUTABLE` columns too."""
     pending = trials.alias("pending")
     query = (select(pending.c.id).join(studies, studies.c.id == pending.c.study_id)
              .where(pending.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
@@ -191,8 +193,13 @@ def _claim(by_studies: bool, by_hardware: bool):
     # PostgreSQL: concurrent claims skip each other's row (SKIP LOCKED); SQLite: the write transaction
     # is exclusive
     oldest = query.with_for_update(of=pending, skip_locked=True).scalar_subquery()
-    return update(trials).where(trials.c.id == oldest).values(
-        state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=_P("claimer")).returning(*_TRIAL)
+    claim = update(trials).where(trials.c.id == oldest).values(
+        state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=_P("claimer"))
+    if not with_study:
+        return claim.returning(*_TRIAL)
+    owner = studies.alias("owner")
+    return claim.where(owner.c.id == trials.c.study_id).returning(
+        *_TRIAL, *(owner.c[c.name].label(f"owner_{c.name}") for c in _MUTABLE))
 
 
 class SqlStore:
@@ -221,8 +228,9 @@ class SqlTx:
     def __init__(self, connection: Connection, store: SqlStore):
         self.connection = connection  # Core statements in one transaction (no ORM unit of work)
         self.store = store
-        # studies read in this transaction (reads only; a write or a locking read goes to the database)
+        # studies read in this transaction, until it changes them; those it has locked are in `_locked`
         self._studies: dict[int, StudyRecord] = {}
+        self._locked: set[int] = set()
 
     def execute(self, statement, parameters=None):
         return self.connection.execute(statement, parameters)
@@ -276,12 +284,22 @@ class SqlTx:
             .join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
 
     def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
-        if not lock and (seen := self._studies.get(study_id)) is not None:
+        seen = self._studies.get(study_id)
+        if seen is not None and (not lock or study_id in self._locked):
             return seen
         row = self._one(_STUDY_LOCKED if lock else _STUDY, {"study_id": study_id})
         if row is None:
             raise NotFoundError(f"study {study_id} does not exist")
-        record = self._studies[study_id] = self._study_record(self._fixed(study_id, row.created_at), row)
+        if lock:
+            self._locked.add(study_id)
+        return self._remember_study(row)
+
+    def _remember_study(self, row, prefix: str = "") -> StudyRecord:
+        """A study from a row of `_MUTABLE` columns (named ``prefix`` + column in a joined row), kept
+        for the rest of this transaction."""
+        study_id = getattr(row, f"{prefix}id")
+        record = self._study_record(self._fixed(study_id, getattr(row, f"{prefix}created_at")), row, prefix)
+        self._studies[study_id] = record
         return record
 
     def _fixed(self, study_id: int, created_at: dt.datetime) -> _Fixed:
@@ -295,13 +313,16 @@ class SqlTx:
         return fixed
 
     @staticmethod
-    def _study_record(fixed: _Fixed, row) -> StudyRecord:
+    def _study_record(fixed: _Fixed, row, prefix: str = "") -> StudyRecord:
+        def get(name):
+            return getattr(row, prefix + name)
+
         return StudyRecord(
-            id=row.id, problem=fixed.problem, hardware=fixed.hardware, settings=fixed.settings,
-            protocol=fixed.protocol, space_size=fixed.space_size, state=StudyState(row.state),
-            created_at=fixed.created_at, stop_reason=row.stop_reason, message=row.message,
-            started_at=row.started_at, finished_at=row.finished_at, trials_done=row.trials_done,
-            best_trial_id=row.best_trial_id, best_ratio=row.best_ratio, kind=fixed.kind, step=fixed.step,
+            id=get("id"), problem=fixed.problem, hardware=fixed.hardware, settings=fixed.settings,
+            protocol=fixed.protocol, space_size=fixed.space_size, state=StudyState(get("state")),
+            created_at=fixed.created_at, stop_reason=get("stop_reason"), message=get("message"),
+            started_at=get("started_at"), finished_at=get("finished_at"), trials_done=get("trials_done"),
+            best_trial_id=get("best_trial_id"), best_ratio=get("best_ratio"), kind=fixed.kind, step=fixed.step,
             submission_id=fixed.submission_id)
 
     def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
@@ -338,8 +359,13 @@ class SqlTx:
             parameters["study_ids"] = list(study_ids)
         if hardware is not None:
             parameters["hardware_key"] = hardware.identity().key
-        row = self._one(_claim(study_ids is not None, hardware is not None), parameters)
-        return _trial_record(row, False) if row is not None else None
+        with_study = self.connection.dialect.name == "postgresql"
+        row = self._one(_claim(study_ids is not None, hardware is not None, with_study), parameters)
+        if row is None:
+            return None
+        if with_study:
+            self._remember_study(row, "owner_")
+        return _trial_record(row, False)
 
     def update_study(self, study_id: int, **changes) -> None:
         self._studies.pop(study_id, None)
@@ -590,8 +616,8 @@ class SqlTx:
         return LeaseInfo(**row._mapping) if row is not None else None
 
     def lease_and_trial(self, lease_id: str, trial_id: int) -> tuple[LeaseInfo | None, TrialRecord]:
-        """The lease and the trial a result names, both locked for this transaction (one statement
-        when the lease holds the trial).
+        """The lease and the trial a result names, both locked for this transaction, with the trial's
+        study (one statement when the lease holds the trial).
 
         Raises:
             NotFoundError: there is no such trial.
@@ -601,6 +627,7 @@ class SqlTx:
             return self.lease(lease_id, lock=True), self.trial(trial_id, lock=True)
         held = LeaseInfo(id=row.lease_id, trial_id=row.id, worker_id=row.lease_worker_id,
                          expires_at=row.lease_expires_at, active=row.lease_active)
+        self._locked.add(self._remember_study(row, "owner_").id)
         return held, _trial_record(row, True)
 
     def update_lease(self, lease_id: str, **changes) -> None:
