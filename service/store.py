@@ -17,6 +17,7 @@ import datetime as dt
 import functools
 import hashlib
 import secrets
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -61,6 +62,7 @@ problems, hardware_t, tuned_t, tokens = ProblemRow.__table__, HardwareRow.__tabl
     Token.__table__
 overrides_t = RoleOverrideRow.__table__
 ACTIVE = [s.value for s in ACTIVE_STUDY_STATES]
+MAX_TOUCHED = 100_000
 
 
 @functools.lru_cache(maxsize=4096)
@@ -209,6 +211,7 @@ class SqlStore:
         self.db = db
         self.fixed: dict[int, _Fixed] = {}
         self.hardware: dict[int, Hardware] = {}  # hardware rows never change; filled from committed rows only
+        self.touched: dict[int, tuple[float, WorkerInfo]] = {}  # worker id -> when this process marked it alive
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[SqlTx]:
@@ -578,12 +581,19 @@ class SqlTx:
                            trials_done=r.trials_done, memory_bytes=r.memory_bytes)
                 for r in self.execute(query.order_by(workers.c.id))]
 
-    def touch_worker(self, worker_id: int, now: dt.datetime) -> WorkerInfo:
+    def touch_worker(self, worker_id: int, now: dt.datetime, *, at_most_every_s: float = 0.0) -> WorkerInfo:
         """Mark an active worker alive and return it (one statement; its hardware is cached).
+
+        Args:
+            at_most_every_s: a worker this process marked alive more recently is not written again
+                (a busy worker leases several times a second; "online" is judged over a minute).
 
         Raises:
             NotFoundError: the worker is not registered (or left).
         """
+        touched = self.store.touched.get(worker_id)
+        if touched is not None and time.monotonic() - touched[0] < at_most_every_s:
+            return touched[1]
         row = self._one(_TOUCH_WORKER, {"_worker_id": worker_id, "now": now})
         if row is None:
             raise NotFoundError(f"worker {worker_id} is not registered; register again with POST /v1/workers")
@@ -591,9 +601,13 @@ class SqlTx:
         if hardware is None:
             hardware = _hardware(self._one(select(*_hardware_columns()).where(hardware_t.c.id == row.hardware_id)))
             self.store.hardware[row.hardware_id] = hardware
-        return WorkerInfo(id=row.id, name=row.name, hardware=hardware, software=row.software,
-                          registered_at=row.registered_at, last_heartbeat=row.last_heartbeat, active=row.active,
-                          trials_done=row.trials_done, memory_bytes=row.memory_bytes)
+        worker = WorkerInfo(id=row.id, name=row.name, hardware=hardware, software=row.software,
+                            registered_at=row.registered_at, last_heartbeat=row.last_heartbeat, active=row.active,
+                            trials_done=row.trials_done, memory_bytes=row.memory_bytes)
+        if len(self.store.touched) >= MAX_TOUCHED:
+            self.store.touched.clear()
+        self.store.touched[worker_id] = (time.monotonic(), worker)
+        return worker
 
     def count_worker_trial(self, worker_id: int) -> None:
         self.execute(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})

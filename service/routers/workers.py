@@ -21,6 +21,8 @@ from collective_matmul.wire import (
     WorkerRegistered,
 )
 
+LEASE_TOUCH_SECONDS = 2.0  # a lease marks its worker alive at most this often (per server process)
+
 router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=responses(401, 403, 413, 503))
 
 
@@ -59,7 +61,7 @@ def lease(worker_id: Id, state: StateDep, _: WorkerDep):
     """Claim a trial whose hardware matches the worker's (204 when there is none)."""
     now = utcnow()
     with state.store.write() as tx:
-        worker = tx.touch_worker(worker_id, now)
+        worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
         claimed = queue.lease(tx, state.engine, worker, state.settings, now)
         if claimed is None:
             return Response(status_code=204)
@@ -74,6 +76,7 @@ def unregister(worker_id: Id, state: StateDep, _: WorkerDep) -> Response:
         worker = tx.worker(worker_id)
         queue.release_worker(tx, state.engine, worker.id)
         tx.update_worker(worker.id, active=False)
+    state.store.touched.pop(worker_id, None)
     return Response(status_code=204)
 
 
