@@ -176,6 +176,10 @@ _TOUCH_WORKER = update(workers).where(workers.c.id == _P("_worker_id"), workers.
     .values(last_heartbeat=_P("now")).returning(workers)
 _COUNT_WORKER_TRIAL = update(workers).where(workers.c.id == _P("_worker_id")) \
     .values(trials_done=workers.c.trials_done + 1)
+_END_LEASE = update(leases).where(leases.c.id == _P("_lease_id")).values(active=False).returning(leases.c.worker_id)
+_ENDED = _END_LEASE.cte("ended")
+_END_LEASE_COUNTED = update(workers).where(workers.c.id == _ENDED.c.worker_id) \
+    .values(trials_done=workers.c.trials_done + 1).add_cte(_ENDED)
 
 
 @functools.cache
@@ -609,8 +613,16 @@ class SqlTx:
         self.store.touched[worker_id] = (time.monotonic(), worker)
         return worker
 
-    def count_worker_trial(self, worker_id: int) -> None:
-        self.execute(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})
+    def end_lease(self, lease_id: str, *, count_trial: bool) -> None:
+        """The lease is no longer active; with ``count_trial``, its worker has one more trial done (on
+        PostgreSQL one statement)."""
+        if not count_trial:
+            self.update_lease(lease_id, active=False)
+        elif self.connection.dialect.name == "postgresql":
+            self.execute(_END_LEASE_COUNTED, {"_lease_id": lease_id})
+        else:
+            worker_id = self.scalar(_END_LEASE, {"_lease_id": lease_id})
+            self.execute(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})
 
     def update_worker(self, worker_id: int, **changes) -> None:
         self.execute(update(workers).where(workers.c.id == worker_id).values(**changes))
