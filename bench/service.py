@@ -168,18 +168,21 @@ class Http:
 
 
 def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: int = 40,
-               warmup: float = 3.0) -> dict:
+               warmup: float = 3.0, lease_next: bool = True) -> dict:
     """32 simulated workers lease, report a synthetic result, lease again; studies keep coming.
 
     Each worker is one keep-alive connection with its own credential, sending what the worker
-    daemon sends (the wire types' JSON).  Steady state: a submitter keeps ``active`` studies open
-    by creating new ones (default sampler and budget) as others complete, so every proposal the
-    engine makes is made inside the run, and only cycles after ``warmup`` seconds count.
+    daemon sends (the wire types' JSON): a result that also leases the worker's next trial
+    (``lease_next``), or with ``lease_next=False`` a lease request and a result per cycle.
+    Steady state: a submitter keeps ``active`` studies open by creating new ones (default sampler
+    and budget) as others complete, so every proposal the engine makes is made inside the run, and
+    only cycles after ``warmup`` seconds count.
     """
-    return asyncio.run(_lease_load(url, token, seconds, workers, active, warmup))
+    return asyncio.run(_lease_load(url, token, seconds, workers, active, warmup, lease_next))
 
 
-async def _lease_load(url: str, token: str, seconds: float, workers: int, active: int, warmup: float) -> dict:
+async def _lease_load(url: str, token: str, seconds: float, workers: int, active: int, warmup: float,
+                      lease_next: bool) -> dict:
     from collective_matmul.wire import (
         WORKER_HEADER,
         HardwareIn,
@@ -187,6 +190,7 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
         Measurement,
         Problem,
         ResultIn,
+        ResultOut,
         StudyCreate,
         StudyPage,
         Timing,
@@ -242,16 +246,18 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
     async def run(me: WorkerRegistered) -> None:
         worker_id = me.id
         client = Http(url, headers | {WORKER_HEADER: me.credential})
+        grant = None  # leased with the last result, as the worker daemon does
         while (now := time.perf_counter()) < deadline:
-            t0 = time.perf_counter()
-            status, payload = await client.request("POST", f"/v1/workers/{worker_id}/lease")
-            lease_s.append(time.perf_counter() - t0)
-            if status != 200:
-                counts["failures"] += status != 204
-                counts["empty"] += status == 204
-                await asyncio.sleep(0.01)
-                continue
-            grant = LeaseGranted.model_validate_json(payload)
+            if grant is None:
+                t0 = time.perf_counter()
+                status, payload = await client.request("POST", f"/v1/workers/{worker_id}/lease")
+                lease_s.append(time.perf_counter() - t0)
+                if status != 200:
+                    counts["failures"] += status != 204
+                    counts["empty"] += status == 204
+                    await asyncio.sleep(0.01)
+                    continue
+                grant = LeaseGranted.model_validate_json(payload)
             trial = grant.trial
             counts["duplicates"] += trial.id in held
             held[trial.id] = worker_id
@@ -263,13 +269,14 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
                                    candidate=Timing.of([1e-3 * synthetic_ratio(d)]), baseline=Timing.of([1e-3]),
                                    ratio=synthetic_ratio(d), ratio_iqr=0.0) for d in trial.decompositions]
             held.pop(trial.id, None)
-            body = ResultIn.of(grant.lease.id, trial.kind, results).model_dump_json().encode()
+            body = ResultIn.of(grant.lease.id, trial.kind, results, lease_next=lease_next).model_dump_json().encode()
             t0 = time.perf_counter()
-            status, _ = await client.request("POST", f"/v1/trials/{trial.id}/result", body)
+            status, payload = await client.request("POST", f"/v1/trials/{trial.id}/result", body)
             result_s.append(time.perf_counter() - t0)
             if now >= counting_from and time.perf_counter() < deadline:
                 counts["cycles"] += status == 200
             counts["failures"] += status != 200
+            grant = ResultOut.model_validate_json(payload).next if status == 200 else None
         client.close()
 
     await asyncio.gather(submitter(), *(run(w) for w in registered))
@@ -278,17 +285,18 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
             "lease_p50_ms": statistics.median(lease_s) * 1e3, "result_p50_ms": statistics.median(result_s) * 1e3}
 
 
-def lease_rounds(server_url: str, database_url: str, token: str, seconds: float, workers: int) -> list[dict]:
+def lease_rounds(server_url: str, database_url: str, token: str, seconds: float, workers: int,
+                 lease_next: bool = True) -> list[dict]:
     """Three recorded rounds after one unrecorded: the tables hold a running service's data, and
     their planner statistics are taken then (``ANALYZE``, as autovacuum does on a live database)."""
-    lease_load(server_url, token, seconds / 2, workers)
+    lease_load(server_url, token, seconds / 2, workers, lease_next=lease_next)
     from sqlalchemy import create_engine, text
 
     engine = create_engine(database_url, isolation_level="AUTOCOMMIT")
     with engine.connect() as connection:
         connection.execute(text("ANALYZE"))
     engine.dispose()
-    return [lease_load(server_url, token, seconds, workers) for _ in range(3)]
+    return [lease_load(server_url, token, seconds, workers, lease_next=lease_next) for _ in range(3)]
 
 
 def ask_cost(repeats: int = 50) -> dict:
@@ -330,7 +338,7 @@ def cached_client_lookup() -> dict:
 
 
 def run_backend(name: str, url: str, seconds: float, workers: int, only: str | None = None,
-                lease_workers: int = 32) -> dict:
+                lease_workers: int = 32, lease_next: bool = True) -> dict:
     from cmtune.service.launcher import running_server
 
     token = prepare(url)
@@ -338,7 +346,7 @@ def run_backend(name: str, url: str, seconds: float, workers: int, only: str | N
                         workers=workers) as server:
         if only == "lease":
             return {"backend": f"{name}, {workers} process{'es' if workers > 1 else ''}", "closed": [],
-                    "paced": [], "lease": lease_rounds(server.url, url, token, seconds, lease_workers)}
+                    "paced": [], "lease": lease_rounds(server.url, url, token, seconds, lease_workers, lease_next)}
         asyncio.run(lookup_load(server.url, token, 2))  # warm-up (connections, caches), not recorded
         closed = [asyncio.run(lookup_load(server.url, token, seconds)) for _ in range(3)]
         paced = []
@@ -348,7 +356,7 @@ def run_backend(name: str, url: str, seconds: float, workers: int, only: str | N
             if before is not None:  # each worker process keeps its own histogram
                 result["server_p99_ms"] = bucket_quantile(before, config_buckets(server.url), 0.99) * 1e3
             paced.append(result)
-        lease = lease_rounds(server.url, url, token, seconds, lease_workers)
+        lease = lease_rounds(server.url, url, token, seconds, lease_workers, lease_next)
     return {"backend": f"{name}, {workers} process{'es' if workers > 1 else ''}", "closed": closed,
             "paced": paced, "lease": lease}
 
@@ -384,6 +392,9 @@ def main() -> None:
                         help="server processes (cmtune serve --workers), one run each")
     parser.add_argument("--only", choices=["lease"], help="run only the lease+report benchmark")
     parser.add_argument("--lease-workers", type=int, default=32, help="simulated workers of the lease benchmark")
+    parser.add_argument("--separate-leases", action="store_true",
+                        help="a lease request and a result per cycle (default: the result leases the next trial, "
+                             "as the worker daemon does)")
     parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgresql"], default=["sqlite", "postgresql"],
                         help="postgresql needs CMTUNE_TEST_DATABASE_URL")
     args = parser.parse_args()
@@ -392,7 +403,8 @@ def main() -> None:
     if os.environ.get("CMTUNE_TEST_DATABASE_URL"):
         backends.append(("postgresql", os.environ["CMTUNE_TEST_DATABASE_URL"]))
     backends = [(name, url) for name, url in backends if name in args.backends]
-    results = [run_backend(name, url, args.seconds, workers, args.only, args.lease_workers) for name, url in backends
+    results = [run_backend(name, url, args.seconds, workers, args.only, args.lease_workers, not args.separate_leases)
+               for name, url in backends
                for workers in args.workers]
     client = cached_client_lookup()
     print(f"{os.cpu_count()} CPUs, {args.seconds:.0f} s per round, 3 rounds, 64 connections; "
@@ -410,7 +422,9 @@ def main() -> None:
                       if "server_p99_ms" in rounds[0] else "-")
             print(f"| {r['backend']} | {label} | {' | '.join(cells)} | {inside} "
                   f"| {sum(x['errors'] for x in rounds)} |")
-    print(f"\n| backend | lease+report cycles/s ({args.lease_workers} workers) | cycles | studies created "
+    protocol = "a lease and a result per cycle" if args.separate_leases else "each result leases the next trial"
+    print(f"\nlease + report ({protocol}):\n")
+    print(f"| backend | lease+report cycles/s ({args.lease_workers} workers) | cycles | studies created "
           "| empty leases | failed | duplicate leases | lease p50 | result p50 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -558,6 +558,8 @@ class ResultIn(BaseModel):
     measurement: Measurement | None = None
     measurements: list[Measurement] | None = Field(default=None, min_length=1, max_length=64)
     step: StepMeasurement | None = None
+    lease_next: bool = Field(default=False, description="also lease this worker's next trial, answered as 'next' "
+                             "(one request instead of a result and a lease)")
 
     @model_validator(mode="after")
     def _one(self) -> ResultIn:
@@ -567,13 +569,14 @@ class ResultIn(BaseModel):
         return self
 
     @classmethod
-    def of(cls, lease_id: str, kind: TrialKind, results: list[Measurement] | StepMeasurement) -> ResultIn:
+    def of(cls, lease_id: str, kind: TrialKind, results: list[Measurement] | StepMeasurement, *,
+           lease_next: bool = False) -> ResultIn:
         """The body for a trial of ``kind``."""
         if kind == TrialKind.STEP:
-            return cls(lease_id=lease_id, step=results)
+            return cls(lease_id=lease_id, step=results, lease_next=lease_next)
         if kind == TrialKind.SEARCH:
-            return cls(lease_id=lease_id, measurement=results[0])
-        return cls(lease_id=lease_id, measurements=results)
+            return cls(lease_id=lease_id, measurement=results[0], lease_next=lease_next)
+        return cls(lease_id=lease_id, measurements=results, lease_next=lease_next)
 
     @property
     def kind(self) -> TrialKind:
@@ -592,6 +595,8 @@ class ResultOut(BaseModel):
     trial_id: int
     state: TrialState
     duplicate: bool = False
+    next: LeaseGranted | None = Field(default=None, description="the worker's next trial, when the result asked "
+                                      "for it ('lease_next') and one was there to lease")
 
 
 class ConfigQuery(BaseModel):

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 
 from sqlalchemy import exists, select
 
+from cmtune.service.models import utcnow
 from cmtune.service.settings import Settings
-from cmtune.service.store import LeaseInfo, SqlTx, WorkerInfo, hardware_t, studies, trials
+from cmtune.service.store import LeaseInfo, SqlStore, SqlTx, WorkerInfo, hardware_t, studies, trials
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError
 from cmtune.tuner.store import TrialRecord
 from collective_matmul.wire import (
+    LeaseGranted,
+    LeasePublic,
     Measurement,
     Status,
     StudyState,
@@ -38,6 +41,7 @@ from collective_matmul.wire import (
     TrialTask,
 )
 
+LEASE_TOUCH_SECONDS = 2.0  # a lease marks its worker alive at most this often (per server process)
 _expiry_lock = threading.Lock()
 _last_expiry = 0.0
 
@@ -83,6 +87,22 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
         return None
     granted = tx.add_lease(trial_id=trial.id, worker_id=worker.id, now=now, seconds=settings.lease_seconds)
     return granted, task_for(tx.study(trial.study_id), trial)
+
+
+def grant(store: SqlStore, engine: Engine, settings: Settings, worker_id: int) -> LeaseGranted | None:
+    """One transaction: the worker's next trial, leased to it (None if there is none).
+
+    Raises:
+        NotFoundError: the worker is not registered (or left).
+    """
+    now = utcnow()
+    with store.write() as tx:
+        worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
+        claimed = lease(tx, engine, worker, settings, now)
+    if claimed is None:
+        return None
+    granted, task = claimed
+    return LeaseGranted(lease=LeasePublic(id=granted.id, expires_at=granted.expires_at), trial=task)
 
 
 def _refill_starving(tx: SqlTx, engine: Engine, worker: WorkerInfo, now: dt.datetime) -> bool:

@@ -40,6 +40,7 @@ from collective_matmul.wire import (
     LeaseGranted,
     Measurement,
     ResultIn,
+    ResultOut,
     Status,
     StepMeasurement,
     StepVariant,
@@ -129,10 +130,11 @@ class WorkerDaemon:
         try:
             self.register(hardware)
             threading.Thread(target=self._heartbeats, name="cmtune-heartbeat", daemon=True).start()
+            grant = None  # a trial leased with the last result (a lease the daemon leaves with is given back)
             while not self.state.stop.is_set():
                 if self.max_trials is not None and self.state.trials_done >= self.max_trials:
                     break
-                grant = self.lease()
+                grant = grant or self.lease()
                 if grant is None:
                     if self.exit_when_idle and time.monotonic() - idle_since > max(self.poll_s * 3, 5.0):
                         break
@@ -140,7 +142,7 @@ class WorkerDaemon:
                     self.state.stop.wait(self.poll_s)
                     continue
                 idle_since = time.monotonic()
-                self.run_trial(grant)
+                grant = self.run_trial(grant)
         except KeyboardInterrupt:
             log.warning("interrupted; the current trial goes back to the queue")
         except Exception:
@@ -201,7 +203,9 @@ class WorkerDaemon:
         response.raise_for_status()
         return LeaseGranted.model_validate(response.json())
 
-    def run_trial(self, grant: LeaseGranted) -> None:
+    def run_trial(self, grant: LeaseGranted) -> LeaseGranted | None:
+        """Run a leased trial and report it; returns the next trial, leased with the result (one request)
+        unless the daemon is leaving or has done its ``max_trials``."""
         task = grant.trial
         self.state.lease_id = grant.lease.id
         self._group.send({"kind": "trial", "task": task.model_dump(mode="json")})
@@ -212,12 +216,14 @@ class WorkerDaemon:
             except Exception as exc:  # noqa: BLE001 - anything the runner lets through is still a result
                 log.exception("%s failed outside the measurement protocol", what)
                 results = failed(task, Status.ERROR, f"{type(exc).__name__}: {exc}")
-        body = ResultIn.of(grant.lease.id, task.kind, results)
+        last = self.max_trials is not None and self.state.trials_done + 1 >= self.max_trials
+        more = not (self.state.stop.is_set() or last)
+        body = ResultIn.of(grant.lease.id, task.kind, results, lease_next=more)
         response = self.client.call("POST", f"/v1/trials/{task.id}/result", json=body.model_dump(mode="json"))
         self.state.lease_id = None
         if response.status_code in (409, 422):
             log.warning("trial %s: result refused (%s)", task.id, response.json().get("detail"))
-            return
+            return None
         response.raise_for_status()
         self.state.trials_done += 1
         if task.kind == TrialKind.STEP:
@@ -225,10 +231,11 @@ class WorkerDaemon:
                 log.info("trial %s study %s step of %s, %s: %s", task.id, task.study_id, task.step.block.name,
                          v.name, f"{v.speedup:.2f}x plain autodiff" if v.ok and v.speedup else
                          f"{v.status} {v.message[:200]}")
-            return
-        for m in results:
-            log.info("trial %s study %s %s %s: %s", task.id, task.study_id, m.problem.key, m.decomposition.id,
-                     _summary(m))
+        else:
+            for m in results:
+                log.info("trial %s study %s %s %s: %s", task.id, task.study_id, m.problem.key, m.decomposition.id,
+                         _summary(m))
+        return ResultOut.model_validate(response.json()).next
 
 
 def describe(task: TrialTask) -> str:

@@ -21,8 +21,6 @@ from collective_matmul.wire import (
     WorkerRegistered,
 )
 
-LEASE_TOUCH_SECONDS = 2.0  # a lease marks its worker alive at most this often (per server process)
-
 router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=responses(401, 403, 413, 503))
 
 
@@ -59,14 +57,8 @@ def heartbeat(worker_id: Id, state: StateDep, _: WorkerDep, body: HeartbeatIn | 
              responses={204: {"description": "no trial to run"}, **responses(404)})
 def lease(worker_id: Id, state: StateDep, _: WorkerDep):
     """Claim a trial whose hardware matches the worker's (204 when there is none)."""
-    now = utcnow()
-    with state.store.write() as tx:
-        worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
-        claimed = queue.lease(tx, state.engine, worker, state.settings, now)
-        if claimed is None:
-            return Response(status_code=204)
-        granted, task = claimed
-        return json_response(LeaseGranted(lease=LeasePublic(id=granted.id, expires_at=granted.expires_at), trial=task))
+    granted = queue.grant(state.store, state.engine, state.settings, worker_id)
+    return json_response(granted) if granted is not None else Response(status_code=204)
 
 
 @router.delete("/{worker_id}", status_code=204, responses=responses(404))

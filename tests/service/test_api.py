@@ -74,6 +74,29 @@ def test_lease_result_tell_cycle(api):
     assert workers[0]["trials_done"] == 3 and workers[0]["online"]
 
 
+def test_a_result_can_lease_the_workers_next_trial(api):
+    create(api.admin)
+    worker, other = register(api.worker, "w"), register(api.worker, "other")
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    trial = grant["trial"]
+    body = {"lease_id": grant["lease"]["id"], "lease_next": True,
+            "measurement": measurement(PROBLEM, Decomposition.model_validate(trial["decomposition"]), 1.0)}
+    reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body).json()
+    assert reply["state"] == "completed" and reply["next"]["trial"]["id"] != trial["id"]
+    following = reply["next"]
+    # the next trial is this worker's lease: another worker cannot report it, this one can
+    foreign = {"lease_id": following["lease"]["id"], "measurement": measurement(
+        PROBLEM, Decomposition.model_validate(following["trial"]["decomposition"]), 0.9)}
+    assert other.post(f"/v1/trials/{following['trial']['id']}/result", json=foreign).status_code == 409
+    done = worker.post(f"/v1/trials/{following['trial']['id']}/result", json=foreign).json()
+    assert done["state"] == "completed" and done["next"] is None  # not asked for
+    # reporting the first result again is harmless, and leases nothing more than a lease would
+    again = worker.post(f"/v1/trials/{trial['id']}/result", json=body).json()
+    assert again["duplicate"] is True
+    trials = api.reader.get("/v1/studies/1/trials").json()
+    assert sum(t["state"] == "leased" for t in trials) == (again["next"] is not None)
+
+
 def test_completion_with_confirmation_writes_the_tuned_config(api):
     study_id = create(api.admin, budget={"trials": 8}, confirm_top=2).json()["studies"][0]["id"]
     worker = register(api.worker)
@@ -139,7 +162,8 @@ def test_idempotent_and_stale_reports(api):
     body = {"lease_id": grant["lease"]["id"], "measurement": measurement(PROBLEM, Decomposition.baseline(), 1.0)}
     url = f"/v1/trials/{grant['trial']['id']}/result"
     first, second = worker.post(url, json=body), worker.post(url, json=body)
-    assert first.json() == {"trial_id": grant["trial"]["id"], "state": "completed", "duplicate": False}
+    assert first.json() == {"trial_id": grant["trial"]["id"], "state": "completed", "duplicate": False,
+                            "next": None}
     assert second.status_code == 200 and second.json()["duplicate"] is True
     with api.db.transaction() as connection:  # counted once
         assert connection.scalar(select(func.count()).select_from(Trial).where(Trial.state == "completed")) == 1
