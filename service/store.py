@@ -273,13 +273,16 @@ class SqlTx:
                   submission_id=None) -> StudyRecord:
         hardware_id = self.hardware_id(hardware, create=True)
         problem_id = self.problem_id(problem, create=True) if problem is not None else None
-        study_id = self.execute(insert(studies).values(
+        row = self.execute(insert(studies).values(
             problem_id=problem_id, hardware_id=hardware_id, state=StudyState.PENDING,
             settings=settings.model_dump(mode="json"), protocol=protocol.model_dump(mode="json"),
             space_size=space_size, created_at=now, trials_done=0, kind=kind,
             step=step.to_json() if step is not None else None, submission_id=submission_id,
-        ).returning(studies.c.id)).scalar_one()
-        return self.study(study_id)
+        ).returning(*_MUTABLE)).one()
+        # what never changes is what was just written (no read back)
+        self.store.fixed[row.id] = _Fixed(problem, hardware.identity(), hardware_id, problem_id, settings, protocol,
+                                          space_size, row.created_at, StudyKind(kind), step, submission_id)
+        return self._remember_study(row)
 
     # what `_Fixed.of` reads: a study's fixed columns with its problem (if any) and hardware
     _FIXED = (studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c.created_at, studies.c.kind,

@@ -403,9 +403,10 @@ class Engine:
                 note: str | None = None) -> None:
         """Complete a study with its tuned config, or fail it with the reasons."""
         study = tx.study(study_id, lock=True)
-        search = [t for t in tx.trials(study_id, measurements=True) if t.kind == TrialKind.SEARCH]
         pool = list(confirmation or [])
-        if not any(m.ok for m in pool):
+        fallback = not any(m.ok for m in pool)  # the search trials' measurements are read only then
+        search = [t for t in tx.trials(study_id, measurements=fallback) if t.kind == TrialKind.SEARCH]
+        if fallback:
             if confirmation is not None and note is None:
                 note = "every measurement of the confirmation round failed"
             pool = [m for t in search for m in (t.measurements or ())]
