@@ -425,3 +425,35 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
     params = {"model": "tiny", "platform": "cpu", "device_kind": "cpu", "device_count": 8}
     assert api.reader.get("/v1/overrides", params=params).json() == sub["overrides"]
     assert api.reader.get("/v1/bundles").json()["overrides"] == sub["overrides"]
+
+
+def test_a_lease_and_report_cycle_costs_a_fixed_handful_of_statements(api):
+    """The lease path is a claim (the proposals are queued in advance) and a result's first statement
+    locks its trial, lease and study at once: a cycle reads no study row of its own, and its number of
+    statements does not grow with the study's history."""
+    from sqlalchemy import event
+
+    create(api.admin, budget={"trials": 12})
+    worker = register(api.worker)
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    statements: list[str] = []
+
+    @event.listens_for(api.db.engine, "before_cursor_execute")
+    def count(_conn, _cursor, statement, *_):
+        statements.append(" ".join(statement.split()))
+
+    per_cycle = []
+    for _ in range(6):
+        statements.clear()
+        trial = grant["trial"]
+        config = Decomposition.model_validate(trial["decomposition"])
+        body = {"lease_id": grant["lease"]["id"], "lease_next": True,
+                "measurement": measurement(PROBLEM, config, 1.0 if config.method == "baseline" else 0.9)}
+        reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body).json()
+        grant = reply["next"]
+        per_cycle.append([s for s in statements if not s.startswith(("BEGIN", "SAVEPOINT", "RELEASE"))])
+    event.remove(api.db.engine, "before_cursor_execute", count)
+    postgres = api.db.is_postgres
+    for cycle in per_cycle:  # (one more where the once-a-second scan for expired leases falls)
+        assert not any(s.startswith("SELECT studies.") for s in cycle) or not postgres, cycle
+        assert len(cycle) <= (9 if postgres else 11), "\n".join(cycle)
