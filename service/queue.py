@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import exists, select
 
-from cmtune.service.models import utcnow
 from cmtune.service.settings import Settings
-from cmtune.service.store import LeaseInfo, SqlStore, SqlTx, WorkerInfo, hardware_t, studies, trials
+from cmtune.service.store import LeaseInfo, SqlTx, WorkerInfo, hardware_t, studies, trials
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError
 from cmtune.tuner.store import TrialRecord
@@ -89,16 +88,14 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
     return granted, task_for(tx.study(trial.study_id), trial)
 
 
-def grant(store: SqlStore, engine: Engine, settings: Settings, worker_id: int) -> LeaseGranted | None:
-    """One transaction: the worker's next trial, leased to it (None if there is none).
+def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt.datetime) -> LeaseGranted | None:
+    """The worker's next trial, leased to it (None if there is none).
 
     Raises:
         NotFoundError: the worker is not registered (or left).
     """
-    now = utcnow()
-    with store.write() as tx:
-        worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
-        claimed = lease(tx, engine, worker, settings, now)
+    worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
+    claimed = lease(tx, engine, worker, settings, now)
     if claimed is None:
         return None
     granted, task = claimed

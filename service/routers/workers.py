@@ -57,7 +57,8 @@ def heartbeat(worker_id: Id, state: StateDep, _: WorkerDep, body: HeartbeatIn | 
              responses={204: {"description": "no trial to run"}, **responses(404)})
 def lease(worker_id: Id, state: StateDep, _: WorkerDep):
     """Claim a trial whose hardware matches the worker's (204 when there is none)."""
-    granted = queue.grant(state.store, state.engine, state.settings, worker_id)
+    with state.store.write() as tx:
+        granted = queue.grant(tx, state.engine, state.settings, worker_id, utcnow())
     return json_response(granted) if granted is not None else Response(status_code=204)
 
 
