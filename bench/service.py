@@ -132,16 +132,26 @@ def synthetic_ratio(config) -> float:
 
 
 class Http:
-    """One keep-alive HTTP/1.1 connection (raw asyncio: the load generator must not be the limit)."""
+    """One keep-alive HTTP/1.1 connection (raw asyncio: the load generator must not be the limit).
 
-    def __init__(self, url: str, headers: dict[str, str]):
+    ``reconnect_every``: open a new connection after that many requests.  The processes of
+    ``cmtune serve --workers N`` share one listening socket and whichever is free accepts a new
+    connection; 32 connections opened at once can all land on one process and leave the others
+    idle, so simulated workers reconnect now and then, as they would behind a load balancer.
+    """
+
+    def __init__(self, url: str, headers: dict[str, str], reconnect_every: int | None = None):
         self.host, self.port = url.removeprefix("http://").split(":")
         self.headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.reader = self.writer = None
+        self.reconnect_every, self.sent = reconnect_every, 0
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.headers}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self.sent += 1
+        if self.reconnect_every and self.sent % self.reconnect_every == 0:
+            self.close()
         for _ in range(2):  # a connection that idled past the server's keep-alive is closed: open another
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
@@ -167,7 +177,7 @@ class Http:
             self.reader = self.writer = None
 
 
-def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: int = 40,
+def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: int = 96,
                warmup: float = 3.0, lease_next: bool = True) -> dict:
     """32 simulated workers lease, report a synthetic result, lease again; studies keep coming.
 
@@ -225,7 +235,7 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
         counts["studies"] += time.perf_counter() >= counting_from
 
     async def submitter() -> None:
-        """Keeps ``active`` studies open (counted twice a second), creating missing ones 8 at a time."""
+        """Keeps ``active`` studies open (counted four times a second), creating missing ones 8 at a time."""
         clients = [Http(url, headers) for _ in range(8)]
 
         async def submit(n: int) -> None:
@@ -239,13 +249,13 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
                 _, payload = await admin.request("GET", f"/v1/studies?state={state}&limit=1")
                 open_studies += StudyPage.model_validate_json(payload).total
             await submit(max(0, active - open_studies))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
         for client in clients:
             client.close()
 
     async def run(me: WorkerRegistered) -> None:
         worker_id = me.id
-        client = Http(url, headers | {WORKER_HEADER: me.credential})
+        client = Http(url, headers | {WORKER_HEADER: me.credential}, reconnect_every=10)
         grant = None  # leased with the last result, as the worker daemon does
         while (now := time.perf_counter()) < deadline:
             if grant is None:
@@ -269,7 +279,8 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
                                    candidate=Timing.of([1e-3 * synthetic_ratio(d)]), baseline=Timing.of([1e-3]),
                                    ratio=synthetic_ratio(d), ratio_iqr=0.0) for d in trial.decompositions]
             held.pop(trial.id, None)
-            body = ResultIn.of(grant.lease.id, trial.kind, results, lease_next=lease_next).model_dump_json().encode()
+            body = ResultIn.of(grant.lease.id, trial.kind, results, lease_next=lease_next) \
+                .model_dump_json(exclude=None if lease_next else {"lease_next"}).encode()  # (servers before it)
             t0 = time.perf_counter()
             status, payload = await client.request("POST", f"/v1/trials/{trial.id}/result", body)
             result_s.append(time.perf_counter() - t0)
