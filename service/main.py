@@ -55,6 +55,7 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
     store = SqlStore(db)
     state = AppState(settings=settings, store=store, engine=Engine(ready=settings.ready_proposals),
                      cache=ConfigCache(store, settings.config_cache_seconds))
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         to_thread.current_default_thread_limiter().total_tokens = settings.request_threads

@@ -5,9 +5,11 @@ tx`` (one transaction; see `cmtune.service.db`), then `SqlTx` methods, which ret
 (`StudyRecord`, `TrialRecord`, `TunedConfig`, ...) or plain values, never ORM rows.  The engine
 (`cmtune.tuner.engine`) takes the same ``tx`` as its `StoreTx`.
 
-The hot paths (claim, result, history) are single Core statements.  A study's problem, hardware,
-settings and protocol never change after it is created, so each process keeps them in memory
-and a study read fetches only its mutable columns.
+The hot paths (claim, result, history) are single Core statements, built once at import and
+executed with parameters; on PostgreSQL a lease+report cycle is 8 of them.  A study's problem,
+hardware, settings and protocol never change after it is created, so each process keeps them in
+memory and a study read fetches only its mutable columns; within a transaction a study is read
+once, until the transaction changes it.
 """
 
 from __future__ import annotations
