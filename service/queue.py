@@ -88,17 +88,28 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
     return granted, task_for(tx.study(trial.study_id), trial)
 
 
-def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt.datetime) -> LeaseGranted | None:
+def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt.datetime, *,
+          reuse_held: bool = False) -> LeaseGranted | None:
     """The worker's next trial, leased to it (None if there is none).
+
+    Args:
+        reuse_held: a lease the worker already holds is answered again instead of a new one (a
+            result sent twice, because its answer was lost, must not leave a lease nobody runs).
 
     Raises:
         NotFoundError: the worker is not registered (or left).
     """
     worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
-    claimed = lease(tx, engine, worker, settings, now)
-    if claimed is None:
-        return None
-    granted, task = claimed
+    held = [h for h in tx.active_leases(worker_id=worker_id) if h.expires_at > now] if reuse_held else []
+    if held:
+        granted = held[-1]
+        trial = tx.trial(granted.trial_id)
+        task = task_for(tx.study(trial.study_id), trial)
+    else:
+        claimed = lease(tx, engine, worker, settings, now)
+        if claimed is None:
+            return None
+        granted, task = claimed
     return LeaseGranted(lease=LeasePublic(id=granted.id, expires_at=granted.expires_at), trial=task)
 
 

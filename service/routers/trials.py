@@ -24,7 +24,7 @@ def post_result(trial_id: Id, body: ResultIn, state: StateDep, worker_id: Worker
         outcome = queue.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
                                results=body.results, kind=body.kind, now=now, worker_id=worker_id)
         if body.lease_next and not outcome.expired:
-            granted = queue.grant(tx, state.engine, state.settings, worker_id, now)
+            granted = queue.grant(tx, state.engine, state.settings, worker_id, now, reuse_held=outcome.duplicate)
     if outcome.expired:  # the expiry is committed; the result is not
         raise ConflictError(f"lease {body.lease_id} expired before its result arrived; trial {trial_id} went back "
                             "to the queue: drop this result and lease again")
