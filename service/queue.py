@@ -174,7 +174,7 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
         _expire_one(tx, engine, settings, held, now)
         return Reported(tx.trial(trial_id), expired=True)
     stored = engine.record(tx, trial, results, now=now, lease_id=held.id, kind=kind)
-    tx.end_lease(held.id, count_trial=True)
+    tx.end_lease(held.id)
     return Reported(stored)
 
 

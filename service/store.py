@@ -371,7 +371,7 @@ class SqlTx:
             parameters["study_ids"] = list(study_ids)
         if hardware is not None:
             parameters["hardware_key"] = hardware.identity().key
-        with_study = self.connection.dialect.name == "postgresql"
+        with_study = self.store.db.is_postgres
         row = self._one(_claim(study_ids is not None, hardware is not None, with_study), parameters)
         if row is None:
             return None
@@ -618,18 +618,17 @@ class SqlTx:
         self.store.touched[worker_id] = (time.monotonic(), worker)
         return worker
 
-    def end_lease(self, lease_id: str, *, count_trial: bool) -> None:
-        """The lease is no longer active; with ``count_trial``, its worker has one more trial done (on
-        PostgreSQL one statement)."""
-        if not count_trial:
-            self.update_lease(lease_id, active=False)
-        elif self.connection.dialect.name == "postgresql":
+    def end_lease(self, lease_id: str) -> None:
+        """The lease is no longer active and its worker has one more trial done (on PostgreSQL one
+        statement)."""
+        if self.store.db.is_postgres:
             self.execute(_END_LEASE_COUNTED, {"_lease_id": lease_id})
         else:
             worker_id = self.scalar(_END_LEASE, {"_lease_id": lease_id})
             self.execute(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})
 
     def update_worker(self, worker_id: int, **changes) -> None:
+        self.store.touched.pop(worker_id, None)  # a changed worker is read afresh by its next lease
         self.execute(update(workers).where(workers.c.id == worker_id).values(**changes))
 
     def count_workers_online(self, *, since: dt.datetime) -> int:
@@ -667,8 +666,7 @@ class SqlTx:
     def active_leases(self, *, expired_before: dt.datetime | None = None, worker_id: int | None = None,
                       study_id: int | None = None) -> list[LeaseInfo]:
         """Active leases (expired ones, a worker's, or a study's), locked for this transaction."""
-        query = select(leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active) \
-            .where(leases.c.active.is_(True))
+        query = select(*_LEASE_COLUMNS).where(leases.c.active.is_(True))
         if expired_before is not None:
             query = query.where(leases.c.expires_at < expired_before)
         if worker_id is not None:

@@ -69,7 +69,6 @@ def unregister(worker_id: Id, state: StateDep, _: WorkerDep) -> Response:
         worker = tx.worker(worker_id)
         queue.release_worker(tx, state.engine, worker.id)
         tx.update_worker(worker.id, active=False)
-    state.store.touched.pop(worker_id, None)
     return Response(status_code=204)
 
 
