@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, null, select, type_coerce, update
+from sqlalchemy import Connection, bindparam, case, delete, func, insert, null, or_, select, type_coerce, update
 
 from cmtune.service.db import Database
 from cmtune.service.models import (
@@ -42,6 +42,7 @@ from cmtune.service.models import (
     TunedConfigRow,
     Worker,
 )
+from cmtune.service.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord
@@ -145,8 +146,9 @@ _MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_
             studies.c.started_at, studies.c.finished_at, studies.c.trials_done, studies.c.best_trial_id,
             studies.c.best_ratio)
 _STUDY = select(*_MUTABLE).where(studies.c.id == _P("study_id"))
-_STUDY_LOCKED = _STUDY.with_for_update()
-_UPDATE_STUDY = update(studies).where(studies.c.id == _P("_study_id"))  # SET: the other parameters
+_STUDY_LOCKED = Prepared(_STUDY.with_for_update())
+_STUDY = Prepared(_STUDY)
+_UPDATE_STUDY = Prepared(update(studies).where(studies.c.id == _P("_study_id")))  # SET: the other parameters
 
 _TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
           trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
@@ -155,33 +157,54 @@ _TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials
 _BRIEF = (*_TRIAL[:4], type_coerce(case((trials.c.kind == TrialKind.SEARCH.value, null()),
                                         else_=trials.c.decompositions), trials.c.decompositions.type)
           .label("decompositions"), *_TRIAL[5:])
-_TRIALS = select(*_BRIEF).where(trials.c.study_id == _P("study_id")).order_by(trials.c.number)
-_TRIALS_MEASURED = select(*_BRIEF, trials.c.measurements).where(trials.c.study_id == _P("study_id")) \
-    .order_by(trials.c.number)
+_TRIALS = Prepared(select(*_BRIEF).where(trials.c.study_id == _P("study_id")).order_by(trials.c.number))
+_TRIALS_MEASURED = Prepared(select(*_BRIEF, trials.c.measurements).where(trials.c.study_id == _P("study_id"))
+                            .order_by(trials.c.number))
 _TRIAL_ONE = select(*_TRIAL, trials.c.measurements).where(trials.c.id == _P("trial_id"))
-_TRIAL_LOCKED = _TRIAL_ONE.with_for_update()
-_UPDATE_TRIAL = update(trials).where(trials.c.id == _P("_trial_id"))
-_INSERT_TRIALS = insert(trials).returning(trials.c.id, sort_by_parameter_order=True)
+_TRIAL_LOCKED = Prepared(_TRIAL_ONE.with_for_update())
+_TRIAL_ONE = Prepared(_TRIAL_ONE)
+_UPDATE_TRIAL = Prepared(update(trials).where(trials.c.id == _P("_trial_id")))
+_INSERT_TRIAL = Prepared(insert(trials).returning(trials.c.id))
+_INSERT_TRIALS = insert(trials).returning(trials.c.id, sort_by_parameter_order=True)  # several in one statement
 
 _LEASE_COLUMNS = (leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active)
 _LEASE = select(*_LEASE_COLUMNS).where(leases.c.id == _P("lease_id"))
-_LEASE_LOCKED = _LEASE.with_for_update()
-_UPDATE_LEASE = update(leases).where(leases.c.id == _P("_lease_id"))
-_INSERT_LEASE = insert(leases)
+_LEASE_LOCKED = Prepared(_LEASE.with_for_update())
+_LEASE = Prepared(_LEASE)
+_UPDATE_LEASE = Prepared(update(leases).where(leases.c.id == _P("_lease_id")))
+_INSERT_LEASE = Prepared(insert(leases))
 _STUDY_COLUMNS = tuple(c.label(f"owner_{c.name}") for c in _MUTABLE)  # beside a trial's, in one row
-_LEASE_AND_TRIAL = select(*_TRIAL, trials.c.measurements, leases.c.id.label("lease_id"),
+_LEASE_AND_TRIAL = Prepared(select(*_TRIAL, trials.c.measurements, leases.c.id.label("lease_id"),
                           leases.c.worker_id.label("lease_worker_id"), leases.c.expires_at.label("lease_expires_at"),
                           leases.c.active.label("lease_active"), *_STUDY_COLUMNS) \
     .join(leases, leases.c.trial_id == trials.c.id).join(studies, studies.c.id == trials.c.study_id) \
-    .where(trials.c.id == _P("trial_id"), leases.c.id == _P("lease_id")).with_for_update()
-_TOUCH_WORKER = update(workers).where(workers.c.id == _P("_worker_id"), workers.c.active.is_(True)) \
-    .values(last_heartbeat=_P("now")).returning(workers)
-_COUNT_WORKER_TRIAL = update(workers).where(workers.c.id == _P("_worker_id")) \
-    .values(trials_done=workers.c.trials_done + 1)
+    .where(trials.c.id == _P("trial_id"), leases.c.id == _P("lease_id")).with_for_update())
+_TOUCH_WORKER = Prepared(update(workers).where(workers.c.id == _P("_worker_id"), workers.c.active.is_(True))
+                         .values(last_heartbeat=_P("now")).returning(workers))
+_COUNT_WORKER_TRIAL = Prepared(update(workers).where(workers.c.id == _P("_worker_id"))
+                               .values(trials_done=workers.c.trials_done + 1))
 _END_LEASE = update(leases).where(leases.c.id == _P("_lease_id")).values(active=False).returning(leases.c.worker_id)
 _ENDED = _END_LEASE.cte("ended")
-_END_LEASE_COUNTED = update(workers).where(workers.c.id == _ENDED.c.worker_id) \
-    .values(trials_done=workers.c.trials_done + 1).add_cte(_ENDED)
+_END_LEASE_COUNTED = Prepared(update(workers).where(workers.c.id == _ENDED.c.worker_id)
+                              .values(trials_done=workers.c.trials_done + 1).add_cte(_ENDED))
+_END_LEASE = Prepared(_END_LEASE)
+# a new study: its keys, the study of the same problem it may repeat, and its tuned config at the end
+_HARDWARE_ID = Prepared(select(hardware_t.c.id).where(hardware_t.c.key == _P("key")))
+_INSERT_HARDWARE = Prepared(insert(hardware_t).returning(hardware_t.c.id))
+_PROBLEM_ID = Prepared(select(problems.c.id).where(problems.c.key == _P("key")))
+_INSERT_PROBLEM = Prepared(insert(problems).returning(problems.c.id))
+_INSERT_STUDY = Prepared(insert(studies).returning(*_MUTABLE))
+_FIND_STUDY = Prepared(select(studies.c.id).where(
+    studies.c.problem_id == _P("problem_id"), studies.c.hardware_id == _P("hardware_id"),
+    studies.c.kind == StudyKind.SEARCH.value, or_(*(studies.c.state == s for s in [*ACTIVE, StudyState.COMPLETED])))
+    .order_by(studies.c.id.desc()).limit(1))
+_TUNED_ID = Prepared(select(tuned_t.c.id).where(tuned_t.c.problem_id == _P("problem_id"),
+                                                tuned_t.c.hardware_id == _P("hardware_id")).with_for_update())
+_INSERT_TUNED = Prepared(insert(tuned_t))
+_UPDATE_TUNED = Prepared(update(tuned_t).where(tuned_t.c.id == _P("_tuned_id")))
+_HARDWARE_MEMORY = Prepared(select(func.max(workers.c.memory_bytes))
+                            .join(hardware_t, hardware_t.c.id == workers.c.hardware_id)
+                            .where(hardware_t.c.key == _P("key")))
 
 
 @functools.cache
@@ -191,7 +214,7 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool):
     the updated table) returns its study's `_MUTABLE` columns too."""
     pending = trials.alias("pending")
     query = (select(pending.c.id).join(studies, studies.c.id == pending.c.study_id)
-             .where(pending.c.state == TrialState.PENDING, studies.c.state.in_(ACTIVE))
+             .where(pending.c.state == TrialState.PENDING, or_(*(studies.c.state == s for s in ACTIVE)))
              .order_by(pending.c.study_id, pending.c.number).limit(1))
     if by_studies:
         query = query.where(pending.c.study_id.in_(_P("study_ids", expanding=True)))
@@ -204,10 +227,10 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool):
     claim = update(trials).where(trials.c.id == oldest).values(
         state=TrialState.LEASED, attempts=trials.c.attempts + 1, worker_id=_P("claimer"))
     if not with_study:
-        return claim.returning(*_TRIAL)
+        return Prepared(claim.returning(*_TRIAL))
     owner = studies.alias("owner")
-    return claim.where(owner.c.id == trials.c.study_id).returning(
-        *_TRIAL, *(owner.c[c.name].label(f"owner_{c.name}") for c in _MUTABLE))
+    return Prepared(claim.where(owner.c.id == trials.c.study_id).returning(
+        *_TRIAL, *(owner.c[c.name].label(f"owner_{c.name}") for c in _MUTABLE)))
 
 
 class SqlStore:
@@ -250,24 +273,27 @@ class SqlTx:
     def _one(self, statement, parameters=None):
         return self.connection.execute(statement, parameters).one_or_none()
 
+    def _rows(self, prepared: Prepared, parameters=None) -> list:
+        return prepared.rows(self.connection, parameters)
+
+    def _first(self, prepared: Prepared, parameters=None):
+        return prepared.one(self.connection, parameters)
+
     # --- keys ---------------------------------------------------------------------------------
 
     def hardware_id(self, hardware: Hardware, *, create: bool = False) -> int | None:
-        key = hardware.identity().key
-        found = self.scalar(select(hardware_t.c.id).where(hardware_t.c.key == key))
+        hw = hardware.identity()
+        found = self._first(_HARDWARE_ID, {"key": hw.key})
         if found is None and create:
-            hw = hardware.identity()
-            found = self.execute(insert(hardware_t).values(
-                key=key, platform=hw.platform, device_kind=hw.device_kind, device_count=hw.device_count,
-                process_count=hw.process_count).returning(hardware_t.c.id)).scalar_one()
-        return found
+            found = self._first(_INSERT_HARDWARE, dict(key=hw.key, platform=hw.platform, device_kind=hw.device_kind,
+                                                       device_count=hw.device_count, process_count=hw.process_count))
+        return found.id if found is not None else None
 
     def problem_id(self, problem: Problem, *, create: bool = False) -> int | None:
-        found = self.scalar(select(problems.c.id).where(problems.c.key == problem.key))
+        found = self._first(_PROBLEM_ID, {"key": problem.key})
         if found is None and create:
-            found = self.execute(insert(problems).values(key=problem.key, **problem.model_dump())
-                                         .returning(problems.c.id)).scalar_one()
-        return found
+            found = self._first(_INSERT_PROBLEM, {"key": problem.key, **problem.model_dump()})
+        return found.id if found is not None else None
 
     # --- the engine's store interface ---------------------------------------------------------
 
@@ -275,12 +301,12 @@ class SqlTx:
                   submission_id=None) -> StudyRecord:
         hardware_id = self.hardware_id(hardware, create=True)
         problem_id = self.problem_id(problem, create=True) if problem is not None else None
-        row = self.execute(insert(studies).values(
+        row = self._first(_INSERT_STUDY, dict(
             problem_id=problem_id, hardware_id=hardware_id, state=StudyState.PENDING,
             settings=settings.model_dump(mode="json"), protocol=protocol.model_dump(mode="json"),
             space_size=space_size, created_at=now, trials_done=0, kind=kind,
             step=step.to_json() if step is not None else None, submission_id=submission_id,
-        ).returning(*_MUTABLE)).one()
+        ))
         # what never changes is what was just written (no read back)
         self.store.fixed[row.id] = _Fixed(problem, hardware.identity(), hardware_id, problem_id, settings, protocol,
                                           space_size, row.created_at, StudyKind(kind), step, submission_id)
@@ -299,7 +325,7 @@ class SqlTx:
         seen = self._studies.get(study_id)
         if seen is not None and (not lock or study_id in self._locked):
             return seen
-        row = self._one(_STUDY_LOCKED if lock else _STUDY, {"study_id": study_id})
+        row = self._first(_STUDY_LOCKED if lock else _STUDY, {"study_id": study_id})
         if row is None:
             raise NotFoundError(f"study {study_id} does not exist")
         if lock:
@@ -338,11 +364,11 @@ class SqlTx:
             submission_id=fixed.submission_id)
 
     def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
-        rows = self.execute(_TRIALS_MEASURED if measurements else _TRIALS, {"study_id": study_id})
+        rows = self._rows(_TRIALS_MEASURED if measurements else _TRIALS, {"study_id": study_id})
         return [_trial_record(row, measurements) for row in rows]
 
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
-        row = self._one(_TRIAL_LOCKED if lock else _TRIAL_ONE, {"trial_id": trial_id})
+        row = self._first(_TRIAL_LOCKED if lock else _TRIAL_ONE, {"trial_id": trial_id})
         if row is None:
             raise NotFoundError(f"trial {trial_id} does not exist")
         return _trial_record(row, True)
@@ -359,10 +385,13 @@ class SqlTx:
                                        state=TrialState.PENDING, created_at=now))
         if not records:
             return []
-        ids = self.execute(_INSERT_TRIALS, [dict(
-            study_id=study_id, number=r.number, kind=kind, state=TrialState.PENDING, attempts=0, created_at=now,
-            decompositions=[d.model_dump(mode="json") for d in r.decompositions], decomposition_id=r.decomposition_id)
-            for r in records]).scalars().all()
+        rows = [dict(study_id=study_id, number=r.number, kind=kind, state=TrialState.PENDING, attempts=0,
+                     created_at=now, decompositions=[d.model_dump(mode="json") for d in r.decompositions],
+                     decomposition_id=r.decomposition_id) for r in records]
+        if len(rows) == 1:  # a refill's one proposal
+            ids = [self._first(_INSERT_TRIAL, rows[0]).id]
+        else:
+            ids = self.execute(_INSERT_TRIALS, rows).scalars().all()
         return [dataclasses.replace(r, id=i) for r, i in zip(records, ids, strict=True)]
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
@@ -372,7 +401,7 @@ class SqlTx:
         if hardware is not None:
             parameters["hardware_key"] = hardware.identity().key
         with_study = self.store.db.is_postgres
-        row = self._one(_claim(study_ids is not None, hardware is not None, with_study), parameters)
+        row = self._first(_claim(study_ids is not None, hardware is not None, with_study), parameters)
         if row is None:
             return None
         if with_study:
@@ -381,7 +410,7 @@ class SqlTx:
 
     def update_study(self, study_id: int, **changes) -> None:
         self._studies.pop(study_id, None)
-        self.execute(_UPDATE_STUDY, {"_study_id": study_id, **changes})
+        self._rows(_UPDATE_STUDY, {"_study_id": study_id, **changes})
 
     def update_trial(self, trial_id: int, **changes) -> None:
         if changes.get("measurements") is not None:
@@ -389,7 +418,7 @@ class SqlTx:
         if changes.get("step") is not None:  # a step trial's result lives where the measurements do
             changes["measurements"] = [changes.pop("step").model_dump(mode="json")]
         changes.pop("step", None)
-        self.execute(_UPDATE_TRIAL, {"_trial_id": trial_id, **changes})
+        self._rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **changes})
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
         ids = self.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
@@ -441,12 +470,11 @@ class SqlTx:
             software={"jax": config.jax_version, "jaxlib": config.jaxlib_version},
             updated_at=dt.datetime.now(dt.UTC), study_id=study_id,
         )
-        where = and_(tuned_t.c.problem_id == problem_id, tuned_t.c.hardware_id == hardware_id)
-        existing = self.scalar(select(tuned_t.c.id).where(where).with_for_update())
+        existing = self._first(_TUNED_ID, {"problem_id": problem_id, "hardware_id": hardware_id})
         if existing is None:
-            self.execute(insert(tuned_t).values(problem_id=problem_id, hardware_id=hardware_id, **values))
+            self._rows(_INSERT_TUNED, dict(problem_id=problem_id, hardware_id=hardware_id, **values))
         else:
-            self.execute(update(tuned_t).where(tuned_t.c.id == existing).values(**values))
+            self._rows(_UPDATE_TUNED, {"_tuned_id": existing.id, **values})
 
     # --- studies for the API ------------------------------------------------------------------
 
@@ -455,12 +483,8 @@ class SqlTx:
         problem_id, hardware_id = self.problem_id(problem), self.hardware_id(hardware)
         if problem_id is None or hardware_id is None:
             return None
-        study_id = self.scalar(
-            select(studies.c.id).where(studies.c.problem_id == problem_id, studies.c.hardware_id == hardware_id,
-                                       studies.c.kind == StudyKind.SEARCH.value,
-                                       studies.c.state.in_([*ACTIVE, StudyState.COMPLETED.value]))
-            .order_by(studies.c.id.desc()).limit(1))
-        return self.study(study_id) if study_id is not None else None
+        found = self._first(_FIND_STUDY, {"problem_id": problem_id, "hardware_id": hardware_id})
+        return self.study(found.id) if found is not None else None
 
     def list_studies(self, *, state: StudyState | None, hardware: str | None, offset: int,
                      limit: int) -> tuple[list[StudyRecord], int]:
@@ -568,9 +592,7 @@ class SqlTx:
 
         A problem that does not fit it fits no worker known to the service.
         """
-        return self.scalar(select(func.max(workers.c.memory_bytes))
-                           .join(hardware_t, hardware_t.c.id == workers.c.hardware_id)
-                           .where(hardware_t.c.key == hardware.identity().key))
+        return self._first(_HARDWARE_MEMORY, {"key": hardware.identity().key})[0]
 
     def worker(self, worker_id: int) -> WorkerInfo:
         """An active worker; `NotFoundError` (register again) otherwise."""
@@ -603,7 +625,7 @@ class SqlTx:
         touched = self.store.touched.get(worker_id)
         if touched is not None and time.monotonic() - touched[0] < at_most_every_s:
             return touched[1]
-        row = self._one(_TOUCH_WORKER, {"_worker_id": worker_id, "now": now})
+        row = self._first(_TOUCH_WORKER, {"_worker_id": worker_id, "now": now})
         if row is None:
             raise NotFoundError(f"worker {worker_id} is not registered; register again with POST /v1/workers")
         hardware = self.store.hardware.get(row.hardware_id)
@@ -622,10 +644,10 @@ class SqlTx:
         """The lease is no longer active and its worker has one more trial done (on PostgreSQL one
         statement)."""
         if self.store.db.is_postgres:
-            self.execute(_END_LEASE_COUNTED, {"_lease_id": lease_id})
+            self._rows(_END_LEASE_COUNTED, {"_lease_id": lease_id})
         else:
-            worker_id = self.scalar(_END_LEASE, {"_lease_id": lease_id})
-            self.execute(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})
+            (worker_id,) = self._first(_END_LEASE, {"_lease_id": lease_id})
+            self._rows(_COUNT_WORKER_TRIAL, {"_worker_id": worker_id})
 
     def update_worker(self, worker_id: int, **changes) -> None:
         self.store.touched.pop(worker_id, None)  # a changed worker is read afresh by its next lease
@@ -638,12 +660,12 @@ class SqlTx:
     def add_lease(self, *, trial_id: int, worker_id: int, now: dt.datetime, seconds: float) -> LeaseInfo:
         lease = LeaseInfo(id=str(uuid.uuid4()), trial_id=trial_id, worker_id=worker_id,
                           expires_at=now + dt.timedelta(seconds=seconds), active=True)
-        self.execute(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
+        self._rows(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
         return lease
 
     def lease(self, lease_id: str, *, lock: bool = False) -> LeaseInfo | None:
-        row = self._one(_LEASE_LOCKED if lock else _LEASE, {"lease_id": lease_id})
-        return LeaseInfo(**row._mapping) if row is not None else None
+        row = self._first(_LEASE_LOCKED if lock else _LEASE, {"lease_id": lease_id})
+        return LeaseInfo(**row._asdict()) if row is not None else None
 
     def lease_and_trial(self, lease_id: str, trial_id: int) -> tuple[LeaseInfo | None, TrialRecord]:
         """The lease and the trial a result names, both locked for this transaction, with the trial's
@@ -652,7 +674,7 @@ class SqlTx:
         Raises:
             NotFoundError: there is no such trial.
         """
-        row = self._one(_LEASE_AND_TRIAL, {"lease_id": lease_id, "trial_id": trial_id})
+        row = self._first(_LEASE_AND_TRIAL, {"lease_id": lease_id, "trial_id": trial_id})
         if row is None:  # no such lease, or one of another trial: the caller says which
             return self.lease(lease_id, lock=True), self.trial(trial_id, lock=True)
         held = LeaseInfo(id=row.lease_id, trial_id=row.id, worker_id=row.lease_worker_id,
@@ -661,7 +683,7 @@ class SqlTx:
         return held, _trial_record(row, True)
 
     def update_lease(self, lease_id: str, **changes) -> None:
-        self.execute(_UPDATE_LEASE, {"_lease_id": lease_id, **changes})
+        self._rows(_UPDATE_LEASE, {"_lease_id": lease_id, **changes})
 
     def active_leases(self, *, expired_before: dt.datetime | None = None, worker_id: int | None = None,
                       study_id: int | None = None) -> list[LeaseInfo]:
