@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, bindparam, case, delete, func, insert, null, or_, select, type_coerce, update
+from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, null, or_, select, type_coerce, update
 
 from cmtune.service.db import Database
 from cmtune.service.models import (
@@ -213,14 +213,18 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool):
     leased by ``claimer``, in one statement; ``with_study`` (PostgreSQL: SQLite's RETURNING names only
     the updated table) returns its study's `_MUTABLE` columns too."""
     pending = trials.alias("pending")
-    query = (select(pending.c.id).join(studies, studies.c.id == pending.c.study_id)
-             .where(pending.c.state == TrialState.PENDING, or_(*(studies.c.state == s for s in ACTIVE)))
-             .order_by(pending.c.study_id, pending.c.number).limit(1))
+    # whether a pending trial's study may give it out, asked per trial (a subquery the planner cannot
+    # turn into a join): the claim walks the pending index in order and usually stops at its first entry,
+    # where a join would visit every active study and sort all their pending trials
+    claimable = select(or_(*(studies.c.state == s for s in ACTIVE))).where(studies.c.id == pending.c.study_id)
+    if by_hardware:
+        claimable = select(and_(or_(*(studies.c.state == s for s in ACTIVE)), hardware_t.c.key == _P("hardware_key"))) \
+            .join_from(studies, hardware_t, hardware_t.c.id == studies.c.hardware_id) \
+            .where(studies.c.id == pending.c.study_id)
+    query = select(pending.c.id).where(pending.c.state == TrialState.PENDING, claimable.scalar_subquery()) \
+        .order_by(pending.c.study_id, pending.c.number).limit(1)
     if by_studies:
         query = query.where(pending.c.study_id.in_(_P("study_ids", expanding=True)))
-    if by_hardware:
-        query = query.join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
-            .where(hardware_t.c.key == _P("hardware_key"))
     # PostgreSQL: concurrent claims skip each other's row (SKIP LOCKED); SQLite: the write transaction
     # is exclusive
     oldest = query.with_for_update(of=pending, skip_locked=True).scalar_subquery()
