@@ -79,12 +79,14 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
           now: dt.datetime) -> tuple[LeaseInfo, TrialTask] | None:
     """Claim one trial for ``worker``, or None if no study on its hardware has one to give."""
     expire(tx, engine, settings, now)
-    trial = engine.claim(tx, hardware=worker.hardware, worker_id=worker.id, now=now)
-    if trial is None and _refill_starving(tx, engine, worker, now):
-        trial = engine.claim(tx, hardware=worker.hardware, worker_id=worker.id, now=now)
-    if trial is None:
+    claimed = tx.claim_leased(hardware=worker.hardware, worker_id=worker.id, now=now, seconds=settings.lease_seconds)
+    if claimed is None and _refill_starving(tx, engine, worker, now):
+        claimed = tx.claim_leased(hardware=worker.hardware, worker_id=worker.id, now=now,
+                                  seconds=settings.lease_seconds)
+    if claimed is None:
         return None
-    granted = tx.add_lease(trial_id=trial.id, worker_id=worker.id, now=now, seconds=settings.lease_seconds)
+    trial, granted = claimed
+    engine.claimed(tx, trial, now=now)
     return granted, task_for(tx.study(trial.study_id), trial)
 
 

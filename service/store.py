@@ -25,7 +25,21 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, null, or_, select, type_coerce, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    null,
+    or_,
+    select,
+    true,
+    type_coerce,
+    update,
+)
 
 from cmtune.service.db import Database
 from cmtune.service.models import (
@@ -237,6 +251,19 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool):
         *_TRIAL, *(owner.c[c.name].label(f"owner_{c.name}") for c in _MUTABLE)))
 
 
+@functools.cache
+def _claim_leased():
+    """PostgreSQL: `_claim` on ``hardware_key`` (with its study) and the lease of what it claims, in one
+    statement (``lease_id``, ``now``, ``expires_at``; nothing is inserted when there is nothing to claim)."""
+    claimed = _claim(False, True, True).statement.cte("claimed")
+    leased = insert(leases).from_select(
+        ["id", "trial_id", "worker_id", "created_at", "expires_at", "active"],
+        select(_P("lease_id", type_=leases.c.id.type), claimed.c.id, claimed.c.worker_id,
+               _P("now", type_=leases.c.created_at.type), _P("expires_at", type_=leases.c.expires_at.type),
+               true())).cte("leased")
+    return Prepared(select(claimed).add_cte(leased))
+
+
 class SqlStore:
     """The database behind the service, and per-process caches of what never changes."""
 
@@ -397,6 +424,24 @@ class SqlTx:
         else:
             ids = self.execute(_INSERT_TRIALS, rows).scalars().all()
         return [dataclasses.replace(r, id=i) for r, i in zip(records, ids, strict=True)]
+
+    def claim_leased(self, *, hardware: Hardware, worker_id: int, now: dt.datetime,
+                     seconds: float) -> tuple[TrialRecord, LeaseInfo] | None:
+        """`claim` the oldest pending trial on ``hardware`` for ``worker_id`` and lease it to the worker for
+        ``seconds`` (on PostgreSQL one statement), or None.  The caller's engine takes the claimed trial's
+        study through its own transitions (`Engine.claimed`)."""
+        lease_id, expires_at = str(uuid.uuid4()), now + dt.timedelta(seconds=seconds)
+        if not self.store.db.is_postgres:
+            trial = self.claim(hardware=hardware, worker_id=worker_id, now=now)
+            return (trial, self.add_lease(trial_id=trial.id, worker_id=worker_id, now=now, seconds=seconds,
+                                          lease_id=lease_id)) if trial is not None else None
+        row = self._first(_claim_leased(), {"claimer": worker_id, "hardware_key": hardware.identity().key,
+                                            "lease_id": lease_id, "now": now, "expires_at": expires_at})
+        if row is None:
+            return None
+        self._remember_study(row, "owner_")
+        return _trial_record(row, False), LeaseInfo(id=lease_id, trial_id=row.id, worker_id=worker_id,
+                                                    expires_at=expires_at, active=True)
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
         parameters = {"claimer": worker_id}
@@ -661,8 +706,9 @@ class SqlTx:
         return int(self.scalar(select(func.count()).select_from(workers).where(
             workers.c.active.is_(True), workers.c.last_heartbeat >= since)) or 0)
 
-    def add_lease(self, *, trial_id: int, worker_id: int, now: dt.datetime, seconds: float) -> LeaseInfo:
-        lease = LeaseInfo(id=str(uuid.uuid4()), trial_id=trial_id, worker_id=worker_id,
+    def add_lease(self, *, trial_id: int, worker_id: int, now: dt.datetime, seconds: float,
+                  lease_id: str | None = None) -> LeaseInfo:
+        lease = LeaseInfo(id=lease_id or str(uuid.uuid4()), trial_id=trial_id, worker_id=worker_id,
                           expires_at=now + dt.timedelta(seconds=seconds), active=True)
         self._rows(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
         return lease

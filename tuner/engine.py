@@ -233,10 +233,15 @@ class Engine:
         """
         trial = tx.claim(study_ids=study_ids, hardware=hardware, worker_id=worker_id, now=now)
         if trial is not None:
-            study = tx.study(trial.study_id)
-            if study.state == S.PENDING:
-                self._move_study(tx, study, S.RUNNING, started_at=now)
+            self.claimed(tx, trial, now=now)
         return trial
+
+    def claimed(self, tx: StoreTx, trial: TrialRecord, *, now: dt.datetime) -> None:
+        """A trial the store just claimed (`claim`, or a store's own claim that does more): the first claim
+        starts its study."""
+        study = tx.study(trial.study_id)
+        if study.state == S.PENDING:
+            self._move_study(tx, study, S.RUNNING, started_at=now)
 
     def release(self, tx: StoreTx, trial: TrialRecord, *, count_attempt: bool) -> None:
         """A claimed trial goes back to the queue (its worker left, or its lease expired)."""
