@@ -252,6 +252,18 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool):
 
 
 @functools.cache
+def _update_trial_and_study(trial_columns: tuple[str, ...], study_columns: tuple[str, ...]) -> Prepared:
+    """PostgreSQL: a trial's update and its study's in one statement (the study's as a data-modifying
+    WITH); the values are the parameters ``trial_`` and ``study_`` + column (a parameter named like a
+    column would become a SET of that column in both updates)."""
+    study = update(studies).where(studies.c.id == _P("_study_id")) \
+        .values({name: _P(f"study_{name}", type_=studies.c[name].type) for name in study_columns}).cte("study")
+    return Prepared(update(trials).where(trials.c.id == _P("_trial_id"))
+                    .values({name: _P(f"trial_{name}", type_=trials.c[name].type) for name in trial_columns})
+                    .add_cte(study))
+
+
+@functools.cache
 def _claim_leased():
     """PostgreSQL: `_claim` on ``hardware_key`` (with its study) and the lease of what it claims, in one
     statement (``lease_id``, ``now``, ``expires_at``; nothing is inserted when there is nothing to claim)."""
@@ -462,12 +474,18 @@ class SqlTx:
         self._rows(_UPDATE_STUDY, {"_study_id": study_id, **changes})
 
     def update_trial(self, trial_id: int, **changes) -> None:
-        if changes.get("measurements") is not None:
-            changes["measurements"] = [m.model_dump(mode="json") for m in changes["measurements"]]
-        if changes.get("step") is not None:  # a step trial's result lives where the measurements do
-            changes["measurements"] = [changes.pop("step").model_dump(mode="json")]
-        changes.pop("step", None)
-        self._rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **changes})
+        self._rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **_trial_columns(changes)})
+
+    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
+        if not self.store.db.is_postgres:  # SQLite: no writes inside WITH
+            self.update_trial(trial_id, **trial_changes)
+            self.update_study(study_id, **study_changes)
+            return
+        self._studies.pop(study_id, None)
+        trial_changes = _trial_columns(trial_changes)
+        self._rows(_update_trial_and_study(tuple(trial_changes), tuple(study_changes)),
+                   {"_trial_id": trial_id, **{f"trial_{k}": v for k, v in trial_changes.items()},
+                    "_study_id": study_id, **{f"study_{k}": v for k, v in study_changes.items()}})
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
         ids = self.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
@@ -846,6 +864,17 @@ def _problem(row) -> Problem:
 def _hardware(row) -> Hardware:
     return Hardware(platform=row.platform, device_kind=row.device_kind, device_count=row.device_count,
                     process_count=row.process_count)
+
+
+def _trial_columns(changes: dict) -> dict:
+    """A trial's changes as its columns hold them (measurements and a step result as JSON)."""
+    changes = dict(changes)
+    if changes.get("measurements") is not None:
+        changes["measurements"] = [m.model_dump(mode="json") for m in changes["measurements"]]
+    if changes.get("step") is not None:  # a step trial's result lives where the measurements do
+        changes["measurements"] = [changes.pop("step").model_dump(mode="json")]
+    changes.pop("step", None)
+    return changes
 
 
 def _trial_record(row, with_measurements: bool) -> TrialRecord:

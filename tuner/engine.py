@@ -280,12 +280,12 @@ class Engine:
             status, ratio, message = (Status.OK if ok else Status.ERROR), min((m.ratio for m in ok), default=None), None
         done = dict(state=T.COMPLETED, status=status, ratio=ratio, measurements=tuple(results), message=message,
                     finished_at=now, result_lease_id=lease_id)
-        self._move_trial(tx, trial, **done)
+        counted = study.state.active and trial.kind == TrialKind.SEARCH
+        self._move_trial(tx, trial, study_changes=self._progress(study, trial_id, ratio) if counted else None, **done)
         if study.state.active:
             if trial.kind == TrialKind.CONFIRM:
                 self._finish(tx, study.id, confirmation=list(results), now=now)
             else:
-                self._count(tx, study, trial_id, ratio)
                 self._refill(tx, study, now=now)
         return dataclasses.replace(trial, **done)
 
@@ -302,7 +302,7 @@ class Engine:
             self._move_study(tx, study, S.FAILED, finished_at=now,
                              message=f"the step measurement got no result: {message}"[:2000])
         else:
-            self._count(tx, study, trial.id, None)
+            tx.update_study(study.id, **self._progress(study, trial.id, None))
             self.refill(tx, study.id, now=now)
 
     def cancel(self, tx: StoreTx, study_id: int, *, now: dt.datetime) -> StudyRecord:
@@ -398,11 +398,12 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _count(self, tx: StoreTx, study: StudyRecord, trial_id: int, ratio: float | None) -> None:
-        """Progress kept on the study row: finished search trials and the best so far."""
+    @staticmethod
+    def _progress(study: StudyRecord, trial_id: int, ratio: float | None) -> dict:
+        """The study's progress after one more finished search trial: the count and the best so far."""
         best = ratio is not None and (study.best_ratio is None or ratio < study.best_ratio)
-        tx.update_study(study.id, trials_done=study.trials_done + 1,
-                        **({"best_ratio": ratio, "best_trial_id": trial_id} if best else {}))
+        return {"trials_done": study.trials_done + 1,
+                **({"best_ratio": ratio, "best_trial_id": trial_id} if best else {})}
 
     def _finish(self, tx: StoreTx, study_id: int, *, confirmation: list[Measurement] | None, now: dt.datetime,
                 note: str | None = None) -> None:
@@ -439,11 +440,16 @@ class Engine:
         tx.update_study(study.id, state=to, **changes)
 
     @staticmethod
-    def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState | None = None, **changes) -> None:
+    def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState | None = None, *,
+                    study_changes: dict | None = None, **changes) -> None:
+        """Move a trial along `TRIAL_MOVES`; ``study_changes`` update its study in the same write."""
         to = changes.pop("state", to)
         if to not in TRIAL_MOVES.get(trial.state, ()):
             raise ConflictError(f"trial {trial.id} is {trial.state}; it cannot become {to}")
-        tx.update_trial(trial.id, state=to, **changes)
+        if study_changes:
+            tx.update_trial_and_study(trial.id, {"state": to, **changes}, trial.study_id, study_changes)
+        else:
+            tx.update_trial(trial.id, state=to, **changes)
 
 
 @functools.lru_cache(maxsize=1024)

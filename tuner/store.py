@@ -160,6 +160,10 @@ class StoreTx(TypingProtocol):
 
     def update_trial(self, trial_id: int, **changes) -> None: ...
 
+    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
+        """`update_trial` and `update_study` together (one statement where the store can)."""
+        ...
+
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         """Store (or replace) the tuned config of ``config``'s (problem, hardware)."""
         ...
@@ -252,6 +256,10 @@ class InMemoryStore:
 
     def update_trial(self, trial_id: int, **changes) -> None:
         self._trials[trial_id] = dataclasses.replace(self.trial(trial_id), **changes)
+
+    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
+        self.update_trial(trial_id, **trial_changes)
+        self.update_study(study_id, **study_changes)
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         self.tuned[config.key] = config

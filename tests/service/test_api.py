@@ -457,4 +457,4 @@ def test_a_lease_and_report_cycle_costs_a_fixed_handful_of_statements(api):
     postgres = api.db.is_postgres
     for cycle in per_cycle:  # (one more where the once-a-second scan for expired leases falls)
         assert not any(s.startswith("SELECT studies.") for s in cycle) or not postgres, cycle
-        assert len(cycle) <= (8 if postgres else 11), "\n".join(cycle)
+        assert len(cycle) <= (7 if postgres else 11), "\n".join(cycle)
