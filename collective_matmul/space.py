@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from collective_matmul.decomposition import (
@@ -20,6 +21,12 @@ def candidates(problem: Problem, *, include_baseline: bool = True) -> list[Decom
     ``fuse=True`` configs are not listed: fusion couples the input- and weight-gradient problems
     of one op, so it is chosen by measuring the training step, not within one problem's study.
     """
+    return list(_candidates(problem, include_baseline))
+
+
+@functools.lru_cache(maxsize=1024)
+def _candidates(problem: Problem, include_baseline: bool) -> tuple[Decomposition, ...]:
+    """`candidates`, computed once per problem (a study, its searcher and its settings each ask)."""
     accumulates = (
         ALLGATHER_ACCUMULATE if problem.collective == "allgather_matmul" else REDUCE_SCATTER_ACCUMULATE
     )
@@ -33,4 +40,4 @@ def candidates(problem: Problem, *, include_baseline: bool = True) -> list[Decom
         except ValueError:
             continue
         found.append(config)
-    return found
+    return tuple(found)

@@ -306,6 +306,7 @@ class SqlTx:
         # studies read in this transaction, until it changes them; those it has locked are in `_locked`
         self._studies: dict[int, StudyRecord] = {}
         self._locked: set[int] = set()
+        self._ids: dict[tuple[str, str], int | None] = {}  # (table, key) -> id, as this transaction found it
 
     def execute(self, statement, parameters=None):
         return self.connection.execute(statement, parameters)
@@ -326,17 +327,26 @@ class SqlTx:
 
     def hardware_id(self, hardware: Hardware, *, create: bool = False) -> int | None:
         hw = hardware.identity()
-        found = self._first(_HARDWARE_ID, {"key": hw.key})
-        if found is None and create:
-            found = self._first(_INSERT_HARDWARE, dict(key=hw.key, platform=hw.platform, device_kind=hw.device_kind,
-                                                       device_count=hw.device_count, process_count=hw.process_count))
-        return found.id if found is not None else None
+        return self._key_id("hardware", hw.key, _HARDWARE_ID, _INSERT_HARDWARE, create and dict(
+            key=hw.key, platform=hw.platform, device_kind=hw.device_kind, device_count=hw.device_count,
+            process_count=hw.process_count))
 
     def problem_id(self, problem: Problem, *, create: bool = False) -> int | None:
-        found = self._first(_PROBLEM_ID, {"key": problem.key})
-        if found is None and create:
-            found = self._first(_INSERT_PROBLEM, {"key": problem.key, **problem.model_dump()})
-        return found.id if found is not None else None
+        return self._key_id("problems", problem.key, _PROBLEM_ID, _INSERT_PROBLEM,
+                            create and {"key": problem.key, **problem.model_dump()})
+
+    def _key_id(self, table: str, key: str, find: Prepared, add: Prepared, values: dict | bool) -> int | None:
+        """The id of the row of ``table`` with ``key``, inserted from ``values`` if there is none (and they
+        are given); a transaction looks each key up once (such rows are never changed or deleted)."""
+        if (table, key) in self._ids:
+            found = self._ids[table, key]
+        else:
+            row = self._first(find, {"key": key})
+            found = row.id if row is not None else None
+        if found is None and values:
+            found = self._first(add, values).id
+        self._ids[table, key] = found
+        return found
 
     # --- the engine's store interface ---------------------------------------------------------
 
@@ -353,6 +363,7 @@ class SqlTx:
         # what never changes is what was just written (no read back)
         self.store.fixed[row.id] = _Fixed(problem, hardware.identity(), hardware_id, problem_id, settings, protocol,
                                           space_size, row.created_at, StudyKind(kind), step, submission_id)
+        self._locked.add(row.id)  # a row this transaction inserted is its own until it commits
         return self._remember_study(row)
 
     # what `_Fixed.of` reads: a study's fixed columns with its problem (if any) and hardware
@@ -615,6 +626,8 @@ class SqlTx:
         return [TunedRow(_tuned_config(row), row.study_id) for row in rows]
 
     def tuned(self, problem: Problem, hardware: Hardware) -> TunedRow | None:
+        if self.problem_id(problem) is None:
+            return None
         found = self._tuned(problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key)
         return found[0] if found else None
 

@@ -13,6 +13,7 @@ from collective_matmul.wire import (
     BestSoFar,
     StudyKind,
     StudyPublic,
+    StudyState,
     TrialKind,
     TrialPublic,
     WorkerPublic,
@@ -26,8 +27,9 @@ def json_response(body: BaseModel, status_code: int = 200) -> Response:
 
 
 def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
-    """Public bodies for a page of studies: three queries whatever the page size."""
-    ids = [s.id for s in records]
+    """Public bodies for a page of studies: three queries whatever the page size (none for studies still
+    pending: nothing of theirs was leased yet, and only a finished study writes a tuned config)."""
+    ids = [s.id for s in records if s.state != StudyState.PENDING]
     leased = tx.leased_counts(ids)
     best = tx.trial_decompositions([s.best_trial_id for s in records
                                     if s.best_trial_id is not None and s.kind == StudyKind.SEARCH])

@@ -169,7 +169,7 @@ class Engine:
             raise InvalidError(f"unknown cost-model profile {settings.profile!r}; one of {sorted(PROFILES)}")
         study = tx.add_study(problem=problem, hardware=hardware.identity(), settings=settings, protocol=protocol,
                              space_size=len(candidates(problem)), now=now)
-        self.refill(tx, study.id, now=now)
+        self._refill(tx, study, now=now, trials=())
         return tx.study(study.id)
 
     def searcher(self, study: StudyRecord) -> Searcher:
@@ -182,14 +182,16 @@ class Engine:
         """
         return self._refill(tx, tx.study(study_id, lock=True), now=now)
 
-    def _refill(self, tx: StoreTx, study: StudyRecord, *, now: dt.datetime) -> list[TrialRecord]:
-        """`refill` for a study this transaction has locked (its settings and state as read)."""
+    def _refill(self, tx: StoreTx, study: StudyRecord, *, now: dt.datetime,
+                trials: Sequence[TrialRecord] | None = None) -> list[TrialRecord]:
+        """`refill` for a study this transaction has locked (its settings and state as read), whose trials
+        are ``trials`` if the caller knows them (a study it just created has none)."""
         study_id = study.id
         if study.kind == StudyKind.STEP:
             return self._refill_step(tx, study, now=now)
         if study.state not in (S.PENDING, S.RUNNING):
             return []
-        trials = tx.trials(study_id)
+        trials = tx.trials(study_id) if trials is None else trials
         last = max((t.number for t in trials), default=0)
         history = History.of(trials)
         searcher = self.searcher(study)

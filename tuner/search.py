@@ -27,7 +27,7 @@ from typing import Literal
 
 import optuna
 from optuna.distributions import CategoricalDistribution
-from optuna.trial import TrialState, create_trial
+from optuna.trial import FrozenTrial, TrialState, create_trial
 from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.costmodel import PROFILES, HardwareProfile, rank
@@ -103,6 +103,7 @@ class Searcher:
         self.by_model = rank(problem, self.space, PROFILES[profile] if isinstance(profile, str) else profile)
         self._dists = _space_distributions(self.space)
         self._valid = set(self.space)
+        self._templates: dict[tuple, FrozenTrial] = {}  # `_trial`'s answers: each ask rebuilds a study from them
 
     @property
     def sampler(self) -> Sampler:
@@ -161,13 +162,22 @@ class Searcher:
                     study.tell(trial, state=TrialState.FAIL)
         return None
 
-    def _trial(self, config: Decomposition, ratio: float | None, state: TrialState | None = None):
-        params = _params(config)
-        dists = {name: self._dists[name] for name in params}
-        if state is None:
-            state = TrialState.COMPLETE if ratio is not None else TrialState.FAIL
-        return create_trial(params=params, distributions=dists, state=state,
-                            value=ratio if state == TrialState.COMPLETE else None)
+    def _trial(self, config: Decomposition, ratio: float | None, state: TrialState | None = None) -> FrozenTrial:
+        """The Optuna trial of a finished (or, with ``state``, running) candidate; Optuna copies it when it is
+        added to a study, so one is built once per (candidate, ratio, state) and reused by every ask."""
+        key = (config, ratio, state)
+        template = self._templates.get(key)
+        if template is None:
+            params = _params(config)
+            dists = {name: self._dists[name] for name in params}
+            if state is None:
+                state = TrialState.COMPLETE if ratio is not None else TrialState.FAIL
+            template = create_trial(params=params, distributions=dists, state=state,
+                                    value=ratio if state == TrialState.COMPLETE else None)
+            if len(self._templates) >= 4 * len(self.space):  # bounded: a candidate is re-measured only rarely
+                self._templates.clear()
+            self._templates[key] = template
+        return template
 
     def _suggest(self, trial: optuna.Trial) -> Decomposition:
         d = self._dists

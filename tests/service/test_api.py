@@ -428,6 +428,28 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
     assert api.reader.get("/v1/bundles").json()["overrides"] == sub["overrides"]
 
 
+def test_creating_a_study_of_a_new_problem_costs_a_fixed_handful_of_statements(api):
+    """Keys are looked up once per transaction, a new problem has no study or tuned config to find, a new
+    study no history to read and nothing leased or tuned to show: its memory check, two key look-ups,
+    the problem, the study and its first proposals."""
+    from sqlalchemy import event
+
+    assert create(api.admin, problem=PROBLEM | {"m": 512}).status_code == 201  # the hardware row exists
+    statements: list[str] = []
+
+    @event.listens_for(api.db.engine, "before_cursor_execute")
+    def count(_conn, _cursor, statement, *_):
+        if not statement.startswith(("BEGIN", "SAVEPOINT", "RELEASE")):
+            statements.append(" ".join(statement.split()))
+
+    try:
+        reply = create(api.admin, problem=PROBLEM | {"m": 1024})
+    finally:
+        event.remove(api.db.engine, "before_cursor_execute", count)
+    assert reply.status_code == 201, reply.text
+    assert len(statements) <= (6 if api.db.is_postgres else 7), "\n".join(statements)  # (SQLite: a row per proposal)
+
+
 def test_a_lease_and_report_cycle_costs_a_fixed_handful_of_statements(api):
     """The lease path is a claim (the proposals are queued in advance) and a result's first statement
     locks its trial, lease and study at once: a cycle reads no study row of its own, and its number of
