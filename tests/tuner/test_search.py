@@ -165,6 +165,22 @@ def test_deterministic_given_a_seed():
     assert sequence(1) != sequence(2)
 
 
+def test_an_answer_depends_only_on_the_history():
+    """A searcher reuses the Optuna trials it built for earlier asks (shallow copies of them): its
+    answer to a history is still the one a fresh searcher gives."""
+    settings = SearchSettings(sampler="tpe", seed=3, startup=2)
+    costs = random_costs(PROBLEM, 7)
+    warm = Searcher(PROBLEM, PROFILE, settings)
+    in_flight = warm.by_model[20:22]
+    histories = [[Finished(c, costs[c] if i % 4 else None) for i, c in enumerate(warm.by_model[:n])]
+                 for n in range(3, 16)]
+    for finished in histories:
+        warm.ask(finished, in_flight)
+    answers = [warm.ask(finished, in_flight) for finished in histories]
+    assert answers == [Searcher(PROBLEM, PROFILE, settings).ask(finished, in_flight) for finished in histories]
+    assert len(set(answers)) > 3
+
+
 def test_parallel_asks_have_no_duplicates():
     searcher = Searcher(PROBLEM, PROFILE, SearchSettings(sampler="tpe", seed=0, startup=2))
     costs = random_costs(PROBLEM, 6)
