@@ -5,11 +5,11 @@ tx`` (one transaction; see `cmtune.service.db`), then `SqlTx` methods, which ret
 (`StudyRecord`, `TrialRecord`, `TunedConfig`, ...) or plain values, never ORM rows.  The engine
 (`cmtune.tuner.engine`) takes the same ``tx`` as its `StoreTx`.
 
-The hot paths (claim, result, history) are single Core statements, built once at import and
-executed with parameters; on PostgreSQL a lease+report cycle is 8 of them.  A study's problem,
-hardware, settings and protocol never change after it is created, so each process keeps them in
-memory and a study read fetches only its mutable columns; within a transaction a study is read
-once, until the transaction changes it.
+The hot paths (claim, result, history, a new study) are single Core statements, built once at
+import, compiled once per dialect and run on the driver's cursor (`Prepared`); on PostgreSQL a
+lease+report cycle is 6 of them.  A study's problem, hardware, settings and protocol never change
+after it is created, so each process keeps them in memory and a study read fetches only its mutable
+columns; within a transaction a study is read once, until the transaction changes it.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ class TunedRow:
     study_id: int | None
 
 
-# The hot paths' statements, built once: SQLAlchemy reuses their compiled form without building
-# and keying them again on every call; they take their values as parameters.
+# The hot paths' statements, built once and compiled once per dialect (`Prepared`); they take their
+# values as parameters.
 _P = bindparam
 # created_at tells a cached study from a row that reused its id after a rollback (SQLite)
 _MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_reason, studies.c.message,
