@@ -33,7 +33,7 @@ class _Plan:
     row: type | None  # a named tuple of the result columns, or None: no rows come back
     types: tuple  # the result columns' types
     results: tuple[Callable | None, ...] | None = None  # their result processors, from the first run's
-    # description (a processor may depend on the type the database reports)
+    # description (a processor may depend on the type the database reports); () when none converts
 
 
 class Prepared:
@@ -103,8 +103,9 @@ def _run(connection: Connection, plan: _Plan, values) -> list:
         raw = cursor.fetchall() if plan.row is not None else ()
         if plan.row is not None and plan.results is None:
             dialect = connection.dialect
-            plan.results = tuple(kind.result_processor(dialect, column[1])
-                                 for kind, column in zip(plan.types, cursor.description, strict=True))
+            processors = tuple(kind.result_processor(dialect, column[1])
+                               for kind, column in zip(plan.types, cursor.description, strict=True))
+            plan.results = processors if any(processors) else ()
     except connection.dialect.loaded_dbapi.Error as exc:
         dialect = connection.dialect
         gone = dialect.is_disconnect(exc, dbapi_connection, cursor)
@@ -117,7 +118,7 @@ def _run(connection: Connection, plan: _Plan, values) -> list:
     if plan.row is None:
         return []
     make, results = plan.row._make, plan.results
-    if not any(results):
+    if not results:
         return [make(r) for r in raw]
     return [make(value if process is None else process(value) for process, value in zip(results, r, strict=True))
             for r in raw]

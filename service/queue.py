@@ -18,6 +18,7 @@ The engine (`cmtune.tuner.engine`) owns the study lifecycle; this module only ad
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -79,10 +80,11 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
           now: dt.datetime) -> tuple[LeaseInfo, TrialTask] | None:
     """Claim one trial for ``worker``, or None if no study on its hardware has one to give."""
     expire(tx, engine, settings, now)
-    claimed = tx.claim_leased(hardware=worker.hardware, worker_id=worker.id, now=now, seconds=settings.lease_seconds)
+    claim = functools.partial(tx.claim_leased, hardware=worker.hardware, worker_id=worker.id, now=now,
+                              seconds=settings.lease_seconds)
+    claimed = claim()
     if claimed is None and _refill_starving(tx, engine, worker, now):
-        claimed = tx.claim_leased(hardware=worker.hardware, worker_id=worker.id, now=now,
-                                  seconds=settings.lease_seconds)
+        claimed = claim()
     if claimed is None:
         return None
     trial, granted = claimed

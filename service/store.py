@@ -327,15 +327,15 @@ class SqlTx:
 
     def hardware_id(self, hardware: Hardware, *, create: bool = False) -> int | None:
         hw = hardware.identity()
-        return self._key_id("hardware", hw.key, _HARDWARE_ID, _INSERT_HARDWARE, create and dict(
+        return self._key_id("hardware", hw.key, _HARDWARE_ID, _INSERT_HARDWARE, dict(
             key=hw.key, platform=hw.platform, device_kind=hw.device_kind, device_count=hw.device_count,
-            process_count=hw.process_count))
+            process_count=hw.process_count) if create else None)
 
     def problem_id(self, problem: Problem, *, create: bool = False) -> int | None:
         return self._key_id("problems", problem.key, _PROBLEM_ID, _INSERT_PROBLEM,
-                            create and {"key": problem.key, **problem.model_dump()})
+                            {"key": problem.key, **problem.model_dump()} if create else None)
 
-    def _key_id(self, table: str, key: str, find: Prepared, add: Prepared, values: dict | bool) -> int | None:
+    def _key_id(self, table: str, key: str, find: Prepared, add: Prepared, values: dict | None) -> int | None:
         """The id of the row of ``table`` with ``key``, inserted from ``values`` if there is none (and they
         are given); a transaction looks each key up once (such rows are never changed or deleted)."""
         if (table, key) in self._ids:
@@ -343,7 +343,7 @@ class SqlTx:
         else:
             row = self._first(find, {"key": key})
             found = row.id if row is not None else None
-        if found is None and values:
+        if found is None and values is not None:
             found = self._first(add, values).id
         self._ids[table, key] = found
         return found

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import func, select
@@ -428,24 +430,31 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
     assert api.reader.get("/v1/bundles").json()["overrides"] == sub["overrides"]
 
 
-def test_creating_a_study_of_a_new_problem_costs_a_fixed_handful_of_statements(api):
-    """Keys are looked up once per transaction, a new problem has no study or tuned config to find, a new
-    study no history to read and nothing leased or tuned to show: its memory check, two key look-ups,
-    the problem, the study and its first proposals."""
+@contextmanager
+def statements_of(api) -> Iterator[list[str]]:
+    """The statements the app sends meanwhile (one line each; transaction control left out)."""
     from sqlalchemy import event
 
-    assert create(api.admin, problem=PROBLEM | {"m": 512}).status_code == 201  # the hardware row exists
     statements: list[str] = []
 
-    @event.listens_for(api.db.engine, "before_cursor_execute")
     def count(_conn, _cursor, statement, *_):
         if not statement.startswith(("BEGIN", "SAVEPOINT", "RELEASE")):
             statements.append(" ".join(statement.split()))
 
+    event.listen(api.db.engine, "before_cursor_execute", count)
     try:
-        reply = create(api.admin, problem=PROBLEM | {"m": 1024})
+        yield statements
     finally:
         event.remove(api.db.engine, "before_cursor_execute", count)
+
+
+def test_creating_a_study_of_a_new_problem_costs_a_fixed_handful_of_statements(api):
+    """Keys are looked up once per transaction, a new problem has no study or tuned config to find, a new
+    study no history to read and nothing leased or tuned to show: its memory check, two key look-ups,
+    the problem, the study and its first proposals."""
+    assert create(api.admin, problem=PROBLEM | {"m": 512}).status_code == 201  # the hardware row exists
+    with statements_of(api) as statements:
+        reply = create(api.admin, problem=PROBLEM | {"m": 1024})
     assert reply.status_code == 201, reply.text
     assert len(statements) <= (6 if api.db.is_postgres else 7), "\n".join(statements)  # (SQLite: a row per proposal)
 
@@ -454,28 +463,18 @@ def test_a_lease_and_report_cycle_costs_a_fixed_handful_of_statements(api):
     """The lease path is a claim (the proposals are queued in advance) and a result's first statement
     locks its trial, lease and study at once: a cycle reads no study row of its own, and its number of
     statements does not grow with the study's history."""
-    from sqlalchemy import event
-
     create(api.admin, budget={"trials": 12})
     worker = register(api.worker)
     grant = worker.post(f"/v1/workers/{worker}/lease").json()
-    statements: list[str] = []
-
-    @event.listens_for(api.db.engine, "before_cursor_execute")
-    def count(_conn, _cursor, statement, *_):
-        statements.append(" ".join(statement.split()))
-
     per_cycle = []
     for _ in range(6):
-        statements.clear()
         trial = grant["trial"]
         config = Decomposition.model_validate(trial["decomposition"])
         body = {"lease_id": grant["lease"]["id"], "lease_next": True,
                 "measurement": measurement(PROBLEM, config, 1.0 if config.method == "baseline" else 0.9)}
-        reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body).json()
-        grant = reply["next"]
-        per_cycle.append([s for s in statements if not s.startswith(("BEGIN", "SAVEPOINT", "RELEASE"))])
-    event.remove(api.db.engine, "before_cursor_execute", count)
+        with statements_of(api) as statements:
+            grant = worker.post(f"/v1/trials/{trial['id']}/result", json=body).json()["next"]
+        per_cycle.append(statements)
     postgres = api.db.is_postgres
     for cycle in per_cycle:  # (one more where the once-a-second scan for expired leases falls)
         assert not any(s.startswith("SELECT studies.") for s in cycle) or not postgres, cycle
