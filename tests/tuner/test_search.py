@@ -181,6 +181,47 @@ def test_an_answer_depends_only_on_the_history():
     assert len(set(answers)) > 3
 
 
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_the_kept_sampler_answers_as_a_new_optuna_sampler_would(sampler):
+    """A searcher keeps one Optuna sampler, reseeds it for every ask and gives TPE the known search
+    space: its answers are those of a new Optuna sampler, seeded alike, that infers the space itself."""
+    import optuna
+    from optuna.search_space import IntersectionSearchSpace
+
+    settings = SearchSettings(sampler=sampler, seed=5, startup=3)
+    costs = random_costs(PROBLEM, 11)
+    rng = random.Random(2)
+    searcher = Searcher(PROBLEM, PROFILE, settings)
+    cases = []
+    for n in range(1, 24):
+        finished = [Finished(c, costs[c] if rng.random() > 0.2 else None) for c in searcher.by_model[:n]]
+        pending = searcher.by_model[n:n + rng.randrange(3)]
+        cases.append((finished, pending, {f.config for f in finished} | set(pending)))
+    answers = [searcher._ask_optuna(sampler, *case) for case in cases]
+    kept = searcher._samplers[sampler]
+    spaces = []
+
+    class New(optuna.samplers.TPESampler):
+        def infer_relative_search_space(self, study, trial):
+            inferred = super().infer_relative_search_space(study, trial)
+            spaces.append((kept.infer_relative_search_space(study, trial), inferred,
+                           {k: d for k, d in IntersectionSearchSpace(include_pruned=True).calculate(study).items()
+                            if not d.single()}))
+            return inferred
+
+    def new(seed):
+        if sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        return New(seed=seed, multivariate=True, constant_liar=True, n_startup_trials=settings.startup)
+
+    fresh = Searcher(PROBLEM, PROFILE, settings)
+    assert answers == [fresh._ask_study(new(fresh._seed(f, p)), f, p, seen) for f, p, seen in cases]
+    assert len(set(answers)) > 5
+    if sampler == "tpe":  # the same spaces, in the same order
+        assert all(list(ours.items()) == list(theirs.items()) == list(full.items()) for ours, theirs, full in spaces)
+        assert any(ours for ours, _, _ in spaces) and any(not ours for ours, _, _ in spaces)
+
+
 def test_parallel_asks_have_no_duplicates():
     searcher = Searcher(PROBLEM, PROFILE, SearchSettings(sampler="tpe", seed=0, startup=2))
     costs = random_costs(PROBLEM, 6)
