@@ -77,12 +77,13 @@ def _expire_one(tx: SqlTx, engine: Engine, settings: Settings, lease: LeaseInfo,
 
 
 def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
-          now: dt.datetime) -> tuple[LeaseInfo, TrialTask] | None:
-    """Claim one trial for ``worker``, or None if no study on its hardware has one to give."""
+          now: dt.datetime, *, ending: str | None = None) -> tuple[LeaseInfo, TrialTask] | None:
+    """Claim one trial for ``worker``, or None if no study on its hardware has one to give; ``ending``: the
+    worker's lease whose result was just stored ends first (`SqlTx.claim_leased`)."""
     expire(tx, engine, settings, now)
     claim = functools.partial(tx.claim_leased, hardware=worker.hardware, worker_id=worker.id, now=now,
                               seconds=settings.lease_seconds)
-    claimed = claim()
+    claimed = claim(ending=ending)
     if claimed is None and _refill_starving(tx, engine, worker, now):
         claimed = claim()
     if claimed is None:
@@ -93,12 +94,13 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
 
 
 def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt.datetime, *,
-          reuse_held: bool = False) -> LeaseGranted | None:
+          reuse_held: bool = False, ending: str | None = None) -> LeaseGranted | None:
     """The worker's next trial, leased to it (None if there is none).
 
     Args:
         reuse_held: a lease the worker already holds is answered again instead of a new one (a
             result sent twice, because its answer was lost, must not leave a lease nobody runs).
+        ending: the worker's lease whose result was just stored, ended by the claim (see `report`).
 
     Raises:
         NotFoundError: the worker is not registered (or left).
@@ -110,7 +112,7 @@ def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt
         trial = tx.trial(granted.trial_id)
         task = task_for(tx.study(trial.study_id), trial)
     else:
-        claimed = lease(tx, engine, worker, settings, now)
+        claimed = lease(tx, engine, worker, settings, now, ending=ending)
         if claimed is None:
             return None
         granted, task = claimed
@@ -150,11 +152,15 @@ class Reported:
     trial: TrialRecord
     duplicate: bool = False
     expired: bool = False
+    next: LeaseGranted | None = None  # with ``lease_next``: the worker's next trial, if there is one
 
 
 def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, lease_id: str,
-           results: list[Measurement], kind: TrialKind, now: dt.datetime, worker_id: int | None = None) -> Reported:
-    """Store a trial's result under its lease.
+           results: list[Measurement], kind: TrialKind, now: dt.datetime, worker_id: int | None = None,
+           lease_next: bool = False) -> Reported:
+    """Store a trial's result under its lease; with ``lease_next``, lease the worker its next trial too
+    (`grant`; a result sent twice gets the lease its worker holds).  The lease ends as the next claim runs:
+    on PostgreSQL one statement ends it, counts the worker's trial, claims and leases the next.
 
     Raises:
         ConflictError: the lease is unknown, for another trial or worker, or no longer holds the trial.
@@ -167,7 +173,8 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
         raise ConflictError(f"lease {lease_id} belongs to another worker")
     if trial.state in (TrialState.COMPLETED, TrialState.FAILED, TrialState.CANCELLED):
         if trial.result_lease_id == held.id:
-            return Reported(trial, duplicate=True)
+            return Reported(trial, duplicate=True, next=grant(tx, engine, settings, held.worker_id, now,
+                                                              reuse_held=True) if lease_next else None)
         if trial.state == TrialState.CANCELLED:
             raise ConflictError(f"study of trial {trial_id} was cancelled; drop this result")
         raise ConflictError(f"trial {trial_id} already has a result from another lease; this lease is stale")
@@ -178,6 +185,8 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
         _expire_one(tx, engine, settings, held, now)
         return Reported(tx.trial(trial_id), expired=True)
     stored = engine.record(tx, trial, results, now=now, lease_id=held.id, kind=kind)
+    if lease_next:
+        return Reported(stored, next=grant(tx, engine, settings, held.worker_id, now, ending=held.id))
     tx.end_lease(held.id)
     return Reported(stored)
 

@@ -264,16 +264,21 @@ def _update_trial_and_study(trial_columns: tuple[str, ...], study_columns: tuple
 
 
 @functools.cache
-def _claim_leased():
+def _claim_leased(ending: bool):
     """PostgreSQL: `_claim` on ``hardware_key`` (with its study) and the lease of what it claims, in one
-    statement (``lease_id``, ``now``, ``expires_at``; nothing is inserted when there is nothing to claim)."""
+    statement (``lease_id``, ``now``, ``until``; nothing is inserted when there is nothing to claim);
+    ``ending``: the lease ``_lease_id`` ends and its worker counts a trial done, whatever is claimed (a
+    data-modifying WITH always runs)."""
     claimed = _claim(False, True, True).statement.cte("claimed")
     leased = insert(leases).from_select(
         ["id", "trial_id", "worker_id", "created_at", "expires_at", "active"],
         select(_P("lease_id", type_=leases.c.id.type), claimed.c.id, claimed.c.worker_id,
-               _P("now", type_=leases.c.created_at.type), _P("expires_at", type_=leases.c.expires_at.type),
+               _P("now", type_=leases.c.created_at.type), _P("until", type_=leases.c.expires_at.type),
                true())).cte("leased")
-    return Prepared(select(claimed).add_cte(leased))
+    statement = select(claimed).add_cte(leased)
+    if ending:
+        statement = statement.add_cte(_END_LEASE_COUNTED.statement.cte("counted"))
+    return Prepared(statement)
 
 
 class SqlStore:
@@ -448,18 +453,24 @@ class SqlTx:
             ids = self.execute(_INSERT_TRIALS, rows).scalars().all()
         return [dataclasses.replace(r, id=i) for r, i in zip(records, ids, strict=True)]
 
-    def claim_leased(self, *, hardware: Hardware, worker_id: int, now: dt.datetime,
-                     seconds: float) -> tuple[TrialRecord, LeaseInfo] | None:
+    def claim_leased(self, *, hardware: Hardware, worker_id: int, now: dt.datetime, seconds: float,
+                     ending: str | None = None) -> tuple[TrialRecord, LeaseInfo] | None:
         """`claim` the oldest pending trial on ``hardware`` for ``worker_id`` and lease it to the worker for
-        ``seconds`` (on PostgreSQL one statement), or None.  The caller's engine takes the claimed trial's
-        study through its own transitions (`Engine.claimed`)."""
+        ``seconds`` (on PostgreSQL one statement), or None; ``ending``: a lease that ends first, as by
+        `end_lease` (in the same statement).  The caller's engine takes the claimed trial's study through
+        its own transitions (`Engine.claimed`)."""
         lease_id, expires_at = str(uuid.uuid4()), now + dt.timedelta(seconds=seconds)
         if not self.store.db.is_postgres:
+            if ending is not None:
+                self.end_lease(ending)
             trial = self.claim(hardware=hardware, worker_id=worker_id, now=now)
             return (trial, self.add_lease(trial_id=trial.id, worker_id=worker_id, now=now, seconds=seconds,
                                           lease_id=lease_id)) if trial is not None else None
-        row = self._first(_claim_leased(), {"claimer": worker_id, "hardware_key": hardware.identity().key,
-                                            "lease_id": lease_id, "now": now, "expires_at": expires_at})
+        parameters = {"claimer": worker_id, "hardware_key": hardware.identity().key, "lease_id": lease_id,
+                      "now": now, "until": expires_at}
+        if ending is not None:
+            parameters["_lease_id"] = ending
+        row = self._first(_claim_leased(ending is not None), parameters)
         if row is None:
             return None
         self._remember_study(row, "owner_")

@@ -19,16 +19,14 @@ def post_result(trial_id: Id, body: ResultIn, state: StateDep, worker_id: Worker
     """Store a result under its lease, from the lease's own worker; the same report twice is harmless, a stale
     or late lease, or another worker's, gets 409.  With ``lease_next``, the answer's ``next`` is the worker's next
     trial (as from ``POST /v1/workers/{id}/lease``), leased in the same transaction: both or neither."""
-    now, granted = utcnow(), None
     with state.store.write() as tx:
         outcome = queue.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
-                               results=body.results, kind=body.kind, now=now, worker_id=worker_id)
-        if body.lease_next and not outcome.expired:
-            granted = queue.grant(tx, state.engine, state.settings, worker_id, now, reuse_held=outcome.duplicate)
+                               results=body.results, kind=body.kind, now=utcnow(), worker_id=worker_id,
+                               lease_next=body.lease_next)
     if outcome.expired:  # the expiry is committed; the result is not
         raise ConflictError(f"lease {body.lease_id} expired before its result arrived; trial {trial_id} went back "
                             "to the queue: drop this result and lease again")
     if not outcome.duplicate:
         state.cache.clear()
     return json_response(ResultOut(trial_id=outcome.trial.id, state=outcome.trial.state, duplicate=outcome.duplicate,
-                                   next=granted))
+                                   next=outcome.next))

@@ -145,15 +145,16 @@ def register(client, name: str = "w0", hardware: dict = HARDWARE) -> Worker:
     return Worker(body["id"], body["credential"], client)
 
 
-def report(worker: Worker, grant: dict, landscape=cost) -> None:
-    """Report a synthetic result for a leased search or confirmation trial."""
+def report(worker: Worker, grant: dict, landscape=cost, *, lease_next: bool = False) -> dict:
+    """Report a synthetic result for a leased search or confirmation trial; the answer."""
     trial = grant["trial"]
     configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
     results = [measurement(trial["problem"], c, landscape(c)) for c in configs]
-    body = {"lease_id": grant["lease"]["id"]}
+    body = {"lease_id": grant["lease"]["id"], "lease_next": lease_next}
     body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
     reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
     assert reply.status_code == 200, reply.text
+    return reply.json()
 
 
 def run_trial(worker: Worker, landscape=cost) -> dict | None:
