@@ -219,6 +219,7 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
     held: dict[int, int] = {}
     leased_candidates: set[tuple] = set()
     counts = {"cycles": 0, "duplicates": 0, "failures": 0, "studies": 0, "empty": 0}
+    opened: list[int] = []  # open studies at each count of the submitter
     lease_s: list[float] = []
     result_s: list[float] = []
     started = time.perf_counter()
@@ -235,22 +236,28 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
         counts["studies"] += time.perf_counter() >= counting_from
 
     async def submitter() -> None:
-        """Keeps ``active`` studies open (counted four times a second), creating missing ones 8 at a time."""
-        clients = [Http(url, headers) for _ in range(8)]
+        """Keeps ``active`` studies open: counts them four times a second (one request per open state, at
+        once) and creates the missing ones, up to 16 at a time (each request waits its turn behind the
+        workers': a submitter one request at a time fell behind, to a third of ``active`` open)."""
+        clients = [Http(url, headers) for _ in range(16)]
+        counters = [Http(url, headers) for _ in range(3)]
 
         async def submit(n: int) -> None:
             for start in range(0, n, len(clients)):
                 await asyncio.gather(*(submit_one(c) for c in clients[:min(len(clients), n - start)]))
 
+        async def count(client: Http, state: str) -> int:
+            _, payload = await client.request("GET", f"/v1/studies?state={state}&limit=1")
+            return StudyPage.model_validate_json(payload).total
+
         await submit(active)
         while time.perf_counter() < deadline:
-            open_studies = 0
-            for state in ("pending", "running", "confirming"):
-                _, payload = await admin.request("GET", f"/v1/studies?state={state}&limit=1")
-                open_studies += StudyPage.model_validate_json(payload).total
+            open_studies = sum(await asyncio.gather(*(count(c, s) for c, s in zip(
+                counters, ("pending", "running", "confirming"), strict=True))))
+            opened.append(open_studies)
             await submit(max(0, active - open_studies))
             await asyncio.sleep(0.25)
-        for client in clients:
+        for client in clients + counters:
             client.close()
 
     async def run(me: WorkerRegistered) -> None:
@@ -292,7 +299,7 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
 
     await asyncio.gather(submitter(), *(run(w) for w in registered))
     admin.close()
-    return {"cycles_per_s": counts["cycles"] / seconds, **counts,
+    return {"cycles_per_s": counts["cycles"] / seconds, **counts, "open_studies": statistics.median(opened),
             "lease_p50_ms": statistics.median(lease_s) * 1e3, "result_p50_ms": statistics.median(result_s) * 1e3}
 
 
@@ -436,13 +443,14 @@ def main() -> None:
     protocol = "a lease and a result per cycle" if args.separate_leases else "each result leases the next trial"
     print(f"\nlease + report ({protocol}):\n")
     print(f"| backend | lease+report cycles/s ({args.lease_workers} workers) | cycles | studies created "
-          "| empty leases | failed | duplicate leases | lease p50 | result p50 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| open studies | empty leases | failed | duplicate leases | lease p50 | result p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         rounds = r["lease"]
         total = {k: sum(x[k] for x in rounds) for k in ("cycles", "studies", "empty", "failures", "duplicates")}
         print(f"| {r['backend']} | {_spread([x['cycles_per_s'] for x in rounds], '{:.1f}')} | {total['cycles']} "
-              f"| {total['studies']} | {total['empty']} | {total['failures']} | {total['duplicates']} "
+              f"| {total['studies']} | {_spread([x['open_studies'] for x in rounds], '{:.0f}')} "
+              f"| {total['empty']} | {total['failures']} | {total['duplicates']} "
               f"| {_spread([x['lease_p50_ms'] for x in rounds], '{:.0f} ms')} "
               f"| {_spread([x['result_p50_ms'] for x in rounds], '{:.0f} ms')} |")
     asks = ask_cost()

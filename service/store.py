@@ -179,7 +179,16 @@ _TRIAL_LOCKED = Prepared(_TRIAL_ONE.with_for_update())
 _TRIAL_ONE = Prepared(_TRIAL_ONE)
 _UPDATE_TRIAL = Prepared(update(trials).where(trials.c.id == _P("_trial_id")))
 _INSERT_TRIAL = Prepared(insert(trials).returning(trials.c.id))
-_INSERT_TRIALS = insert(trials).returning(trials.c.id, sort_by_parameter_order=True)  # several in one statement
+_NEW_TRIAL = ("study_id", "number", "kind", "decompositions", "decomposition_id", "state", "attempts", "created_at")
+
+
+@functools.lru_cache(maxsize=16)
+def _insert_trials(n: int) -> Prepared:
+    """``n`` new trials in one statement: parameters ``column_i`` for row i; each row's id and number come
+    back (in no promised order)."""
+    return Prepared(insert(trials).values([{c: _P(f"{c}_{i}", type_=trials.c[c].type) for c in _NEW_TRIAL}
+                                           for i in range(n)]).returning(trials.c.id, trials.c.number))
+
 
 _LEASE_COLUMNS = (leases.c.id, leases.c.trial_id, leases.c.worker_id, leases.c.expires_at, leases.c.active)
 _LEASE = select(*_LEASE_COLUMNS).where(leases.c.id == _P("lease_id"))
@@ -444,14 +453,14 @@ class SqlTx:
                                        state=TrialState.PENDING, created_at=now))
         if not records:
             return []
-        rows = [dict(study_id=study_id, number=r.number, kind=kind, state=TrialState.PENDING, attempts=0,
-                     created_at=now, decompositions=[d.model_dump(mode="json") for d in r.decompositions],
-                     decomposition_id=r.decomposition_id) for r in records]
+        rows = [dict(study_id=study_id, number=r.number, kind=kind, decompositions=[
+            d.model_dump(mode="json") for d in r.decompositions], decomposition_id=r.decomposition_id,
+            state=TrialState.PENDING, attempts=0, created_at=now) for r in records]
         if len(rows) == 1:  # a refill's one proposal
-            ids = [self._first(_INSERT_TRIAL, rows[0]).id]
-        else:
-            ids = self.execute(_INSERT_TRIALS, rows).scalars().all()
-        return [dataclasses.replace(r, id=i) for r, i in zip(records, ids, strict=True)]
+            return [dataclasses.replace(records[0], id=self._first(_INSERT_TRIAL, rows[0]).id)]
+        ids = {number: i for i, number in self._rows(_insert_trials(len(rows)), {
+            f"{column}_{i}": value for i, row in enumerate(rows) for column, value in row.items()})}
+        return [dataclasses.replace(r, id=ids[r.number]) for r in records]
 
     def claim_leased(self, *, hardware: Hardware, worker_id: int, now: dt.datetime, seconds: float,
                      ending: str | None = None) -> tuple[TrialRecord, LeaseInfo] | None:

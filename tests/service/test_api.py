@@ -472,7 +472,7 @@ def test_creating_a_study_of_a_new_problem_costs_a_fixed_handful_of_statements(a
     with statements_of(api) as statements:
         reply = create(api.admin, problem=PROBLEM | {"m": 1024})
     assert reply.status_code == 201, reply.text
-    assert len(statements) <= (6 if api.db.is_postgres else 7), "\n".join(statements)  # (SQLite: a row per proposal)
+    assert len(statements) <= 6, "\n".join(statements)
 
 
 def test_a_lease_and_report_cycle_costs_a_fixed_handful_of_statements(api):
