@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from anyio import to_thread
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 
 from cmtune import __version__
 from cmtune.service import errors, migrate
@@ -20,6 +21,7 @@ from cmtune.service.routers import configs, dashboard, health, studies, submissi
 from cmtune.service.settings import Settings, get_settings
 from cmtune.service.store import SqlStore
 from cmtune.tuner.engine import Engine
+from collective_matmul.wire import ResultIn
 
 DESCRIPTION = """Tune collective-matmul decompositions on real devices and serve the best configs.
 
@@ -71,7 +73,26 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
 
     app.add_middleware(GuardMiddleware, state=state)  # before any body is read or parsed
     app.add_middleware(LatencyMiddleware, histogram=latency)
+    _document_bodies(app, ResultIn)
     return app
+
+
+def _document_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Adds to the OpenAPI components the bodies that routes read themselves (`views.json_body`, declared by
+    `views.body_schema`), and the models they refer to, where FastAPI has not named them already."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            components = generate().setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, definition in schema.pop("$defs", {}).items():
+                    components.setdefault(name, definition)
+                components.setdefault(model.__name__, schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def serve_app() -> FastAPI:

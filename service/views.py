@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import TypeVar
 
-from fastapi import Response
-from pydantic import BaseModel
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from cmtune.service.store import SqlTx, WorkerInfo
 from cmtune.tuner.store import StudyRecord, TrialRecord
@@ -24,6 +26,34 @@ def json_response(body: BaseModel, status_code: int = 200) -> Response:
     """``body`` serialised where the route runs: a hot route's answer (lease, result) is not handed to
     another thread to be serialised, as FastAPI does with what a blocking route returns."""
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def json_body(request: Request, model: type[Body]) -> Body:
+    """``model`` from the request's JSON body, parsed and validated by pydantic in one pass (FastAPI parses the
+    JSON to Python objects, then validates those); a bad body is a 422 of FastAPI's shape (``loc`` from
+    ``body``).  The route documents the body with `body_schema`."""
+    kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",), "input": None,
+                                       "msg": f"send JSON (Content-Type: application/json), not {kind}"}])
+    raw = await request.body()
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
+                                      for error in exc.errors(include_url=False)]) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that reads ``model`` with `json_body` (``openapi_extra``); the
+    app adds the model's schema to the components (`cmtune.service.main`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
