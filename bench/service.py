@@ -299,7 +299,8 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
 
     await asyncio.gather(submitter(), *(run(w) for w in registered))
     admin.close()
-    return {"cycles_per_s": counts["cycles"] / seconds, **counts, "open_studies": statistics.median(opened),
+    return {"cycles_per_s": counts["cycles"] / seconds, **counts,
+            "open_studies": statistics.median(opened) if opened else 0,
             "lease_p50_ms": statistics.median(lease_s) * 1e3, "result_p50_ms": statistics.median(result_s) * 1e3}
 
 

@@ -165,6 +165,7 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
     Raises:
         ConflictError: the lease is unknown, for another trial or worker, or no longer holds the trial.
         InvalidError: the results are not of this trial's problem and candidates.
+        NotFoundError: with ``lease_next``, the worker is not registered (or left).
     """
     held, trial = tx.lease_and_trial(lease_id, trial_id)
     if held is None or held.trial_id != trial.id:

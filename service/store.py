@@ -182,7 +182,7 @@ _INSERT_TRIAL = Prepared(insert(trials).returning(trials.c.id))
 _NEW_TRIAL = ("study_id", "number", "kind", "decompositions", "decomposition_id", "state", "attempts", "created_at")
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)  # n is at most CMTUNE_READY_PROPOSALS (<= 32) or a new study's first proposals
 def _insert_trials(n: int) -> Prepared:
     """``n`` new trials in one statement: parameters ``column_i`` for row i; each row's id and number come
     back (in no promised order)."""

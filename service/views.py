@@ -35,10 +35,10 @@ async def json_body(request: Request, model: type[Body]) -> Body:
     """``model`` from the request's JSON body, parsed and validated by pydantic in one pass (FastAPI parses the
     JSON to Python objects, then validates those); a bad body is a 422 of FastAPI's shape (``loc`` from
     ``body``).  The route documents the body with `body_schema`."""
-    kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
         raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",), "input": None,
-                                       "msg": f"send JSON (Content-Type: application/json), not {kind}"}])
+                                       "msg": f"send JSON (Content-Type: application/json), not {kind or 'no type'}"}])
     raw = await request.body()
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])

@@ -80,6 +80,7 @@ MALFORMED = {  # the result route parses its body itself (one pass of pydantic):
     "not JSON": (b'{"lease_id": ', "application/json", ("body",)),
     "empty": (b"", "application/json", ("body",)),
     "not a JSON content type": (b'{"lease_id": "x"}', "text/plain", ("body",)),
+    "a good result without a content type": (None, None, ("body",)),
     "a field of the wrong type": (b'{"lease_id": 5, "measurement": null}', "application/json", ("body", "lease_id")),
     "an unknown field": (b'{"lease_id": "x", "measurement": null, "lease_nxt": true}', "application/json",
                          ("body", "lease_nxt")),
@@ -93,11 +94,14 @@ def test_malformed_result_bodies_get_422_and_nothing_breaks(api, name):
     grant = worker.post(f"/v1/workers/{worker}/lease").json()
     content, kind, where = MALFORMED[name]
     url = f"/v1/trials/{grant['trial']['id']}/result"
-    response = worker.client.post(url, content=content, headers=worker.headers | {"content-type": kind})
+    good = {"lease_id": grant["lease"]["id"],
+            "measurement": measurement(PROBLEM, Decomposition.model_validate(grant["trial"]["decomposition"]), 1.0)}
+    headers = worker.headers | ({"content-type": kind} if kind else {})
+    response = worker.client.post(url, content=json.dumps(good).encode() if content is None else content,
+                                  headers=headers)
     assert response.status_code == 422, response.text
     assert any(tuple(e["loc"][:len(where)]) == where and e["msg"] for e in response.json()["detail"]), response.text
-    good = measurement(PROBLEM, Decomposition.model_validate(grant["trial"]["decomposition"]), 1.0)
-    assert worker.post(url, json={"lease_id": grant["lease"]["id"], "measurement": good}).status_code == 200
+    assert worker.post(url, json=good).status_code == 200
     assert api.reader.get("/v1/studies/1").json()["trials_done"] == 1
 
 

@@ -118,3 +118,19 @@ def test_a_dropped_connection_is_invalidated():
     with db.transaction() as c:  # the dead connection left the pool
         assert read.rows(c, {"id": 1}) == []
     db.dispose()
+
+
+def test_the_hot_writes_set_only_their_own_columns():
+    """A parameter named like a column becomes a SET of that column in every UPDATE of a compiled statement
+    (`Prepared` compiles with the parameters' names): the claim that also ends a lease must set nothing of
+    the ended lease but ``active``, nor of its worker but ``trials_done``."""
+    from sqlalchemy.dialects import postgresql
+
+    from cmtune.service.store import _claim_leased
+
+    keys = ["claimer", "hardware_key", "lease_id", "now", "until", "_lease_id"]
+    sql = " ".join(str(_claim_leased(True).statement.compile(dialect=postgresql.dialect(), column_keys=keys)).split())
+    ended = sql[sql.index("ended AS (UPDATE leases SET"):sql.index("RETURNING leases.worker_id")]
+    counted = sql[sql.index("counted AS (UPDATE workers SET"):sql.index("FROM ended")]
+    assert ended.count("=") == 2 and "active=" in ended, ended  # SET active, WHERE id
+    assert counted.count("=") == 1 and "trials_done=" in counted, counted  # SET trials_done (WHERE after FROM)
