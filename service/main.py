@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from cmtune import __version__
-from cmtune.service import errors, migrate
+from cmtune.service import errors, migrate, views
 from cmtune.service.db import Database
 from cmtune.service.deps import AppState
 from cmtune.service.guard import GuardMiddleware
@@ -21,7 +21,6 @@ from cmtune.service.routers import configs, dashboard, health, studies, submissi
 from cmtune.service.settings import Settings, get_settings
 from cmtune.service.store import SqlStore
 from cmtune.tuner.engine import Engine
-from collective_matmul.wire import ResultIn
 
 DESCRIPTION = """Tune collective-matmul decompositions on real devices and serve the best configs.
 
@@ -73,7 +72,7 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
 
     app.add_middleware(GuardMiddleware, state=state)  # before any body is read or parsed
     app.add_middleware(LatencyMiddleware, histogram=latency)
-    _document_bodies(app, ResultIn)
+    _document_bodies(app, *views.SELF_PARSED.values())
     return app
 
 

@@ -7,7 +7,7 @@ tx`` (one transaction; see `cmtune.service.db`), then `SqlTx` methods, which ret
 
 The hot paths (claim, result, history, a new study) are single Core statements, built once at
 import, compiled once per dialect and run on the driver's cursor (`Prepared`); on PostgreSQL a
-lease+report cycle is 6 of them.  A study's problem, hardware, settings and protocol never change
+lease+report cycle is 5 of them.  A study's problem, hardware, settings and protocol never change
 after it is created, so each process keeps them in memory and a study read fetches only its mutable
 columns; within a transaction a study is read once, until the transaction changes it.
 """

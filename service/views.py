@@ -49,9 +49,13 @@ async def json_body(request: Request, model: type[Body]) -> Body:
                                       for error in exc.errors(include_url=False)]) from None
 
 
+SELF_PARSED: dict[str, type[BaseModel]] = {}  # bodies routes read with `json_body`, by schema name
+
+
 def body_schema(model: type[BaseModel]) -> dict:
     """The OpenAPI request body of a route that reads ``model`` with `json_body` (``openapi_extra``); the
-    app adds the model's schema to the components (`cmtune.service.main`)."""
+    app adds the schemas of every such model to the components (`cmtune.service.main`)."""
+    SELF_PARSED[model.__name__] = model
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 

@@ -135,9 +135,6 @@ class _TPE(optuna.samplers.TPESampler):
 class _Random(optuna.samplers.RandomSampler):
     """Optuna's random sampler, built once and reseeded for every ask (see `_TPE`)."""
 
-    def __init__(self, space: dict[str, BaseDistribution] | None = None, startup: int = 0):
-        super().__init__(seed=0)
-
     def reseed(self, seed: int) -> None:
         self._rng.rng.seed(seed)
 
@@ -185,8 +182,8 @@ class Searcher:
         with self._sampler_lock:  # one sampler per searcher, and a searcher is shared by studies of one problem
             optuna_sampler = self._samplers.get(sampler)
             if optuna_sampler is None:
-                kind = _Random if sampler == "random" else _TPE
-                optuna_sampler = self._samplers[sampler] = kind(self._dists, self.settings.startup)
+                optuna_sampler = self._samplers[sampler] = (
+                    _Random() if sampler == "random" else _TPE(self._dists, self.settings.startup))
             optuna_sampler.reseed(self._seed(finished, pending))
             return self._ask_study(optuna_sampler, finished, pending, seen)
 
