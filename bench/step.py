@@ -89,7 +89,7 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
 
     from cmtune.tuner.engine import step_decision
     from cmtune.tuner.step import StepSession, ring_everywhere, standard_variants, step_layout
-    from collective_matmul import AUTODIFF, Bundle, FixedConfigs, Tuned, configs_per_role, ring_hardware
+    from collective_matmul import AS_WRITTEN, Bundle, FixedConfigs, Tuned, configs_per_role, ring_hardware
     from collective_matmul.models import MeshSpec, TransformerBlock
     from collective_matmul.wire import Protocol
 
@@ -102,7 +102,7 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
     decided = session.measure(standard_variants(op_tuned))
     decision = step_decision(decided, op_tuned)
     variants = {
-        "autodiff": AUTODIFF,
+        "autodiff": AS_WRITTEN,
         "baseline": FixedConfigs(),
         "tuned": FixedConfigs(op_tuned | decision.overrides),
         "op-tuned": FixedConfigs(op_tuned),

@@ -88,19 +88,40 @@ def submit(
     model: Annotated[str | None, typer.Option(help="preset name or JSON file (with --mesh)")] = None,
     mesh: Annotated[str | None, typer.Option(help="e.g. data=1,model=8")] = None,
     tensor_axis: Annotated[str | None, typer.Option()] = None,
-    platform: Annotated[str, typer.Option(help="hardware to tune on")] = "cpu",
-    device_kind: Annotated[str, typer.Option()] = "cpu",
-    process_count: Annotated[int, typer.Option(min=1)] = 1,
+    platform: Annotated[str | None, typer.Option(
+        help="hardware to tune on (default cpu; with --step, the platform of the step's ring here)")] = None,
+    device_kind: Annotated[str | None, typer.Option(help="(default cpu; with --step, the ring's)")] = None,
+    process_count: Annotated[int | None, typer.Option(
+        min=1, help="processes one ring spans (default 1; with --step, the ring's)")] = None,
     trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
     force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
+    step: Annotated[str | None, typer.Option(
+        help="a step spec, path/to/file.py:NAME or package.module:NAME: discover your step's problems here "
+             "(needs JAX) and send them with their roles; the service never runs your code")] = None,
+    name: Annotated[str | None, typer.Option(help="with --step: the name to submit it under (default: NAME)")] = None,
+    devices: Annotated[str, typer.Option(help="with --step: virtual:N or processes:PxD (default virtual:8)")] = "auto",
 ) -> None:
-    """Submit problems, or a model + mesh, to a running service."""
+    """Submit problems, a model + mesh, or your own step's problems, to a running service."""
     from collective_matmul import MeshSpec, TransformerBlock
-    from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate, StudyCreated
+    from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate
 
+    if step is not None:
+        if problem or model or mesh:
+            raise typer.BadParameter("--step sends your step's own problems: leave out --problem, --model, --mesh")
+        from cmtune.tuner import step_commands
+
+        if step_commands.prepare(devices) is None:
+            return
+        found, ring = step_commands.discovered_body(step, name)
+        if found is None:  # a process other than 0 of a group
+            return
+        hardware = HardwareIn(platform=platform or ring.platform, device_kind=device_kind or ring.device_kind,
+                              device_count=ring.device_count, process_count=process_count or ring.process_count)
+        bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force)]
+        return _post(server, token, token_file, bodies)
     targets = problems_from_options(problem, model, mesh, tensor_axis)
-    hardware = HardwareIn(platform=platform, device_kind=device_kind, device_count=targets[0].axis_size,
-                          process_count=process_count)
+    hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
+                          device_count=targets[0].axis_size, process_count=process_count or 1)
     common = dict(hardware=hardware, budget=Budget(trials=trials), force=force)
     if model:
         spec = MeshSpec.parse(mesh, tensor_axis)
@@ -109,6 +130,12 @@ def submit(
         bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis), **common)]
     else:
         bodies = [StudyCreate(problem=p, **common) for p in targets]
+    _post(server, token, token_file, bodies)
+
+
+def _post(server: str, token: str | None, token_file: Path | None, bodies) -> None:
+    from collective_matmul.wire import StudyCreated
+
     with _api(server, token, token_file) as client:
         for body in bodies:
             created = StudyCreated.model_validate(_check(client.post(
@@ -165,7 +192,7 @@ def _models_table(models):
 
     table = Table(title="submitted models: estimated from the ops against the step as measured")
     for col in ("submission", "model", "mesh", "hardware", "saved/step estimated", "saved/step measured",
-                "step vs plain autodiff", "step vs all-baseline", "runs"):
+                "step vs as written", "step vs all-baseline", "runs"):
         table.add_column(col)
 
     def speed(s):
@@ -178,6 +205,6 @@ def _models_table(models):
             f"{sub.saved_s_per_step * 1e3:.0f} ms" if sub.saved_s_per_step is not None else "-",
             f"{step.measured_saved_s_per_step * 1e3:.0f} ms" if step and step.measured_saved_s_per_step is not None
             else "-",
-            speed(step.vs_autodiff) if step else "-", speed(step.vs_baseline) if step else "-",
+            speed(step.vs_reference) if step else "-", speed(step.vs_baseline) if step else "-",
             (step.variant or step.state) if step else "-")
     return table

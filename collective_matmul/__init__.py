@@ -11,9 +11,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "AUTODIFF": "block",
+    "AS_WRITTEN": "block",
     "ROLES": "block",
-    "Autodiff": "block",
+    "AsWritten": "block",
     "ConfigSource": "block",
     "FixedConfigs": "block",
     "OpConfigs": "decomposition",
@@ -53,12 +53,14 @@ _EXPORTS = {
     "allgather_matmul_shard": "ring",
     "matmul_reduce_scatter_shard": "ring",
     "candidates": "space",
+    "Discovery": "discovery",
+    "discover": "discovery",
 }
 
 __all__ = [
-    "AUTODIFF",
+    "AS_WRITTEN",
     "ROLES",
-    "Autodiff",
+    "AsWritten",
     "ConfigSource",
     "FixedConfigs",
     "OpConfigs",
@@ -98,6 +100,8 @@ __all__ = [
     "allgather_matmul_shard",
     "matmul_reduce_scatter_shard",
     "candidates",
+    "Discovery",
+    "discover",
 ]
 
 
@@ -116,9 +120,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from collective_matmul.block import (
-        AUTODIFF,
+        AS_WRITTEN,
         ROLES,
-        Autodiff,
+        AsWritten,
         ConfigSource,
         FixedConfigs,
         activation_sharding,
@@ -134,6 +138,7 @@ if TYPE_CHECKING:
     from collective_matmul.bundle import Bundle, TunedConfig
     from collective_matmul.client import Lookup, Tuned, ring_hardware
     from collective_matmul.decomposition import Decomposition, OpConfigs
+    from collective_matmul.discovery import Discovery, discover
     from collective_matmul.models import PRESETS, MeshSpec, ModelProblem, TransformerBlock, model_problems
     from collective_matmul.ops import (
         allgather_grad_weight,

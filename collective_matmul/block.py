@@ -23,8 +23,10 @@ and optionally data parallelism over others (``batch_axis``).  The layout, step 
 
 Each of the four ops (roles ``qkv``, ``attn_out``, ``mlp_up``, ``mlp_down``) takes its forward,
 ``grad_input`` and ``grad_weight`` configs from a `ConfigSource`: fixed configs
-(`FixedConfigs`), a `collective_matmul.Tuned` client, or `AUTODIFF`, which runs the baseline
-collectives in plain JAX with no custom VJP — what a user has without cmtune.
+(`FixedConfigs`) or a `collective_matmul.Tuned` client.  `AS_WRITTEN` is the block as a user
+writes it without cmtune: each projection a plain einsum under a named scope of its role, with the
+sharding of its result stated (GSPMD: XLA's partitioner places the all-gathers and
+reduce-scatters), and JAX's autodiff for the backward — the reference of a step measurement.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul.decomposition import OpConfigs
@@ -49,7 +51,6 @@ from collective_matmul.ops import (
     _placed,
     allgather_matmul,
     matmul_reduce_scatter,
-    plain_baseline,
 )
 
 # The collective of each role's forward (models.py derives the same problems).
@@ -97,21 +98,20 @@ class FixedConfigs:
         return self.per_role.get(role, self.default)
 
 
-class Autodiff:
-    """The plain-autodiff mode: baseline collectives in plain JAX, JAX's autodiff for the backward.
+class AsWritten:
+    """The block as written (GSPMD), the reference of a step measurement; use the `AS_WRITTEN` instance.
 
-    Use the `AUTODIFF` instance as the block's source.  Its `configs` (the baselines) only
-    describe it; the block does not call the custom-VJP ops in this mode.
+    Its `configs` (the baselines) only describe it: the block calls no op of cmtune in this mode.
     """
 
     def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None) -> OpConfigs:
         return OpConfigs()
 
     def __repr__(self) -> str:
-        return "AUTODIFF"
+        return "AS_WRITTEN"
 
 
-AUTODIFF = Autodiff()
+AS_WRITTEN = AsWritten()
 
 
 def check_block(
@@ -218,7 +218,7 @@ def apply(
             from ``block.global_batch`` and ``block.seq_len``).
         mesh: the device mesh.
         axis: the tensor-parallel mesh axis (the ring).
-        source: the configs of each op call (`FixedConfigs`, a `Tuned`, or `AUTODIFF`).
+        source: the configs of each op call (`FixedConfigs`, a `Tuned`, or `AS_WRITTEN`).
         batch_axis: mesh axis (or axes) sharding the batch.
 
     Returns:
@@ -323,8 +323,8 @@ def configs_per_role(
 
 def _op(role: str, x, w, *, source: ConfigSource, mesh: Mesh, axis: str, batch_axis: BatchAxis):
     collective = ROLE_COLLECTIVES[role]
-    if isinstance(source, Autodiff):
-        return plain_baseline(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    if isinstance(source, AsWritten):
+        return _as_written(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
     configs = source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
     op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
     try:
@@ -332,6 +332,23 @@ def _op(role: str, x, w, *, source: ConfigSource, mesh: Mesh, axis: str, batch_a
                   grad_input=configs.grad_input, grad_weight=configs.grad_weight)
     except ValueError as exc:
         raise ValueError(f"{role}: {exc}") from None
+
+
+def _as_written(role: str, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis):
+    """One projection as a user writes it: an einsum whose result is sharded as the layout says.
+
+    Column-parallel (``qkv``, ``mlp_up``): the result sharded on its columns, so XLA gathers the
+    rows of x.  Row-parallel (``attn_out``, ``mlp_down``): the result sharded on its rows, so XLA
+    sums the partial products and scatters them.  On a mesh with Explicit axes the sharding is
+    the einsum's ``out_sharding``; on one with Auto axes a sharding constraint.
+    """
+    lead = (batch_axis, *([None] * (x.ndim - 3))) if x.ndim > 2 else ()
+    out = P(*lead, None, axis) if collective == "allgather_matmul" else P(*lead, axis, None)
+    sharding = NamedSharding(mesh, out)
+    with jax.named_scope(role):
+        if any(t == AxisType.Explicit for t in mesh.axis_types):
+            return jnp.einsum("...k,kn->...n", x, w, out_sharding=sharding)
+        return jax.lax.with_sharding_constraint(jnp.einsum("...k,kn->...n", x, w), sharding)
 
 
 def _rmsnorm(x: jax.Array, scale: jax.Array) -> jax.Array:

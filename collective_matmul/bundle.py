@@ -8,10 +8,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import ROLES
+from collective_matmul.models import MAX_ROLES, SLOTS, Role
 from collective_matmul.problem import Hardware, Problem
 
 BUNDLE_FORMAT = "cmtune.bundle"
@@ -42,6 +42,14 @@ class TunedConfig(BaseModel):
     jaxlib_version: str = ""
     tuned_at: str = Field(default_factory=utc_now)
 
+    @model_validator(mode="after")
+    def _fits(self) -> TunedConfig:
+        try:
+            self.problem.check(self.decomposition)
+        except ValueError as exc:
+            raise ValueError(f"tuned config of {self.problem.key}: {exc}") from None
+        return self
+
     @property
     def key(self) -> tuple[str, str]:
         return self.problem.key, self.hardware.key
@@ -70,13 +78,30 @@ class RoleOverride(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(min_length=1, max_length=200, description="the model's name (TransformerBlock.name)")
-    role: Literal[ROLES]
+    model: str = Field(min_length=1, max_length=200, description="the model's name (TransformerBlock.name, or "
+                                                                  "the name a user's step was verified under)")
+    role: Role = Field(description="the reference block's role, or a user's projection (collective_matmul.roles)")
     hardware: Hardware = Field(description="identity only")
     configs: OpConfigs
     reason: str = Field(max_length=2000)
-    step_speedup: float | None = Field(default=None, gt=0, description="the step with this choice, over plain "
-                                                                          "autodiff (median of paired runs)")
+    step_speedup: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                       description="the step with this choice, over the step as written "
+                                                   "(median of paired runs)")
+    problems: dict[Literal["forward", "grad_input", "grad_weight"], Problem] | None = Field(
+        default=None, description="the role's three problems (a user's step; the block's are derived from its "
+                                  "shapes): each config is checked against its own")
+
+    @model_validator(mode="after")
+    def _configs_fit(self) -> RoleOverride:
+        if self.problems is not None:
+            if set(self.problems) != set(SLOTS):
+                raise ValueError(f"problems must name the three slots {list(SLOTS)}, got {sorted(self.problems)}")
+            for slot in SLOTS:
+                try:
+                    self.problems[slot].check(getattr(self.configs, slot))
+                except ValueError as exc:
+                    raise ValueError(f"override of {self.role}: {slot}: {exc}") from None
+        return self
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -91,8 +116,8 @@ class Bundle(BaseModel):
     format: Literal["cmtune.bundle"] = BUNDLE_FORMAT
     version: Literal[1, 2] = BUNDLE_VERSION
     created_at: str = Field(default_factory=utc_now)
-    configs: list[TunedConfig] = Field(default_factory=list)
-    overrides: list[RoleOverride] = Field(default_factory=list)
+    configs: list[TunedConfig] = Field(default_factory=list, max_length=100_000)
+    overrides: list[RoleOverride] = Field(default_factory=list, max_length=100 * MAX_ROLES)
 
     def add(self, config: TunedConfig) -> None:
         """Add or replace the entry for the same (problem, hardware)."""

@@ -1,28 +1,45 @@
 """`Tuned`: how training code gets tuned configs and runs the ops with them.
 
-Look-ups fall back in a stated order and say which they used: the server's answer
-(exact or nearest), the bundle's (exact or nearest), the cost model's choice for the hardware,
-the baseline.  Each (problem, hardware) is looked up once per process; a server that is down or
-errs is reported by one warning and never breaks the training step.
+Look-ups fall back in a stated order and say which they used: the model's per-role override,
+the server's answer (exact or nearest), the bundle's (exact or nearest), the cost model's choice
+for the hardware, the baseline.  Each (problem, hardware) is looked up once per process; a server
+that is down or errs is reported by one warning and never breaks the training step, and a served
+config that does not fit its problem is skipped and reported, never raised inside the step.
+
+Every call site the process traces is recorded — applied (problem, config, match, source) or fell
+back (why) — and `Tuned.report` lists them; the first trace of each role logs one line on the
+``collective_matmul`` logger.  The same interface serves the step variants `cmtune verify` times:
+`Tuned.variant` edits every call's configs (the baseline everywhere, one role set back, ...), and
+`Tuned.pinned` replays what process 0 resolved on the other processes of a group.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from collective_matmul import roles
 from collective_matmul.bundle import Bundle, RoleOverride, nearest
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
+from collective_matmul.models import SLOTS, slot_problems
 from collective_matmul.ops import BatchAxis, allgather_matmul, matmul_reduce_scatter, problem_of
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import ConfigAnswer
 
-_DUAL = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
+logger = logging.getLogger("collective_matmul")
+
+_COLLECTIVES = ("allgather_matmul", "matmul_reduce_scatter")
+MAX_SITES = 4096  # call sites recorded per client (a bounded in-process record)
+
+Edit = Callable[[str, OpConfigs], OpConfigs]
 
 
 @dataclass(frozen=True)
@@ -30,9 +47,60 @@ class Lookup:
     """The answer to one look-up: the config, and where it came from."""
 
     decomposition: Decomposition
-    match: str  # exact | nearest | model | baseline | override
-    source: str  # server | bundle | costmodel | baseline
+    match: str  # override | exact | nearest | model | baseline | fixed
+    source: str  # server | bundle | costmodel | baseline | variant | process 0
     speedup: float | None = None
+
+
+@dataclass
+class CallSite:
+    """One call site the process traced: where, what it solved, and what ran there."""
+
+    role: str
+    source: str  # file:line of the call
+    via: str  # op (tuned.allgather_matmul / matmul_reduce_scatter) | dot_general (the Flax drop-in)
+    collective: str | None = None
+    problems: dict[str, Problem] = field(default_factory=dict)
+    found: dict[str, Lookup] = field(default_factory=dict)
+    reason: str = ""  # why it fell back to lax.dot_general; empty when applied
+    traces: int = 1
+    notes: list[str] = field(default_factory=list)
+    hardware: Hardware | None = None  # the ring's (what its configs are keyed by)
+    axis: str | None = None  # the mesh axis of the ring
+
+    @property
+    def applied(self) -> bool:
+        return not self.reason
+
+    @property
+    def configs(self) -> OpConfigs | None:
+        return OpConfigs(**{slot: f.decomposition for slot, f in self.found.items()}) if self.applied else None
+
+    def line(self) -> str:
+        """One line: the role, where, and what ran (or why not)."""
+        where = f"{self.role} ({self.source})" if self.source and self.source != self.role else self.role
+        if not self.applied:
+            return f"{where}: fell back to lax.dot_general: {self.reason}"
+        forward = self.problems["forward"]
+        slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source})" for slot, f in self.found.items())
+        notes = f"; {'; '.join(self.notes)}" if self.notes else ""
+        return f"{where}: {forward.key}: {slots}{notes}"
+
+
+class Report(list):
+    """`Tuned.report`: every call site traced, applied or fallen back."""
+
+    @property
+    def applied(self) -> list[CallSite]:
+        return [s for s in self if s.applied]
+
+    @property
+    def fell_back(self) -> list[CallSite]:
+        return [s for s in self if not s.applied]
+
+    def __str__(self) -> str:
+        head = f"{len(self.applied)} call site(s) run cmtune's ops, {len(self.fell_back)} fell back"
+        return "\n".join([head, *(f"  {s.line()}" for s in self)])
 
 
 class Tuned:
@@ -42,8 +110,8 @@ class Tuned:
         server: base URL of a cmtune service (optional).
         token: a reader token for the server.
         bundle: a bundle file (``cmtune tune --out`` or ``GET /v1/bundles``); needs no server.
-        model: the name the model was submitted under: its per-role overrides (decided by the
-            step measurement) then come first for the calls that name their role.
+        model: the name the model was submitted (or verified) under: its per-role overrides
+            (decided by the step measurement) then come first for the calls of those roles.
         timeout_s: per request to the server.
     """
 
@@ -54,12 +122,62 @@ class Tuned:
         self.bundle = Bundle.load(bundle) if bundle is not None else None
         self.model = model
         self.timeout_s = timeout_s
+        self.name = "tuned"
         self._cache: dict[tuple[str, str], Lookup] = {}
         self._overrides: dict[str, dict[str, RoleOverride]] = {}
-        self._calls: dict[tuple, tuple[Problem, Lookup]] = {}
-        self._roles: dict[str, dict[str, tuple[Problem, Lookup]]] = {}
         self._warned: set[str] = set()
         self._client = None
+        self._edit: Edit | None = None
+        self._pins: dict[tuple[str, str], tuple[OpConfigs, dict[str, Lookup]]] | None = None
+        self._reset_records()
+
+    def _reset_records(self) -> None:
+        self._calls: dict[tuple, tuple[Problem, Lookup]] = {}
+        self._roles: dict[str, dict[str, tuple[Problem, Lookup]]] = {}
+        self._sites: dict[tuple, CallSite] = {}
+        self._logged: set[str] = set()
+
+    # -- variants --------------------------------------------------------------------------------
+
+    def variant(self, name: str, edit: Edit) -> Tuned:
+        """A client whose every call runs ``edit(role, configs)`` of what this one resolves.
+
+        It shares this client's look-ups (server, bundle, cache) and keeps its own record of call
+        sites; its look-ups are reported as ``fixed`` from ``variant`` where ``edit`` changed them.
+        """
+        child = object.__new__(Tuned)
+        child.__dict__.update(self.__dict__)
+        child.name, child._edit = name, edit
+        child._reset_records()
+        return child
+
+    @classmethod
+    def pinned(cls, pins: Mapping[str, Mapping], *, name: str = "tuned") -> Tuned:
+        """A client that answers exactly what another process resolved (`pins` of that client).
+
+        In a multi-process group, process 0 looks up and the others run what it found: every
+        process then compiles the same program.  A call process 0 did not see runs the baseline.
+        """
+        client = cls()
+        client.name = name
+        client._pins = {}
+        for key, entry in pins.items():
+            role, _, forward = key.partition("|")
+            configs = OpConfigs.model_validate(entry["configs"])
+            found = {slot: Lookup(getattr(configs, slot), match, "process 0")
+                     for slot, match in entry.get("match", {}).items()}
+            client._pins[(role, forward)] = (configs, found)
+        return client
+
+    def pins(self) -> dict[str, dict]:
+        """What this client's calls resolved, for `pinned` (JSON-able, keyed ``role|forward problem``)."""
+        out = {}
+        for site in self._sites.values():
+            if site.applied:
+                out[f"{site.role}|{site.problems['forward'].key}"] = {
+                    "configs": site.configs.model_dump(mode="json"),
+                    "match": {slot: f.match for slot, f in site.found.items()}}
+        return out
 
     # -- look-ups ------------------------------------------------------------------------------
 
@@ -69,7 +187,8 @@ class Tuned:
         found = self._cache.get(key)
         if found is None:
             found = self._resolve(problem, hardware.identity())
-            self._cache[key] = found
+            if len(self._cache) < 1 << 16:
+                self._cache[key] = found
         return found
 
     def _resolve(self, problem: Problem, hardware: Hardware) -> Lookup:
@@ -121,8 +240,9 @@ class Tuned:
     def override(self, role: str, hardware: Hardware) -> _Override | None:
         """This model's override of ``role`` on ``hardware`` (server first, then the bundle), or None.
 
-        Overrides are decided by measuring the whole step of a submitted model (see docs/tuning.md);
-        they need ``model=`` (the name it was submitted under).  Fetched once per hardware.
+        Overrides are decided by measuring the whole step (see docs/tuning.md); they need
+        ``model=``.  A call's role matches an override's when the two agree
+        (`collective_matmul.roles.agree`).  Fetched once per hardware.
         """
         if self.model is None:
             return None
@@ -132,7 +252,9 @@ class Tuned:
                      if o.model == self.model and o.hardware.key == key}
             found |= {o.role: _override_of(o, "server") for o in self._overrides_from_server(hardware)}
             self._overrides[key] = found
-        return self._overrides[key].get(role)
+        known = self._overrides[key]
+        name = roles.match(role, list(known))
+        return known[name] if name is not None else None
 
     def _overrides_from_server(self, hardware: Hardware) -> list[RoleOverride]:
         if self.server is None:
@@ -154,6 +276,8 @@ class Tuned:
             self._warned.add(what)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    # -- what ran ------------------------------------------------------------------------------
+
     @property
     def resolved(self) -> list[tuple[Problem, Lookup]]:
         """Every (problem, answer) the ops of this process have used so far (forward and backward)."""
@@ -161,8 +285,38 @@ class Tuned:
 
     @property
     def resolved_by_role(self) -> dict[str, dict[str, tuple[Problem, Lookup]]]:
-        """Per role given to `configs`: ``{"forward" | "grad_input" | "grad_weight": (problem, answer)}``."""
+        """Per role: ``{"forward" | "grad_input" | "grad_weight": (problem, answer)}``."""
         return {role: dict(slots) for role, slots in self._roles.items()}
+
+    def report(self) -> Report:
+        """Every call site this process traced: applied (problem, configs, match, source) or fell back (why)."""
+        return Report(self._sites.values())
+
+    def per_role(self) -> dict[str, list[OpConfigs]]:
+        """The configs each role's applied calls ran, one entry per distinct problem."""
+        out: dict[str, list[OpConfigs]] = {}
+        for site in self._sites.values():
+            if site.applied and site.configs not in out.setdefault(site.role, []):
+                out[site.role].append(site.configs)
+        return out
+
+    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+        """Record a call the drop-in ran as plain ``lax.dot_general`` (``reason``: why)."""
+        self._site(CallSite(role=role, source=source, via="dot_general", reason=reason))
+
+    def _site(self, site: CallSite) -> CallSite:
+        key = (site.role, site.source, site.via, site.collective,
+               site.problems["forward"].key if site.problems else None, site.reason)
+        known = self._sites.get(key)
+        if known is not None:
+            known.traces += 1
+            return known
+        if len(self._sites) < MAX_SITES:
+            self._sites[key] = site
+        if site.role not in self._logged:
+            self._logged.add(site.role)
+            logger.info("cmtune %s: %s", self.name, site.line())
+        return site
 
     # -- ops -----------------------------------------------------------------------------------
 
@@ -170,8 +324,9 @@ class Tuned:
                          role: str | None = None) -> jax.Array:
         """`collective_matmul.allgather_matmul` with the tuned configs (forward and backward) for these shapes.
 
-        ``role`` (e.g. ``"qkv"``) only labels the look-ups in `resolved_by_role`.
+        ``role`` labels the call (default: the rule of `collective_matmul.roles` at the call site).
         """
+        role = role or call_label()
         configs = self.configs(role, "allgather_matmul", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
         return allgather_matmul(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
                                 grad_input=configs.grad_input, grad_weight=configs.grad_weight)
@@ -180,11 +335,26 @@ class Tuned:
                               role: str | None = None) -> jax.Array:
         """`collective_matmul.matmul_reduce_scatter` with the tuned configs (forward and backward) for these shapes.
 
-        ``role`` (e.g. ``"mlp_down"``) only labels the look-ups in `resolved_by_role`.
+        ``role`` labels the call (default: the rule of `collective_matmul.roles` at the call site).
         """
+        role = role or call_label()
         configs = self.configs(role, "matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
         return matmul_reduce_scatter(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
                                      grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+
+    def dot_general(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+                    kernel_axes: tuple | None = None, **options):
+        """The Flax drop-in: a ``dot_general`` running these configs (see `collective_matmul.flax.dot_general`)."""
+        from collective_matmul.flax import dot_general
+
+        return dot_general(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
+
+    def dot_general_cls(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+                        kernel_axes: tuple | None = None, **options):
+        """For linen's ``dot_general_cls=``: a factory of `dot_general` (see `collective_matmul.flax`)."""
+        from collective_matmul.flax import dot_general_cls
+
+        return dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
     def config_for(self, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
                    ) -> Decomposition:
@@ -192,63 +362,89 @@ class Tuned:
         return self.configs(None, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis).forward
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None) -> OpConfigs:
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`).
 
-        The three problems come from the forward's shapes (`problem_of`): the input gradient is
-        the dual collective with k and n swapped; the weight gradient is
-        ``allgather_grad_weight`` with k, n = K, N (all-gather matmul) or N, K (matmul
-        reduce-scatter).  Each is looked up with `lookup`.  A weight gradient runs a ring only
+        The three problems come from the forward's shapes by the rule of
+        `collective_matmul.models.slot_problems`.  The model's override of ``role`` comes first
+        (each of its configs checked against its problem: one that does not fit is skipped and
+        noted); then each problem is looked up with `lookup`.  A weight gradient runs a ring only
         where one was tuned (exact or nearest); otherwise, and when the tuned one is the
         baseline, it runs ``Decomposition.baseline(fuse=True)``, what autodiff of the baseline
-        does (no second gather), recorded as such.
+        does (no second gather).
 
         Args:
-            role: the block's role (``qkv``, ``attn_out``, ``mlp_up``, ``mlp_down``) for
-                `resolved_by_role`, or None.
+            role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
             collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
             x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`).
             mesh, axis, batch_axis: as for the op.
+            source: ``file:line`` of the call, for `report` (default: the call site).
+            via: how the call came (``op`` or ``dot_general``), for `report`.
 
         Raises:
             ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
         """
-        if collective not in _DUAL:
-            raise ValueError(f"configs: collective must be one of {sorted(_DUAL)}, got {collective!r}")
-        call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
+        if collective not in _COLLECTIVES:
+            raise ValueError(f"configs: collective must be one of {sorted(_COLLECTIVES)}, got {collective!r}")
         forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
-        m, k, n = forward.m, forward.k, forward.n
-        common = dict(m=m, dtype=forward.dtype, axis_size=forward.axis_size)
-        problems = {
-            "forward": forward,
-            "grad_input": Problem(collective=_DUAL[collective], k=n, n=k, **common),
-            "grad_weight": Problem(collective="allgather_grad_weight",
-                                   **(dict(k=k, n=n) if collective == "allgather_matmul" else dict(k=n, n=k)),
-                                   **common),
-        }
+        problems = slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
+                                 axis_size=forward.axis_size)
+        site = CallSite(role=role or "", source=source or call_source(), via=via, collective=collective,
+                        problems=problems, hardware=ring_hardware(mesh, axis).identity(), axis=axis)
+        if self._pins is not None:
+            found = self._pinned_found(role or "", problems)
+        else:
+            found = self._found(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
+                                problems=problems, notes=site.notes)
+        if self._edit is not None:
+            before = OpConfigs(**{slot: f.decomposition for slot, f in found.items()})
+            after = self._edit(role or "", before)
+            for slot in SLOTS:
+                chosen = getattr(after, slot)
+                if chosen != getattr(before, slot):
+                    if not problems[slot].accepts(chosen):
+                        raise ValueError(f"{self.name}: {slot} {chosen.id} does not fit {problems[slot].key}")
+                    found[slot] = Lookup(chosen, "fixed", "variant")
+        site.found = found
+        if role is not None:
+            self._roles[role] = {slot: (problems[slot], found[slot]) for slot in SLOTS}
+            self._site(site)
+        return OpConfigs(**{slot: found[slot].decomposition for slot in SLOTS})
+
+    def _found(self, role, collective, x, w, *, mesh, axis, batch_axis, problems, notes) -> dict[str, Lookup]:
+        call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
         hardware = ring_hardware(mesh, axis)
-        override = self.override(role, hardware) if role is not None else None
-        chosen = {}
+        override = self.override(role, hardware) if role else None
+        found: dict[str, Lookup] = {}
         for slot, problem in problems.items():
             if override is not None:  # the step measurement decided this role for this model
-                hit = (problem, Lookup(getattr(override.configs, slot), "override", override.source))
-                self._roles.setdefault(role, {})[slot] = hit
-                chosen[slot] = hit[1].decomposition
-                continue
+                chosen = getattr(override.configs, slot)
+                if problem.accepts(chosen):
+                    found[slot] = Lookup(chosen, "override", override.source)
+                    continue
+                notes.append(f"override {slot} {chosen.id} does not fit {problem.key}: skipped")
             key = (slot, *call)
             hit = self._calls.get(key)
             if hit is None:
-                found = self.lookup(problem, hardware)
+                answer = self.lookup(problem, hardware)
                 # a weight gradient runs a ring only where one was measured to win: the cost model does not
                 # know `fuse`, and the fused baseline (no second gather) is what autodiff does
-                if slot == "grad_weight" and (found.decomposition == Decomposition.baseline()
-                                              or found.match in ("model", "baseline")):
-                    found = replace(found, decomposition=DEFAULT_GRAD_WEIGHT)
-                hit = self._calls[key] = (problem, found)
-            if role is not None:
-                self._roles.setdefault(role, {})[slot] = hit
-            chosen[slot] = hit[1].decomposition
-        return OpConfigs(**chosen)
+                if slot == "grad_weight" and (answer.decomposition == Decomposition.baseline()
+                                              or answer.match in ("model", "baseline")):
+                    answer = replace(answer, decomposition=DEFAULT_GRAD_WEIGHT)
+                hit = (problem, answer)
+                if len(self._calls) < MAX_SITES:
+                    self._calls[key] = hit
+            found[slot] = hit[1]
+        return found
+
+    def _pinned_found(self, role: str, problems: dict[str, Problem]) -> dict[str, Lookup]:
+        pinned = self._pins.get((role, problems["forward"].key))
+        if pinned is None:
+            return {slot: Lookup(DEFAULT_GRAD_WEIGHT if slot == "grad_weight" else Decomposition.baseline(),
+                                 "baseline", "process 0 did not resolve this call") for slot in SLOTS}
+        configs, found = pinned
+        return {slot: found.get(slot, Lookup(getattr(configs, slot), "fixed", "process 0")) for slot in SLOTS}
 
 
 @dataclass(frozen=True)
@@ -266,3 +462,30 @@ def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
     """The hardware of one ring of ``mesh`` along ``axis`` (what configs are tuned for)."""
     devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0).reshape(mesh.shape[axis], -1)[:, 0]
     return Hardware.detect(devices.tolist())
+
+
+def call_label() -> str:
+    """The role of the call being traced now, by the rule of `collective_matmul.roles`."""
+    return roles.label(_name_stack(), _frames())
+
+
+def call_source() -> str:
+    """``file.py:LINE`` of the innermost frame of the call being traced outside JAX, Flax and cmtune."""
+    return next((f"{Path(f).name}:{line}" for f, line in _frames() if not roles.is_library(f)), "")
+
+
+def _name_stack() -> str:
+    try:
+        from jax._src import source_info_util
+
+        return str(source_info_util.current_name_stack())
+    except Exception:  # noqa: BLE001 - a label is never worth a failed step
+        return ""
+
+
+def _frames(limit: int = 64) -> list[tuple[str, int]]:
+    frame, out = sys._getframe(1), []
+    while frame is not None and len(out) < limit:
+        out.append((frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return out

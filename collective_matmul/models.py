@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from collective_matmul.problem import DType, Problem
 
@@ -130,20 +130,44 @@ class ModelProblem(BaseModel):
     roles: tuple[str, ...]
 
 
-Role = Literal["qkv", "attn_out", "mlp_up", "mlp_down"]
+# A role labels where a problem occurs in a step: the reference block's four projections, or the
+# label discovery and the drop-in give a user's projection (collective_matmul.roles).  Open, bounded.
+MAX_ROLE_LENGTH = 200
+MAX_ROLES = 256
+Role = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ROLE_LENGTH, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
-
-ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")
+ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")  # the reference block's
 SLOTS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
-_DUAL = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
+COLUMN, ROW = "allgather_matmul", "matmul_reduce_scatter"  # the two forward collectives
+_DUAL = {COLUMN: ROW, ROW: COLUMN}
+
+
+def slot_problems(collective: str, *, m: int, k: int, n: int, dtype: str, axis_size: int) -> dict[str, Problem]:
+    """The three problems of one op call, ``{"forward" | "grad_input" | "grad_weight": problem}``: the one rule.
+
+    The forward is ``(collective, m, k, n)``.  The input gradient is the dual collective with k
+    and n swapped (an all-gather matmul's ``dx`` is a matmul reduce-scatter, and the reverse).
+    The weight gradient contracts the tokens: ``allgather_grad_weight`` with k, n = K, N for an
+    all-gather matmul (``dW = all_gather(x)ᵀ dy``) and N, K for a matmul reduce-scatter
+    (``dWᵀ = all_gather(dy)ᵀ x``).
+
+    Raises:
+        ValueError: if ``collective`` is not one of the two forward collectives, or a dimension
+            does not divide over the ring.
+    """
+    if collective not in _DUAL:
+        raise ValueError(f"collective must be one of {sorted(_DUAL)}, got {collective!r}")
+    common = dict(m=m, dtype=dtype, axis_size=axis_size)
+    grad_weight = (k, n) if collective == COLUMN else (n, k)
+    return {
+        "forward": Problem(collective=collective, k=k, n=n, **common),
+        "grad_input": Problem(collective=_DUAL[collective], k=n, n=k, **common),
+        "grad_weight": Problem(collective="allgather_grad_weight", k=grad_weight[0], n=grad_weight[1], **common),
+    }
 
 
 def role_problems(model: TransformerBlock, mesh: MeshSpec) -> dict[str, dict[str, Problem]]:
-    """Each role's three problems, ``{role: {"forward" | "grad_input" | "grad_weight": problem}}``.
-
-    The forward's (collective, k, n) per role; the input gradient is the dual collective with k
-    and n swapped; the weight gradient contracts the tokens: ``allgather_grad_weight`` with k, n
-    = K, N for an all-gather matmul and N, K for a matmul reduce-scatter.
+    """Each role's three problems, ``{role: {"forward" | "grad_input" | "grad_weight": problem}}`` (`slot_problems`).
 
     Raises:
         ValueError: if the batch or a dimension does not divide over the mesh.
@@ -155,24 +179,18 @@ def role_problems(model: TransformerBlock, mesh: MeshSpec) -> dict[str, dict[str
         )
     tokens = model.global_batch // mesh.batch_shards * model.seq_len
     forward = [
-        ("qkv", "allgather_matmul", model.d_model, model.qkv_dim),
-        ("attn_out", "matmul_reduce_scatter", model.attn_dim, model.d_model),
-        ("mlp_up", "allgather_matmul", model.d_model, model.mlp_up_dim),
-        ("mlp_down", "matmul_reduce_scatter", model.d_ff, model.d_model),
+        ("qkv", COLUMN, model.d_model, model.qkv_dim),
+        ("attn_out", ROW, model.attn_dim, model.d_model),
+        ("mlp_up", COLUMN, model.d_model, model.mlp_up_dim),
+        ("mlp_down", ROW, model.d_ff, model.d_model),
     ]
     found: dict[str, dict[str, Problem]] = {}
     for role, collective, k, n in forward:
-        grad_weight = (k, n) if collective == "allgather_matmul" else (n, k)
-        specs = {"forward": (collective, k, n), "grad_input": (_DUAL[collective], n, k),
-                 "grad_weight": ("allgather_grad_weight", *grad_weight)}
-        found[role] = {}
-        for slot, (coll, kk, nn) in specs.items():
-            name = role if slot == "forward" else f"{role}.{slot}"
-            try:
-                found[role][slot] = Problem(collective=coll, m=tokens, k=kk, n=nn, dtype=model.dtype,
-                                            axis_size=mesh.tensor_size)
-            except ValueError as exc:
-                raise ValueError(f"{model.name} {name}: {exc}") from None
+        try:
+            found[role] = slot_problems(collective, m=tokens, k=k, n=n, dtype=model.dtype,
+                                        axis_size=mesh.tensor_size)
+        except ValueError as exc:
+            raise ValueError(f"{model.name} {role}: {exc}") from None
     return found
 
 

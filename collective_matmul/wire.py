@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import TransformerBlock
+from collective_matmul.models import MAX_ROLES, Role, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 
 __all__ = [
@@ -159,7 +159,7 @@ class Timing(BaseModel):
 
 class _Timed:
     """What a timed record (`Measurement`, `StepVariant`) says about its ``status`` and ``ratio``
-    (its time over the reference's: the baseline's, or plain autodiff's for a step)."""
+    (its time over the reference's: the baseline's, or the step as written for a step)."""
 
     @property
     def ok(self) -> bool:
@@ -228,9 +228,10 @@ class StepVariant(_Timed, BaseModel):
     name: str = Field(min_length=1, max_length=64)
     status: Status
     message: str = Field(default="", max_length=4000)
-    configs: dict[str, OpConfigs] = Field(
-        default_factory=dict, max_length=16,
-        description="per role, the forward / grad_input / grad_weight configs used (empty: plain autodiff)",
+    configs: dict[Role, OpConfigs] = Field(
+        default_factory=dict, max_length=MAX_ROLES,
+        description="per role, the forward / grad_input / grad_weight configs used (of its first call; empty: "
+                    "the step as written)",
     )
     compile_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
                                     description="ahead-of-time compile of the step")
@@ -252,23 +253,39 @@ class StepVariant(_Timed, BaseModel):
 
 
 class StepMeasurement(BaseModel):
-    """Every variant of one block's training step, timed together on one mesh."""
+    """Every variant of one training step (the reference block's, or a user's own), timed together on one mesh."""
 
     model_config = ConfigDict(extra="forbid")
 
-    block: TransformerBlock = Field(description="the block as measured (global_batch: the batch measured)")
+    block: TransformerBlock | None = Field(default=None, description="the reference block as measured "
+                                                                     "(global_batch: the batch measured)")
+    model: str | None = Field(default=None, min_length=1, max_length=200,
+                              description="a user's step: the name it was verified under (no block)")
     mesh: dict[str, int] = Field(description="mesh axes as measured, in order")
     tensor_axis: str
     batch_axes: list[str] = Field(default_factory=list, description="the mesh axes sharding the batch")
     hardware: Hardware
     protocol: Protocol
-    reference: str = "autodiff"
-    variants: list[StepVariant] = Field(min_length=1, max_length=64)
+    reference: str = Field(default="as-written", max_length=64,
+                           description="the variant every other is checked and timed against: the step as written "
+                                       "(records before 0.3 call it 'autodiff')")
+    variants: list[StepVariant] = Field(min_length=1, max_length=2 * MAX_ROLES + 8)
     confirmation: list[StepVariant] = Field(
         default_factory=list, max_length=8,
         description="fresh rounds, timed after the decision, of the reference, the all-baseline step and the "
                     "variant chosen: the speedups reported come from these, never from the rounds that chose "
                     "(empty: none were run)")
+
+    @model_validator(mode="after")
+    def _names_its_step(self) -> StepMeasurement:
+        if (self.block is None) == (self.model is None):
+            raise ValueError("a step measurement names its step: the reference 'block', or a user's step 'model'")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The model's name: the block's, or the user's step's."""
+        return self.block.name if self.block is not None else self.model
 
     def graded(self, chosen: str) -> StepMeasurement:
         """The rounds to report ``chosen`` from: the confirmation where it timed both the reference and
@@ -355,8 +372,33 @@ class StepOptions(BaseModel):
     repeats: int = Field(default=7, ge=1, le=1000, description="rounds of the interleaved step variants")
 
 
+class StepProblem(BaseModel):
+    """One collective matmul of a user's step, as discovery found it: where (role, slot) and how often."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    slot: Literal["forward", "grad_input", "grad_weight"]
+    problem: Problem
+    count: int = Field(ge=1, le=1 << 30, description="runs per step")
+    axis: ShortText | None = Field(default=None, description="the mesh axis of the ring, where known")
+    source: str = Field(default="", max_length=400, pattern=r"^[^\x00-\x1f\x7f]*$",
+                        description="file:line of the call")
+
+
+class DiscoveredStep(BaseModel):
+    """A user's own step, discovered on the client (`cmtune submit --step`): the service never runs it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$",
+                      description="the name the step is verified under (its overrides' model)")
+    mesh: dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]] = Field(min_length=1, max_length=8)
+    problems: list[StepProblem] = Field(min_length=1, max_length=3 * MAX_ROLES)
+
+
 class StudyCreate(BaseModel):
-    """A problem, or a model + mesh, to tune on some hardware."""
+    """A problem, a model + mesh, or a user's discovered step, to tune on some hardware."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -370,6 +412,8 @@ class StudyCreate(BaseModel):
     problem: Problem | None = None
     model: Annotated[str, StringConstraints(max_length=200)] | TransformerBlock | None = Field(
         default=None, description="a preset name, or the block's shape inline (never a file on the server)")
+    discovered: DiscoveredStep | None = Field(default=None, description="the problems of a user's own step, "
+                                                                        "with their roles (cmtune submit --step)")
     mesh: MeshIn | None = None
     hardware: HardwareIn
     budget: Budget = Budget()
@@ -385,8 +429,8 @@ class StudyCreate(BaseModel):
 
     @model_validator(mode="after")
     def _one_target(self) -> StudyCreate:
-        if (self.problem is None) == (self.model is None):
-            raise ValueError("give either 'problem' or 'model' (with 'mesh')")
+        if sum(target is not None for target in (self.problem, self.model, self.discovered)) != 1:
+            raise ValueError("give one of 'problem', 'model' (with 'mesh') or 'discovered'")
         if self.model is not None and self.mesh is None:
             raise ValueError("'model' needs 'mesh', e.g. {\"axes\": {\"data\": 1, \"model\": 8}}")
         return self
@@ -709,11 +753,13 @@ class StepPublic(BaseModel):
     state: StudyState
     message: str | None
     variant: str | None = Field(description="the configuration that runs: tuned, or one change of it")
-    vs_autodiff: Speedup | None = Field(description="against the baseline ops under plain autodiff: what a user has "
+    vs_reference: Speedup | None = Field(description="against the step as written (GSPMD): what a user has "
                                                     "without cmtune")
     vs_baseline: Speedup | None = Field(description="against the custom VJP with every role at the baseline")
     measured_saved_s_per_step: float | None = Field(
         description="the all-baseline step's median minus the chosen one's, times the model's layers")
+    reference: str | None = Field(default=None, description="the variant the speedups are against: the step "
+                                                             "as written")
     mesh: dict[str, int] | None = Field(description="the mesh measured (one ring of the submitted one)")
     batch: int | None = Field(description="the batch measured")
     variants: list[StepVariant] = Field(default_factory=list, description="the rounds that chose the variant")

@@ -257,9 +257,10 @@ class RoleOverrideRow(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model: Mapped[str] = mapped_column(String(200))
-    role: Mapped[str] = mapped_column(String(16))
+    role: Mapped[str] = mapped_column(String(200))  # the block's roles, or a user's projection (open labels)
     hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
     configs: Mapped[dict[str, Any]]
+    problems: Mapped[dict[str, Any] | None]  # the role's forward / grad_input / grad_weight problems
     reason: Mapped[str] = mapped_column(String(2000))
     step_speedup: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -541,6 +541,7 @@ class SqlTx:
         for o in overrides:
             self.execute(insert(overrides_t).values(
                 model=model, role=o.role, hardware_id=hardware_id, configs=o.configs.model_dump(mode="json"),
+                problems=None if o.problems is None else {s: p.model_dump(mode="json") for s, p in o.problems.items()},
                 reason=o.reason, step_speedup=o.step_speedup, updated_at=dt.datetime.now(dt.UTC)))
 
     def overrides(self, *, model: str | None = None, hardware: Hardware | None = None, platform: str | None = None,
@@ -555,7 +556,8 @@ class SqlTx:
         if device_kind:
             query = query.where(hardware_t.c.device_kind == device_kind)
         return [RoleOverride(model=r.model, role=r.role, hardware=_hardware(r), configs=OpConfigs.model_validate(
-            r.configs), reason=r.reason, step_speedup=r.step_speedup)
+            r.configs), reason=r.reason, step_speedup=r.step_speedup,
+            problems=None if r.problems is None else {s: Problem.model_validate(p) for s, p in r.problems.items()})
                 for r in self.execute(query.order_by(overrides_t.c.model, overrides_t.c.role))]
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:

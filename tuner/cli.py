@@ -148,11 +148,23 @@ def tune(
     trial_grace_seconds: Annotated[float, typer.Option(
         min=1, help="a trial may take 2 x its timeout plus this before it counts as hung")] = 120.0,
     out: Annotated[Path | None, typer.Option(help="write the tuned configs as a bundle file")] = None,
+    step: Annotated[str | None, typer.Option(
+        help="a step spec, path/to/file.py:NAME or package.module:NAME: tune the problems of your own step "
+             "(devices: virtual:N or processes:PxD, default virtual:8)")] = None,
 ) -> None:
-    """Tune the decompositions of one or more problems on local devices."""
-    problems = problems_from_options(problem, model, mesh, tensor_axis)
+    """Tune the decompositions of one or more problems, a model's or your own step's, on local devices."""
     if sampler not in ("auto", "enumerate", "tpe", "random"):
         raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
+    options = dict(trials=trials, minutes=minutes, patience=patience, sampler=sampler, seed=seed,
+                   protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out)
+    if step is not None:
+        from cmtune.tuner import step_commands
+
+        if problem or model or mesh:
+            raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
+        return step_commands.tune(step, devices, lambda found, ring: _tune(found, ring=len(ring), ring_devices=ring,
+                                                                           **options))
+    problems = problems_from_options(problem, model, mesh, tensor_axis)
     sizes = {p.axis_size for p in problems}
     if len(sizes) > 1:
         raise typer.BadParameter(f"problems have different ring sizes {sorted(sizes)}: tune them separately")
@@ -165,11 +177,12 @@ def tune(
     from cmtune.tuner.cluster import configure
 
     configure(spec, auto_virtual=ring)
-    _tune(problems, ring=ring, trials=trials, minutes=minutes, patience=patience, sampler=sampler,
-          seed=seed, protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out)
+    _tune(problems, ring=ring, **options)
 
 
-def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out) -> None:
+def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out,
+          ring_devices=None) -> None:
+    """Tune ``problems`` on a ring of ``ring`` devices: all of them, or ``ring_devices`` (this process's view)."""
     import jax
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -181,16 +194,22 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     from collective_matmul.bundle import Bundle
     from collective_matmul.wire import Protocol
 
-    if jax.device_count() != ring:
+    if ring_devices is None and jax.device_count() != ring:
         raise typer.BadParameter(
             f"the problems need a ring of {ring} devices but {jax.device_count()} are present; "
             f"use --devices virtual:{ring} (or processes:N with N dividing {ring})"
         )
-    group, runner = Group(), LocalRunner()
+    if ring_devices is not None:
+        from cmtune.tuner.measure import ring_mesh
+
+        runner = LocalRunner(mesh=ring_mesh(ring_devices))
+    else:
+        runner = LocalRunner()
+    group = Group()
     if not group.leader:
         follow(group, runner)  # process 0 decides; this process runs what it is handed
         return
-    hardware = Hardware.detect()
+    hardware = Hardware.detect(ring_devices)
     outcomes = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
@@ -228,16 +247,27 @@ def candidates_of(problem):
 
 @app.command()
 def problems(
-    model: Annotated[str, typer.Option(help="preset name or JSON file")] = "tiny",
-    mesh: Annotated[str, typer.Option(help="mesh axes, e.g. data=1,model=8")] = "data=1,model=8",
+    model: Annotated[str | None, typer.Option(help="preset name or JSON file (default: tiny)")] = None,
+    mesh: Annotated[str | None, typer.Option(help="mesh axes, e.g. data=1,model=8 (default)")] = None,
     tensor_axis: Annotated[str | None, typer.Option(help="tensor-parallel axis (default: model)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    step: Annotated[str | None, typer.Option(
+        help="a step spec, path/to/file.py:NAME or package.module:NAME: the problems of your own step, "
+             "discovered from its compiled module")] = None,
+    devices: Annotated[str, typer.Option(help=DEVICES_HELP + " (with --step; default virtual:8)")] = "auto",
 ) -> None:
-    """List the collective-matmul problems of one training step of a model on a mesh."""
+    """List the collective-matmul problems of one training step: a model on a mesh, or your own step."""
     from rich.table import Table
 
     from collective_matmul import MeshSpec, TransformerBlock, model_problems
 
+    if step is not None:
+        from cmtune.tuner import step_commands
+
+        if model or mesh:
+            raise typer.BadParameter("--step lists your step's own problems: leave out --model and --mesh")
+        return step_commands.problems(step, devices, as_json)
+    model, mesh = model or "tiny", mesh or "data=1,model=8"
     try:
         found = model_problems(TransformerBlock.load(model), MeshSpec.parse(mesh, tensor_axis))
     except ValueError as exc:
@@ -255,8 +285,8 @@ def problems(
 
 @app.command()
 def verify(
-    model: Annotated[str, typer.Option(help="model preset or JSON file")],
-    mesh: Annotated[str, typer.Option(help="the mesh the configs were tuned for, e.g. data=16,model=8")],
+    model: Annotated[str | None, typer.Option(help="model preset or JSON file")] = None,
+    mesh: Annotated[str | None, typer.Option(help="the mesh the configs were tuned for, e.g. data=16,model=8")] = None,
     bundle: Annotated[Path | None, typer.Option(help="tuned configs from a bundle file")] = None,
     server: Annotated[str | None, typer.Option(help="tuned configs from a cmtune service at this URL")] = None,
     token: Annotated[str | None, typer.Option(
@@ -271,13 +301,34 @@ def verify(
     timeout: Annotated[float, typer.Option(min=1, help="stop timing after this many seconds")] = 600.0,
     ablation: Annotated[bool, typer.Option(help="also time the tuned step with each tuned role set back")] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the step measurement as JSON")] = None,
+    step: Annotated[str | None, typer.Option(
+        help="a step spec, path/to/file.py:NAME or package.module:NAME: time your own step as written against "
+             "the drop-in (devices: virtual:N or processes:PxD, default virtual:8)")] = None,
+    name: Annotated[str | None, typer.Option(
+        help="with --step: the name its overrides are stored under (default: NAME; Tuned(model=...) in training)")
+    ] = None,
+    decide: Annotated[bool, typer.Option(
+        help="with --step: run the step decision (whole-step alternatives, per-role ablation) and write the "
+             "per-role overrides into --bundle")] = False,
 ) -> None:
-    """Time the whole training step with the tuned configs against plain autodiff (and the ablations)."""
+    """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
     from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
     from collective_matmul.block import check_block
 
-    if (bundle is None) == (server is None):
+    if bundle is not None and server is not None or (step is None and bundle is None and server is None):
         raise typer.BadParameter("give the tuned configs with --bundle FILE or --server URL (one of them)")
+    if step is not None:
+        from cmtune.tuner import step_commands
+
+        if model or mesh:
+            raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
+        return step_commands.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
+                                    repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
+                                    json_out=json_out)
+    if model is None or mesh is None:
+        raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
+    if decide or name:
+        raise typer.BadParameter("--decide and --name are for --step (a model's step is decided by the service)")
     try:
         block = TransformerBlock.load(model)
         spec = MeshSpec.parse(mesh, tensor_axis)

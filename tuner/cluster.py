@@ -66,28 +66,47 @@ def join(spec: ClusterSpec) -> None:
     )
 
 
-DEVICES_HELP = "virtual:N (N virtual CPU devices in this process) or processes:N (N local gloo processes)"
+DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N (N local gloo processes) "
+                "or processes:PxD (P processes of D devices each)")
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """``auto``, ``virtual:N`` or ``processes:N`` as given on the command line."""
+    """``auto``, ``virtual:N``, ``processes:N`` or ``processes:PxD`` as given on the command line.
+
+    ``local`` is D of ``processes:PxD`` (devices per process), 0 where the command decides.
+    """
 
     kind: str
     count: int = 0
+    local: int = 0
 
     @classmethod
     def parse(cls, text: str) -> DeviceSpec:
         kind, _, count = text.partition(":")
+        local = ""
+        if kind == "processes" and "x" in count:
+            count, _, local = count.partition("x")
+            if not local.isdigit() or int(local) < 1:
+                raise ValueError(f"{text!r}: expected {DEVICES_HELP}, or auto")
         if kind not in ("virtual", "processes", "auto") or (kind != "auto" and not count.isdigit()) \
-                or (kind != "auto" and int(count) < 1):
+                or (kind != "auto" and int(count) < 1) or (kind == "auto" and count):
             raise ValueError(f"{text!r}: expected {DEVICES_HELP}, or auto")
-        return cls(kind, int(count) if count else 0)
+        return cls(kind, int(count) if count else 0, int(local) if local else 0)
 
     @property
     def needs_group(self) -> bool:
         """True when this process must re-run itself as a group (and is not in one already)."""
         return self.kind == "processes" and ClusterSpec.from_env() is None
+
+    @property
+    def total(self) -> int | None:
+        """The devices this spec sets up in all, where it says (virtual:N, processes:PxD)."""
+        if self.kind == "virtual":
+            return self.count
+        if self.kind == "processes" and self.local:
+            return self.count * self.local
+        return None
 
 
 def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:

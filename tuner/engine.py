@@ -28,7 +28,7 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
 7. A step study (`create_step_study`) measures a submitted model's whole training step once the
    search studies it depends on are final: it queues one step trial carrying each role's tuned
    forward, ``grad_input`` and ``grad_weight`` configs; the worker times the step with them
-   against plain autodiff, the all-baseline custom VJP, each role set back to the baseline and
+   against the block as written (GSPMD), the all-baseline custom VJP, each role set back to the baseline and
    each ring weight gradient fused (`cmtune.tuner.step`).  `step_decision` keeps the tuned
    step unless a one-change variant is faster beyond the spread (in three rounds of four); the
    change becomes a per-model, per-role override (`RoleOverride`) with its reason, and the
@@ -342,7 +342,7 @@ class Engine:
         """Each role's tuned configs for a step study: the tuned decomposition of each of its problems.
 
         A problem without a tuned config runs the baseline; a weight gradient tuned to the baseline
-        runs the fused baseline (what autodiff does: no second gather), a tuned ring unfused (the
+        runs the fused baseline (what autodiff of the baseline does: no second gather), a tuned ring unfused (the
         step trial also times it fused).
         """
         configs = {}
@@ -374,11 +374,24 @@ class Engine:
                      lease_id: str | None) -> TrialRecord:
         if not isinstance(result, StepMeasurement):
             raise InvalidError(f"trial {trial.id} is a step trial: send 'step'")
+        if result.block is None or result.block.name != study.step.block.name:
+            raise InvalidError(f"trial {trial.id} measures the block {study.step.block.name!r}: send its 'block'")
         configs = step_task_configs(trial)
         sent = {role: result.variant("tuned").configs.get(role) for role in ROLES} \
             if any(v.name == "tuned" for v in result.variants) else {}
         if any(sent.get(role) not in (None, configs[role]) for role in ROLES):
             raise InvalidError(f"trial {trial.id} measured other configs than it was given")
+        problems = role_problems(study.step.block, study.step.mesh)
+        for variant in [*result.variants, *result.confirmation]:
+            for role, role_configs in variant.configs.items():
+                if role not in problems:
+                    raise InvalidError(f"trial {trial.id}: variant {variant.name} has configs for {role!r}, which is "
+                                       f"not a role of the block ({', '.join(problems)})")
+                for slot in SLOTS:
+                    try:
+                        problems[role][slot].check(getattr(role_configs, slot))
+                    except ValueError as exc:
+                        raise InvalidError(f"trial {trial.id}: variant {variant.name}, {role} {slot}: {exc}") from None
         measured = {v.name: v.configs for v in result.variants}
         if any(measured.get(v.name) != v.configs for v in result.confirmation):
             raise InvalidError(f"trial {trial.id}: each confirmation variant must be one of the variants measured, "
@@ -390,7 +403,7 @@ class Engine:
         if study.state.active:
             if decision.ok:
                 model = study.step.block.name
-                tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware))
+                tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems))
                 tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=1)
                 self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
                                  stop_reason=decision.variant)
@@ -502,15 +515,18 @@ class StepDecision:
 
     ok: bool
     variant: str
-    ratio: float | None  # the chosen variant's step time over plain autodiff's (median of rounds)
+    ratio: float | None  # the chosen variant's step time over the step as written (median of rounds)
     overrides: dict[str, OpConfigs]
     reasons: dict[str, str]
     summary: str
 
-    def role_overrides(self, model: str, hardware: Hardware) -> list[RoleOverride]:
-        """The decision's changes as the per-role overrides of ``model`` on ``hardware``."""
+    def role_overrides(self, model: str, hardware: Hardware,
+                       problems: dict[str, dict[str, Problem]] | None = None) -> list[RoleOverride]:
+        """The decision's changes as the per-role overrides of ``model`` on ``hardware``, each with its
+        role's three problems where ``problems`` has them (each config is checked against its own)."""
+        problems = problems or {}
         return [RoleOverride(model=model, role=role, hardware=hardware.identity(), configs=configs,
-                             reason=self.reasons[role], step_speedup=1 / self.ratio)
+                             reason=self.reasons[role], step_speedup=1 / self.ratio, problems=problems.get(role))
                 for role, configs in self.overrides.items()]
 
 
@@ -527,9 +543,9 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
        ``tuned-ring-fill``; see `cmtune.tuner.step.standard_variants`) replaces it only if it is
        faster than the tuned step beyond the spread: its time over the tuned step's, paired by
        round, is below 1 in three rounds of four (upper quartile < 1).  Among such variants the
-       fastest against plain autodiff wins.
+       fastest against the step as written wins.
     3. The change becomes per-role overrides for this model, each with its reason; the decision
-       reports the measured speedup of what runs, against plain autodiff and the all-baseline step,
+       reports the measured speedup of what runs, against the step as written and the all-baseline step,
        from the measurement's confirmation (fresh rounds timed after the decision; see
        `cmtune.tuner.step.run_step`) where it has one, else from the rounds that decided.
     """
@@ -552,10 +568,10 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
         chosen, chosen_ratio, overrides = variant.name, variant.ratio, changes
         reasons = {role: f"{variant.name} ran the step {_fmt(paired)} faster than the tuned configs, so {role} "
                          + ("is set back to the baseline" if configs.is_baseline else f"runs {configs.ids}")
-                         + f" for {measurement.block.name}" for role, configs in changes.items()}
+                         + f" for {measurement.name}" for role, configs in changes.items()}
     graded = measurement.graded(chosen)  # report from fresh rounds where the worker ran them
     vs_reference = graded.paired(chosen, graded.reference)
-    parts = [f"{chosen}: {_fmt(vs_reference)} against plain autodiff"]
+    parts = [f"{chosen}: {_fmt(vs_reference)} against the step as written"]
     if any(v.name == "baseline" and v.ok for v in graded.variants):
         parts.append(f"{_fmt(graded.paired(chosen, 'baseline'))} against the all-baseline step")
     rounds = "fresh rounds after the decision" if graded is not measurement else "the rounds that decided"
@@ -565,6 +581,6 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
 
 def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs]:
     """The roles ``variant`` runs otherwise than ``tuned``, with what it runs (empty for plain
-    autodiff, which calls no op of ours, and for the tuned step itself)."""
+    the step as written, which calls no op of ours, and for the tuned step itself)."""
     return {role: configs for role, configs in variant.configs.items()
             if configs != tuned.get(role, OpConfigs())}

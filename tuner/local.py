@@ -100,7 +100,7 @@ class LocalRunner:
             return StepMeasurement(
                 block=step.block, mesh=step.mesh, tensor_axis=step.tensor_axis, hardware=Hardware.detect(),
                 protocol=task.protocol, variants=[StepVariant(name=name, status=status, message=message)
-                                                  for name in ("autodiff", "tuned")])
+                                                  for name in ("as-written", "tuned")])
 
 
 class Watchdog:

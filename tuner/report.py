@@ -107,3 +107,37 @@ def roles_table(resolved: dict, *, title: str) -> Table:
             name = role if slot == "forward" else f"{role}.{slot}"
             table.add_row(name, found["problem"], found["decomposition"], f"{found['match']} ({found['source']})")
     return table
+
+
+def discovery_tables(discovery, *, title: str) -> list[Table]:
+    """The problems a step's discovery found (role, slot, runs per step) and what it skipped, and why."""
+    found = Table(title=title)
+    for name, justify in [("role", "left"), ("slot", "left"), ("problem", "left"), ("per step", "right"),
+                          ("axis", "left"), ("source", "left")]:
+        found.add_column(name, justify=justify)
+    for p in discovery.problems:
+        found.add_row(p.role, p.slot, p.problem.key, str(p.count), p.axis or "-", p.source or "-")
+    tables = [found] if discovery.problems else []
+    if discovery.skipped:
+        skipped = Table(title="collectives next to a dot that are not decomposed")
+        for name in ("role", "what", "per step", "why"):
+            skipped.add_column(name)
+        for s in discovery.skipped:
+            skipped.add_row(s.role, s.what, str(s.count), s.reason)
+        tables.append(skipped)
+    return tables
+
+
+def sites_table(sites, *, title: str) -> Table:
+    """Every call site a `Tuned` client traced: what it solved and ran there, or why it fell back."""
+    table = Table(title=title)
+    for name in ("role", "source", "problem", "forward", "grad_input", "grad_weight"):
+        table.add_column(name)
+    for site in sites:
+        if not site.applied:
+            table.add_row(site.role, site.source, "[yellow]lax.dot_general[/yellow]", site.reason, "", "")
+            continue
+        cells = [f"{f.decomposition.id} ({f.match})" for f in (site.found[s] for s in
+                                                              ("forward", "grad_input", "grad_weight"))]
+        table.add_row(site.role, site.source, site.problems["forward"].key, *cells)
+    return table

@@ -1,7 +1,8 @@
-"""The step measurement: the whole training step of one block, tuned configs against plain autodiff.
+"""The step measurement: the whole training step of one block, tuned configs against the block as written.
 
 What users buy cmtune for is a faster step, so each *variant* of the step (a `ConfigSource` for
-the block's four op calls, or `AUTODIFF`, what a user has without cmtune) is timed whole:
+the block's four op calls, or `AS_WRITTEN`, the block as a user writes it without cmtune: GSPMD
+einsums and JAX's autodiff) is timed whole:
 ``value_and_grad`` of the block's loss and the SGD update, jitted.  The protocol follows
 `cmtune.tuner.measure`:
 
@@ -12,7 +13,7 @@ the block's four op calls, or `AUTODIFF`, what a user has without cmtune) is tim
 3. The very program that is timed is checked: one step at a learning rate large enough that
    the update dwarfs every parameter (found from one step of the reference), so ``p - new``
    carries ``lr * grad`` to the last bits.  Every variant's loss and gradients are compared
-   with the reference variant's (plain autodiff) by dtype (relative error in norm: float32
+   with the reference variant's (the block as written) by dtype (relative error in norm: float32
    <= 1e-5, bfloat16 <= 2e-2); a variant that disagrees is ``invalid`` and is not timed.
 4. Warm-up, then the variants round-robin (A B C ... A B C ...), each run synchronised with
    `block_until_ready`; with several processes a barrier precedes each run and the slowest
@@ -21,9 +22,8 @@ the block's four op calls, or `AUTODIFF`, what a user has without cmtune) is tim
 5. Failures are results per variant (``compile_error``, ``oom``, ``invalid``, ``error``); the
    protocol's timeout is checked between rounds (every process agrees to stop together).
 
-`standard_variants` builds the usual set (autodiff, baseline, tuned, two whole-step
-alternatives and a per-role ablation)
-and `step_layout` the mesh and batch to measure a submission on.  The result types
+`standard_variants` builds the usual set (as-written, baseline, tuned, two whole-step
+alternatives and a per-role ablation) and `step_layout` the mesh and batch to measure a submission on.  The result types
 (`StepVariant`, `StepMeasurement`) are part of the wire contract (`collective_matmul.wire`).
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
@@ -44,11 +44,8 @@ from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVarian
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-REFERENCE = "autodiff"
+REFERENCE = "as-written"  # the step as a user writes it without cmtune (GSPMD): every step's reference
 AUTO = "auto"
-
-# ---- results (JAX-free) ------------------------------------------------------------------
-
 
 # ---- variants and layout -----------------------------------------------------------------
 
@@ -60,50 +57,56 @@ AUTO = "auto"
 FIXED_RING = Decomposition(direction="unidirectional", chunks=1, unroll="full")
 
 
-def ring_everywhere() -> dict[str, OpConfigs]:
+def ring_everywhere(roles: Sequence[str] = ROLES) -> dict[str, OpConfigs]:
     """Every role's forward, input and weight gradient on `FIXED_RING` (the weight gradient unfused)."""
-    return {role: OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING, grad_weight=FIXED_RING) for role in ROLES}
+    return {role: OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING, grad_weight=FIXED_RING) for role in roles}
 
 
-def ring_fill(tuned: Mapping[str, OpConfigs]) -> dict[str, OpConfigs]:
+def ring_fill(tuned: Mapping[str, OpConfigs], roles: Sequence[str] = ROLES) -> dict[str, OpConfigs]:
     """``tuned`` with each slot it leaves at the baseline on `FIXED_RING` (rings it chose stay)."""
     filled = {}
-    for role in ROLES:
+    for role in roles:
         configs = tuned.get(role, OpConfigs())
         filled[role] = OpConfigs(**{slot: getattr(configs, slot) if getattr(configs, slot).method == "ring"
                                     else FIXED_RING for slot in SLOTS})
     return filled
 
 
-def variant_configs(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) -> dict[str, dict | None]:
-    """The usual variants of a step measurement, each as its per-role `OpConfigs` (None: plain autodiff).
+def variant_configs(tuned: Mapping[str, OpConfigs], *, roles: Sequence[str] = ROLES,
+                    ablation: bool = True) -> dict[str, dict | None]:
+    """The usual variants of a step measurement, each as its per-role `OpConfigs` (None: the reference).
 
-    ``autodiff`` (plain autodiff of the baseline: what users have; the reference), ``baseline``
-    (the custom VJPs, every role at the baseline configs), ``tuned`` (every role's tuned
-    configs), the whole-step alternatives ``tuned-ring-fill`` (`ring_fill`) and ``always-ring``
-    (`ring_everywhere`), each only where it differs from the variants before it, and, with
-    ``ablation``, ``tuned-minus-<role>`` for each role whose tuned configs are not all baseline
-    (that role set back to the baseline) and ``tuned-fuse-<role>`` for each role whose weight
-    gradient is an unfused ring (the same ring fused: what the backward keeps from the forward,
-    or one loop for both gradients; see `collective_matmul.ring`).
+    ``REFERENCE`` (the step as written: what users have), ``baseline`` (the custom VJPs, every
+    role at the baseline configs), ``tuned`` (every role's tuned configs), the whole-step
+    alternatives ``tuned-ring-fill`` (`ring_fill`) and ``always-ring`` (`ring_everywhere`), each
+    only where it differs from the variants before it, and, with ``ablation``,
+    ``tuned-minus-<role>`` for each role whose tuned configs are not all baseline (that role set
+    back to the baseline) and ``tuned-fuse-<role>`` for each role whose weight gradient is an
+    unfused ring (the same ring fused: what the backward keeps from the forward, or one loop for
+    both gradients; see `collective_matmul.ring`).
+
+    Args:
+        tuned: each role's tuned configs (a role not named: the baseline).
+        roles: the step's roles (default: the reference block's four).
+        ablation: include the per-role variants.
 
     Raises:
-        ValueError: if ``tuned`` names a role the block does not have.
+        ValueError: if ``tuned`` names a role that is not in ``roles``.
     """
-    unknown = sorted(set(tuned) - set(ROLES))
+    unknown = sorted(set(tuned) - set(roles))
     if unknown:
-        raise ValueError(f"unknown roles {unknown}; the block's roles are {list(ROLES)}")
-    whole = {role: tuned.get(role, OpConfigs()) for role in ROLES}
-    variants: dict[str, dict | None] = {REFERENCE: None, "baseline": {role: OpConfigs() for role in ROLES},
+        raise ValueError(f"unknown roles {unknown}; the step's roles are {list(roles)}")
+    whole = {role: tuned.get(role, OpConfigs()) for role in roles}
+    variants: dict[str, dict | None] = {REFERENCE: None, "baseline": {role: OpConfigs() for role in roles},
                                         "tuned": whole}
-    for name, configs in (("tuned-ring-fill", ring_fill(whole)), ("always-ring", ring_everywhere())):
+    for name, configs in (("tuned-ring-fill", ring_fill(whole, roles)), ("always-ring", ring_everywhere(roles))):
         if configs not in variants.values():
             variants[name] = configs
     if ablation:
-        for role in ROLES:
+        for role in roles:
             if not whole[role].is_baseline:
                 variants[f"tuned-minus-{role}"] = whole | {role: OpConfigs()}
-        for role in ROLES:
+        for role in roles:
             weight = whole[role].grad_weight
             if weight.method == "ring" and not weight.fuse:
                 fused = whole[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
@@ -112,10 +115,10 @@ def variant_configs(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) ->
 
 
 def standard_variants(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) -> dict:
-    """`variant_configs` as config sources for `StepSession.measure` (`AUTODIFF` or `FixedConfigs`)."""
-    from collective_matmul.block import AUTODIFF, FixedConfigs
+    """`variant_configs` as config sources for `StepSession.measure` (`AS_WRITTEN` or `FixedConfigs`)."""
+    from collective_matmul.block import AS_WRITTEN, FixedConfigs
 
-    return {name: AUTODIFF if configs is None else FixedConfigs(configs)
+    return {name: AS_WRITTEN if configs is None else FixedConfigs(configs)
             for name, configs in variant_configs(tuned, ablation=ablation).items()}
 
 
@@ -296,7 +299,7 @@ class StepSession:
         """Run the protocol for every variant; failures come back as variant statuses.
 
         Args:
-            variants: name -> `ConfigSource` (or `AUTODIFF`), in the order to run them.
+            variants: name -> `ConfigSource` (or `AS_WRITTEN`), in the order to run them.
             reference: the variant every other one is checked and timed against.
             protocol: changes the warm-up, repeats and timeout (not the seed: the inputs are
                 this session's).
@@ -363,9 +366,9 @@ class StepSession:
         import jax
 
         from cmtune.tuner.measure import _memory_bytes, _message, classify_failure
-        from collective_matmul.block import Autodiff, train_step
+        from collective_matmul.block import AsWritten, train_step
 
-        recorder = source if isinstance(source, Autodiff) else _Recorder(source)
+        recorder = source if isinstance(source, AsWritten) else _Recorder(source)
         kwargs = dict(block=self.block, mesh=self.mesh, axis=self.axis, source=recorder, batch_axis=self.batch_axis)
         try:
             start = time.perf_counter()
@@ -441,59 +444,72 @@ class StepSession:
         return True
 
     def _time(self, steps: dict, records: dict, reference: str, started: float, protocol: Protocol, say) -> None:
-        """Warm up, then run ``steps`` round-robin; fill in each record's timing and paired ratio."""
-        import jax
-
-        from cmtune.tuner.measure import _barrier, _message, _slowest_process, any_process, classify_failure
-
+        """Warm up, then run ``steps`` round-robin on this session's inputs (`interleave`)."""
         inputs = (self.params, self.x, self.target, self._scalar(self.lr))
-        running = list(steps)
-        samples: dict[str, list[float]] = {name: [] for name in running}
+        interleave({name: (lambda step=step: step(*inputs)) for name, step in steps.items()}, records, reference,
+                   started, protocol, say)
 
-        def run(name: str, timed: bool) -> None:
-            try:
-                if timed:
-                    _barrier()
-                start = time.perf_counter()
-                jax.block_until_ready(steps[name](*inputs))
-                if timed:
-                    samples[name].append(time.perf_counter() - start)
-            except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
-                records[name].update(status=classify_failure(exc), message=_message(exc))
-                running.remove(name)
 
-        say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
-        for _ in range(protocol.warmup):
-            for name in list(running):
-                run(name, timed=False)
-        say(f"timing {len(running)} variants round-robin, {protocol.repeats} rounds")
-        rounds = 0
-        timed_out = False
-        for _ in range(protocol.repeats):
-            for name in list(running):
-                run(name, timed=True)
-            rounds += 1
-            # every process must agree to stop, or the SPMD programs would diverge
-            if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
-                timed_out = True
-                break
-        slowest = {name: _slowest_process(samples[name]) for name in steps}
-        base = slowest[reference]
-        for name in steps:
-            record = records[name]
-            if "status" in record:  # failed while timing
-                continue
-            times = slowest[name]
-            ratios = [t / b for t, b in zip(times, base, strict=False)]  # the reference may have failed
-            q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
-            record.update(
-                status=Status.TIMEOUT if timed_out else Status.OK,
-                message=f"stopped after {rounds} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
-                if timed_out else "",
-                timing=Timing.of(times) if times else None, ratio=ratio,
-                ratio_iqr=None if ratio is None else q3 - q1,
-            )
+def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,
+               protocol: Protocol, say: Callable[[str], None]) -> None:
+    """Warm up, then call each of ``runs`` round-robin (one synchronised step per call); fill in the records.
 
+    Each call is timed from a barrier (with several processes) to `block_until_ready` of what it
+    returns; the slowest process's time counts.  A run that raises leaves the rotation with its
+    failure as its status.  Every process must call this together, with the same runs.  Each
+    record gets ``status``, ``timing``, and ``ratio`` / ``ratio_iqr``: its time over the
+    ``reference``'s, paired by round.
+    """
+    import jax
+
+    from cmtune.tuner.measure import _barrier, _message, _slowest_process, any_process, classify_failure
+
+    running = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in running}
+
+    def run(name: str, timed: bool) -> None:
+        try:
+            if timed:
+                _barrier()
+            start = time.perf_counter()
+            jax.block_until_ready(runs[name]())
+            if timed:
+                samples[name].append(time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
+            records[name].update(status=classify_failure(exc), message=_message(exc))
+            running.remove(name)
+
+    say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
+    for _ in range(protocol.warmup):
+        for name in list(running):
+            run(name, timed=False)
+    say(f"timing {len(running)} variants round-robin, {protocol.repeats} rounds")
+    rounds = 0
+    timed_out = False
+    for _ in range(protocol.repeats):
+        for name in list(running):
+            run(name, timed=True)
+        rounds += 1
+        # every process must agree to stop, or the SPMD programs would diverge
+        if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
+            timed_out = True
+            break
+    slowest = {name: _slowest_process(samples[name]) for name in runs}
+    base = slowest[reference]
+    for name in runs:
+        record = records[name]
+        if "status" in record:  # failed while timing
+            continue
+        times = slowest[name]
+        ratios = [t / b for t, b in zip(times, base, strict=False)]  # the reference may have failed
+        q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
+        record.update(
+            status=Status.TIMEOUT if timed_out else Status.OK,
+            message=f"stopped after {rounds} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
+            if timed_out else "",
+            timing=Timing.of(times) if times else None, ratio=ratio,
+            ratio_iqr=None if ratio is None else q3 - q1,
+        )
 
 
 @cache

@@ -229,7 +229,7 @@ class WorkerDaemon:
         if task.kind == TrialKind.STEP:
             for v in results.variants:
                 log.info("trial %s study %s step of %s, %s: %s", task.id, task.study_id, task.step.block.name,
-                         v.name, f"{v.speedup:.2f}x plain autodiff" if v.ok and v.speedup else
+                         v.name, f"{v.speedup:.2f}x the step as written" if v.ok and v.speedup else
                          f"{v.status} {v.message[:200]}")
         else:
             for m in results:
@@ -252,7 +252,7 @@ def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] |
         return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
                                hardware=Hardware.detect(), protocol=task.protocol,
                                variants=[StepVariant(name=n, status=status, message=message)
-                                         for n in ("autodiff", "tuned")])
+                                         for n in ("as-written", "tuned")])
     return [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
 
 

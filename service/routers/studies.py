@@ -37,13 +37,32 @@ def _model(body: StudyCreate) -> TransformerBlock:
     return PRESETS[body.model]
 
 
+def _discovered(body: StudyCreate) -> tuple[MeshSpec, list[tuple]]:
+    """A discovered step's mesh and its unique problems, each with its roles (``role`` or ``role.slot``)."""
+    found = body.discovered
+    axes = {p.axis for p in found.problems if p.axis is not None}
+    unknown = sorted(axes - set(found.mesh))
+    if unknown:
+        raise InvalidError(f"problems name mesh axes {unknown} that are not in the mesh {found.mesh}")
+    tensor_axis = axes.pop() if len(axes) == 1 else list(found.mesh)[-1]
+    targets: dict[str, list] = {}
+    for p in found.problems:
+        entry = targets.setdefault(p.problem.key, [p.problem, [], 0])
+        entry[1].append(p.role if p.slot == "forward" else f"{p.role}.{p.slot}")
+        entry[2] += p.count
+    return MeshSpec(axes=found.mesh, tensor_axis=tensor_axis), [tuple(t) for t in targets.values()]
+
+
 @router.post("", response_model=StudyCreated, status_code=201)
 def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCreated:
     """One study per unique problem; problems already tuned or under study are skipped unless ``force``."""
     hardware = body.hardware.to_hardware()
-    model = mesh = None
+    model = mesh = submitted = None
     if body.problem is not None:
         targets = [(body.problem, ["problem"], 1)]
+    elif body.discovered is not None:
+        mesh, targets = _discovered(body)
+        submitted = {"name": body.discovered.name, "discovered": True, "layers": 1}  # counts are per step
     else:
         model = _model(body)
         try:
@@ -51,6 +70,7 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
             targets = [(mp.problem, list(mp.roles), mp.count) for mp in model_problems(model, mesh)]
         except ValueError as exc:
             raise InvalidError(str(exc)) from None
+        submitted = model.model_dump(mode="json")
     for problem, _roles, _count in targets:
         if problem.axis_size != hardware.device_count:
             raise InvalidError(
@@ -67,9 +87,9 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
                     f"workers of {hardware.key} report at most {memory / 2**30:.1f} GiB: shrink m, k or n (or the "
                     "batch)")
         submission_id = None
-        if model is not None:
-            submission_id = tx.add_submission(model=model.model_dump(mode="json"), mesh=mesh.model_dump(mode="json"),
-                                              hardware=hardware, now=now)
+        if submitted is not None:
+            submission_id = tx.add_submission(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
+                                              now=now)
         for problem, roles, count in targets:
             existing = None if body.force else tx.find_study(problem, hardware)
             tuned = None if body.force or existing is not None else tx.tuned(problem, hardware)
@@ -92,7 +112,7 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
                                    count=count)
                 if study_id is not None:
                     depends_on.append(study_id)
-        if submission_id is not None and body.step.measure:
+        if model is not None and body.step.measure:  # a user's step is measured where it runs (cmtune verify)
             created.append(state.engine.create_step_study(
                 tx, block=model, mesh=mesh, hardware=hardware, depends_on=depends_on, now=now,
                 protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),

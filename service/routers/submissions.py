@@ -72,15 +72,16 @@ def step_public(tx, study, layers: int) -> StepPublic | None:
     trial = next((t for t in tx.trials(study.id, measurements=True) if t.step is not None), None)
     measured = trial.step if trial is not None else None
     variant = study.stop_reason if study.state == StudyState.COMPLETED else None
-    vs_autodiff = vs_baseline = saved = None
+    vs_reference = vs_baseline = saved = None
     if measured is not None and variant is not None:
         graded = measured.graded(variant)  # the fresh rounds after the decision, where the worker ran them
-        vs_autodiff = Speedup.of(graded.paired(variant, graded.reference))
+        vs_reference = Speedup.of(graded.paired(variant, graded.reference))
         if any(v.name == "baseline" and v.ok for v in graded.variants):
             vs_baseline = Speedup.of(graded.paired(variant, "baseline"))
             saved = (graded.variant("baseline").timing.median_s - graded.variant(variant).timing.median_s) * layers
     return StepPublic(
-        study_id=study.id, state=study.state, message=study.message, variant=variant, vs_autodiff=vs_autodiff,
-        vs_baseline=vs_baseline, measured_saved_s_per_step=saved, mesh=measured.mesh if measured else None,
+        study_id=study.id, state=study.state, message=study.message, variant=variant, vs_reference=vs_reference,
+        vs_baseline=vs_baseline, measured_saved_s_per_step=saved, reference=measured.reference if measured else None,
+        mesh=measured.mesh if measured else None,
         batch=measured.block.global_batch if measured else None, variants=measured.variants if measured else [],
         confirmation=measured.confirmation if measured else [])

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AxisType
 
 from collective_matmul import (
-    AUTODIFF,
+    AS_WRITTEN,
     Bundle,
     Decomposition,
     FixedConfigs,
@@ -150,13 +150,13 @@ def run_block(block, mesh, source, params, x, target, batch_axis=None):
 CASES = [
     # (block, mesh, batch_axis, dtype, source)
     ("mha-baseline", MHA_GATED, mesh_1d, None, "float32", FixedConfigs()),
-    ("mha-autodiff", MHA_GATED, mesh_1d, None, "float32", AUTODIFF),
+    ("mha-as-written", MHA_GATED, mesh_1d, None, "float32", AS_WRITTEN),
     ("mha-rings", MHA_GATED, mesh_1d, None, "float32", RINGS),
     ("gqa-plain-rings", GQA_PLAIN, mesh_1d, None, "float32", RINGS),
     ("gqa-2d-rings", GQA_2D, mesh_2d, "data", "float32", RINGS),
-    ("gqa-2d-autodiff", GQA_2D, mesh_2d, "data", "float32", AUTODIFF),
+    ("gqa-2d-as-written", GQA_2D, mesh_2d, "data", "float32", AS_WRITTEN),
     ("mha-bf16-rings", MHA_GATED, mesh_1d, None, "bfloat16", RINGS_BF16),
-    ("gqa-2d-bf16-autodiff", GQA_2D, mesh_2d, "data", "bfloat16", AUTODIFF),
+    ("gqa-2d-bf16-as-written", GQA_2D, mesh_2d, "data", "bfloat16", AS_WRITTEN),
 ]
 
 
@@ -210,7 +210,7 @@ def test_inputs_that_do_not_fit_are_rejected(block, mesh_factory, shape, batch_a
     mesh = mesh_factory()
     params = init_params(jax.random.key(0), block, mesh, axis="model")
     with pytest.raises(ValueError, match=message):
-        apply(params, jnp.zeros(shape), block=block, mesh=mesh, axis="model", source=AUTODIFF, batch_axis=batch_axis)
+        apply(params, jnp.zeros(shape), block=block, mesh=mesh, axis="model", source=AS_WRITTEN, batch_axis=batch_axis)
 
 
 def test_an_invalid_config_names_its_role():
@@ -287,10 +287,10 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path, m
     bare = Tuned()
     assert configs_per_role(bare, MHA_GATED, mesh=mesh, axis="model") == {role: OpConfigs() for role in ROLES}
     assert {(found.match, found.source) for _, found in bare.resolved} == {("baseline", "baseline")}
-    # the block with the Tuned source equals plain autodiff
+    # the block with the Tuned source equals the block as written
     params, x, target = setup(MHA_GATED, mesh)
     _, value, grads = run_block(MHA_GATED, mesh, tuned, params, x, target)
-    _, want_value, want_grads = run_block(MHA_GATED, mesh, AUTODIFF, params, x, target)
+    _, want_value, want_grads = run_block(MHA_GATED, mesh, AS_WRITTEN, params, x, target)
     assert abs(float(value) - float(want_value)) <= 1e-6 * float(want_value)
     for name, grad in grads.items():
         assert rel_error(grad, want_grads[name]) <= 1e-5

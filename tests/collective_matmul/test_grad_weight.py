@@ -127,7 +127,7 @@ def test_unrolled_ring_issues_chunks_times_hops_permutes():
 
 @pytest.mark.parametrize("config_id", ["ring-bi-c2-u1-in", "ring-uni-c4-full-in"])
 def test_weight_gradient_op_is_differentiable(config_id):
-    """Autodiff of ``uᵀ v``: d/du = v gᵀ, d/dv = u g, against float64."""
+    """AsWritten of ``uᵀ v``: d/du = v gᵀ, d/dv = u g, against float64."""
     mesh = mesh_1d()
     u, v, expected = gw_operands((2,), 32, 16, 24, "float32", seed=9)
     u, v = gw_place(mesh, u, v)

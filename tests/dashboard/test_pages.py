@@ -205,7 +205,7 @@ def measured_site(tmp_path_factory):
         while (grant := seed.worker.post(f"/v1/workers/{seed.worker}/lease").json())["trial"]["kind"] != "step":
             contract.report(seed.worker, grant)
         seconds = contract.STEP_SECONDS | {"tuned-minus-mlp_up": 0.7}
-        fresh = {"autodiff": 1.0, "baseline": 0.95, "tuned-minus-mlp_up": 0.75}
+        fresh = {"as-written": 1.0, "baseline": 0.95, "tuned-minus-mlp_up": 0.75}
         step = contract.step_result(grant["trial"], seconds, confirmation=fresh)
         seed.worker.post(f"/v1/trials/{grant['trial']['id']}/result",
                          json={"lease_id": grant["lease"]["id"], "step": step})
@@ -218,7 +218,7 @@ def test_the_model_page_shows_the_step_measured_against_the_estimate(browser, me
     page.goto(f"{measured_site['url']}/ui/submissions/{measured_site['submission']}?token="
               f"{measured_site['tokens']['reader']}")
     page.wait_for_selector("#variants tbody tr")
-    assert page.locator("#step-vs-autodiff").inner_text().startswith("1.33×")  # 1.0 / 0.75: the fresh rounds
+    assert page.locator("#step-vs-reference").inner_text().startswith("1.33×")  # 1.0 / 0.75: the fresh rounds
     assert "tuned-minus-mlp_up (runs)" in page.locator("#confirmation").inner_text()
     assert "ms" in page.locator("#saved-measured").inner_text() and "ms" in page.locator("#saved-per-step").inner_text()
     assert "tuned-minus-mlp_up (runs)" in page.locator("#variants").inner_text()

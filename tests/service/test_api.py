@@ -401,7 +401,7 @@ def test_the_step_study_measures_the_model_once_its_studies_are_done(api):
     assert study["state"] == "completed" and study["stop_reason"] == "tuned"
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     step = sub["step"]
-    assert step["variant"] == "tuned" and step["vs_autodiff"]["median"] == pytest.approx(1.25)
+    assert step["variant"] == "tuned" and step["vs_reference"]["median"] == pytest.approx(1.25)
     assert step["vs_baseline"]["median"] == pytest.approx(0.95 / 0.8)
     assert step["measured_saved_s_per_step"] == pytest.approx((0.95 - 0.8) * 2)  # two layers
     assert sub["overrides"] == []
@@ -420,9 +420,9 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
         results = [measurement(grant["trial"]["problem"], c, 0.8 if c.method == "ring" else 1.0) for c in configs]
         payload |= {"measurement": results[0]} if grant["trial"]["kind"] == "search" else {"measurements": results}
         assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=payload).status_code == 200
-    seconds = {"autodiff": 1.0, "baseline": 0.95, "tuned": 0.8, "tuned-minus-mlp_up": 0.7,
+    seconds = {"as-written": 1.0, "baseline": 0.95, "tuned": 0.8, "tuned-minus-mlp_up": 0.7,
                "tuned-minus-qkv": 0.85}
-    fresh = {"autodiff": 1.0, "baseline": 0.95, "tuned-minus-mlp_up": 0.75}
+    fresh = {"as-written": 1.0, "baseline": 0.95, "tuned-minus-mlp_up": 0.75}
     result = {"lease_id": grant["lease"]["id"], "step": step_result(grant["trial"], seconds, confirmation=fresh)}
     # a confirmation must re-time variants as they were measured
     forged = json.loads(json.dumps(result))
@@ -433,7 +433,7 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     assert sub["step"]["variant"] == "tuned-minus-mlp_up"
     # chosen from the deciding rounds, reported from the fresh ones
-    assert sub["step"]["vs_autodiff"]["median"] == pytest.approx(1 / 0.75)
+    assert sub["step"]["vs_reference"]["median"] == pytest.approx(1 / 0.75)
     assert sub["step"]["vs_baseline"]["median"] == pytest.approx(0.95 / 0.75)
     assert [v["name"] for v in sub["step"]["confirmation"]] == list(fresh)
     (override,) = sub["overrides"]

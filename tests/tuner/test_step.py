@@ -41,7 +41,7 @@ TUNED = {
 
 def test_standard_variants():
     variants = standard_variants(TUNED)
-    assert list(variants) == ["autodiff", "baseline", "tuned", "tuned-ring-fill", "always-ring",
+    assert list(variants) == ["as-written", "baseline", "tuned", "tuned-ring-fill", "always-ring",
                               "tuned-minus-attn_out", "tuned-minus-mlp_down"]
     assert variants["tuned"].per_role["mlp_down"] == TUNED["mlp_down"]
     assert variants["tuned-minus-mlp_down"].per_role["mlp_down"] == OpConfigs()
@@ -54,10 +54,10 @@ def test_standard_variants():
     assert not fill["qkv"].grad_weight.fuse  # the weight gradient gathers again, overlapped
     assert set(variants["always-ring"].per_role.values()) == {OpConfigs(forward=ring, grad_input=ring,
                                                                         grad_weight=ring)}
-    assert list(standard_variants(TUNED, ablation=False)) == ["autodiff", "baseline", "tuned", "tuned-ring-fill",
+    assert list(standard_variants(TUNED, ablation=False)) == ["as-written", "baseline", "tuned", "tuned-ring-fill",
                                                               "always-ring"]
     # an alternative equal to a variant before it is not measured twice (nothing tuned: always-ring is the fill)
-    assert list(standard_variants({})) == ["autodiff", "baseline", "tuned", "tuned-ring-fill"]
+    assert list(standard_variants({})) == ["as-written", "baseline", "tuned", "tuned-ring-fill"]
 
 
 def test_a_step_session_times_every_variant_round_robin(monkeypatch):
@@ -79,10 +79,10 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
     result = session.measure(variants, on_event=events.append)
 
     assert [v.name for v in result.variants] == list(variants)
-    assert result.reference == "autodiff" and result.mesh == {"model": 8} and result.batch_axes == []
+    assert result.reference == "as-written" and result.mesh == {"model": 8} and result.batch_axes == []
     assert result.hardware.key == "cpu:cpu:8:1" and result.block == BLOCK
     status = {v.name: v.status for v in result.variants}
-    assert status == {"autodiff": "ok", "baseline": "ok", "tuned": "ok", "tuned-ring-fill": "ok", "always-ring": "ok",
+    assert status == {"as-written": "ok", "baseline": "ok", "tuned": "ok", "tuned-ring-fill": "ok", "always-ring": "ok",
                       "tuned-minus-attn_out": "ok", "tuned-minus-mlp_down": "ok", "wrong": "invalid",
                       "unfit": "compile_error"}
     for v in result.variants:
@@ -90,7 +90,7 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
             assert len(v.timing.samples_s) == 3 and v.timing.median_s > 0
             assert v.ratio is not None and v.ratio_iqr is not None and v.speedup > 0
             assert v.compile_s > 0 and v.memory_bytes > 0 and v.loss > 0
-    reference = result.variant("autodiff")
+    reference = result.variant("as-written")
     assert reference.ratio == 1.0 and reference.configs == {} and reference.rel_error is None
     assert result.variant("tuned").rel_error <= 1e-5
     assert result.variant("tuned").configs["mlp_down"].grad_weight == D("ring-uni-c1-full-in-fuse")
@@ -113,7 +113,7 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
     chosen = step_decision(result, tuned).variant
     confirmed = confirm(session, result, variants, tuned)
     assert confirmed.variants == result.variants
-    assert [v.name for v in confirmed.confirmation] == list(dict.fromkeys(["autodiff", "baseline", chosen]))
+    assert [v.name for v in confirmed.confirmation] == list(dict.fromkeys(["as-written", "baseline", chosen]))
     assert all(v.ok and len(v.timing.samples_s) == 3 for v in confirmed.confirmation)
     assert confirmed.confirmation[0].timing != result.variants[0].timing  # fresh rounds, not a copy
     assert "(fresh rounds after the decision)" in step_decision(confirmed, tuned).summary
@@ -126,7 +126,7 @@ def test_a_2d_mesh_shards_the_batch_over_the_data_axis():
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     session = StepSession(block, mesh, protocol=Protocol(warmup=0, repeats=1))
     assert session.batch_axis == "data" and session.x.sharding.spec == P("data", "model", None)
-    variants = {"autodiff": standard_variants({})["autodiff"], "tuned": FixedConfigs(TUNED)}
+    variants = {"as-written": standard_variants({})["as-written"], "tuned": FixedConfigs(TUNED)}
     result = session.measure(variants)
     assert [v.status for v in result.variants] == ["ok", "ok"] and result.batch_axes == ["data"]
 
@@ -192,8 +192,8 @@ def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
     text = flat(run.stdout)
     assert "configs per role" in text
     assert "mlp_up.grad_input matmul_reduce_scatter:128x256x64:float32:8 ring-uni-c1-full-in exact (bundle)" in text
-    assert "speedup vs autodiff" in text and "1.00x (reference)" in text
-    for variant in ("autodiff", "baseline", "tuned", "tuned-ring-fill", "always-ring", "tuned-minus-attn_out",
+    assert "speedup vs as-written" in text and "1.00x (reference)" in text
+    for variant in ("as-written", "baseline", "tuned", "tuned-ring-fill", "always-ring", "tuned-minus-attn_out",
                     "tuned-minus-mlp_down", "tuned-minus-qkv", "tuned-minus-mlp_up"):
         assert f" {variant} ok " in text
     result = StepMeasurement.model_validate_json(out.read_text())
@@ -230,7 +230,7 @@ def test_verify_on_two_processes(files, tmp_path):
     assert result["hardware"]["process_count"] == 2
     names = [v["name"] for v in result["variants"]]
     # without ablation: the reference, the baseline, the tuned step and the whole-step alternatives
-    assert names[:3] == ["autodiff", "baseline", "tuned"]
+    assert names[:3] == ["as-written", "baseline", "tuned"]
     assert not any(name.startswith(("tuned-minus-", "tuned-fuse-")) for name in names)
     assert {v["status"] for v in result["variants"]} == {"ok"}
     # the bundle's entries for two processes were found exactly
@@ -243,7 +243,7 @@ def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
     from collective_matmul.wire import StepVariant, Timing, quartiles
 
     configs = variant_configs(TUNED)
-    reference = samples["autodiff"]
+    reference = samples["as-written"]
     variants = []
     for name, times in samples.items():
         q1, median, q3 = quartiles([t / r for t, r in zip(times, reference, strict=True)])
@@ -259,7 +259,7 @@ def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread
     from cmtune.tuner.step import variant_configs
 
     tuned = variant_configs(TUNED)["tuned"]
-    wins = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
+    wins = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
                            "tuned": [0.8, 0.82, 0.79, 0.81], "tuned-ring-fill": [0.7, 0.71, 0.69, 0.72],
                            "always-ring": [0.75, 0.74, 0.76, 0.75]})
     decision = step_decision(wins, tuned)
@@ -269,9 +269,9 @@ def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread
     assert decision.overrides == {role: fill[role] for role in ("qkv", "attn_out", "mlp_up")}
     assert "ring-uni-c1-full-auto" in decision.reasons["qkv"] and "tuned-ring-fill ran the step" in \
         decision.reasons["qkv"]
-    assert "against plain autodiff" in decision.summary and "overrides: attn_out, mlp_up, qkv" in decision.summary
+    assert "against the step as written" in decision.summary and "overrides: attn_out, mlp_up, qkv" in decision.summary
     # faster in the median but not in three rounds of four: the tuned configs stay
-    noisy = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "tuned": [0.8, 0.8, 0.8, 0.8],
+    noisy = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "tuned": [0.8, 0.8, 0.8, 0.8],
                             "tuned-ring-fill": [0.7, 0.95, 0.75, 0.9], "always-ring": [0.9, 0.9, 0.9, 0.9]})
     kept = step_decision(noisy, tuned)
     assert kept.variant == "tuned" and kept.overrides == {}
@@ -282,9 +282,9 @@ def test_the_step_decision_reports_from_the_fresh_rounds():
     from cmtune.tuner.step import variant_configs
 
     tuned = variant_configs(TUNED)["tuned"]
-    deciding = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
+    deciding = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
                                "tuned": [0.8, 0.82, 0.79, 0.81], "tuned-ring-fill": [0.7, 0.71, 0.69, 0.72]})
-    fresh = synthetic_step({"autodiff": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.95, 0.95, 0.95],
+    fresh = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.95, 0.95, 0.95],
                             "tuned-ring-fill": [0.76, 0.74, 0.75, 0.75]})
     measured = deciding.model_copy(update={"confirmation": fresh.variants})
     decision = step_decision(measured, tuned)

@@ -174,7 +174,7 @@ def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
         assert "serving at" in text, text[-3000:]
         assert "tuned collective matmuls of tiny on cpu:cpu:8:2" in text
         assert "mlp_up, mlp_down.grad_input" in text
-        assert "the whole training step of tiny, measured" in text and "over plain autodiff" in text
+        assert "the whole training step of tiny, measured" in text and "over the step as written" in text
         assert "timed again after the decision" in text  # the reported speedup is not the deciding rounds
         assert "estimated from the ops" in text
         assert "/docs" in text and "/ui/submissions/1?token=cmt_" in text

@@ -1,0 +1,178 @@
+"""A small GPT in Flax NNX, trained with cmtune's drop-in: tensor and sequence parallelism on a data × model mesh.
+
+    cmtune problems --step examples/flax_nnx_gpt.py:gpt_step --devices processes:2x4
+    cmtune tune     --step examples/flax_nnx_gpt.py:gpt_step --devices processes:2x4 --out tuned.json
+    cmtune verify   --step examples/flax_nnx_gpt.py:gpt_step --devices processes:2x4 --bundle tuned.json --decide
+    python examples/flax_nnx_gpt.py --bundle tuned.json --steps 10      # train with the tuned configs
+
+The model as a user writes it: token embedding, blocks of causal self-attention and an MLP with
+RMSNorm and residuals, tied output embedding, AdamW.  The layout is Megatron's with sequence
+parallelism: between blocks the activations ``[batch, seq, d_model]`` are sharded on the batch
+over ``data`` and on the sequence over ``model``; the fused QKV projection and the MLP's up
+projection are column-parallel (kernel sharded on its heads / hidden columns), the attention
+output and the MLP's down projection row-parallel (kernel sharded on its input rows).  Written
+plainly (``tuned=None``), XLA's partitioner places the all-gathers and reduce-scatters; with a
+`collective_matmul.Tuned` client the same layers take cmtune's ``dot_general``
+(`collective_matmul.flax`), which runs the tuned decompositions.
+
+`gpt_step` is the step spec cmtune's commands take: ``gpt_step(tuned=None) -> (step, args, mesh)``
+builds the model, the optimizer and a batch on a mesh of ``jax.devices()`` (model axis up to 8
+devices, data axis the rest) and returns the jitted training step (it donates its state) and
+its arguments.  `tiny_gpt_step` is the same at a size for tests, on a 2 × 4 mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from collective_matmul import flax as cm_flax
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 1024
+    d_model: int = 1024
+    heads: int = 8
+    head_dim: int = 128
+    d_ff: int = 2048
+    layers: int = 2
+    seq: int = 512
+    batch: int = 4
+    dtype: str = "float32"
+    learning_rate: float = 1e-3
+
+
+DEMO = Config()  # the demo's size: d_model 1024, d_ff 2048, seq 512, batch 4
+TINY = Config(vocab=128, d_model=64, heads=4, head_dim=16, d_ff=128, layers=2, seq=64, batch=4)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, mesh, tuned, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        dtype = jnp.dtype(cfg.dtype)
+
+        def drop_in(kind):  # lax.dot_general when tuned is None: the model as written
+            return cm_flax.dot_general(tuned, mesh=mesh, axis="model", kind=kind)
+
+        self.cfg, self.mesh = cfg, mesh
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+        self.qkv = nnx.LinearGeneral(cfg.d_model, (cfg.heads, 3, cfg.head_dim), use_bias=False, dtype=dtype,
+                                     kernel_init=nnx.with_partitioning(init, (None, "model", None, None)),
+                                     dot_general=drop_in("column"), rngs=rngs)
+        self.attn_out = nnx.LinearGeneral((cfg.heads, cfg.head_dim), cfg.d_model, axis=(-2, -1), use_bias=False,
+                                          dtype=dtype, kernel_init=nnx.with_partitioning(init, ("model", None, None)),
+                                          dot_general=drop_in("row"), rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=False, dtype=dtype,
+                             kernel_init=nnx.with_partitioning(init, (None, "model")), dot_general=drop_in("column"),
+                             rngs=rngs)
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=False, dtype=dtype,
+                               kernel_init=nnx.with_partitioning(init, ("model", None)), dot_general=drop_in("row"),
+                               rngs=rngs)
+
+    def _shard(self, x, *spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+
+    def __call__(self, x):
+        qkv = self._shard(self.qkv(self.attn_norm(x)), "data", None, "model", None, None)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
+        o = self._shard(jnp.einsum("bhqk,bkhd->bqhd", probs, v), "data", None, "model", None)
+        x = x + self._shard(self.attn_out(o), "data", "model", None)
+        h = self._shard(jax.nn.gelu(self.up(self.mlp_norm(x))), "data", None, "model")
+        return x + self._shard(self.down(h), "data", "model", None)
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: Config, mesh, tuned=None, *, rngs: nnx.Rngs):
+        self.mesh = mesh
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, mesh, tuned, rngs=rngs) for _ in range(cfg.layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+
+    def __call__(self, tokens):
+        x = jax.lax.with_sharding_constraint(self.embed(tokens), NamedSharding(self.mesh, P("data", "model", None)))
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+
+def make_mesh(model: int | None = None):
+    """A data × model mesh of ``jax.devices()``: the model axis up to 8 devices (or ``model``), data the rest."""
+    count = jax.device_count()
+    model = model or math.gcd(count, 8)
+    return jax.make_mesh((count // model, model), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def loss_fn(model: GPT, tokens, targets):
+    logits = model(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int = 0):
+    """``(step, (state, tokens, targets), mesh)``: the training step, its arguments and the mesh."""
+    mesh = make_mesh(model_axis)
+
+    with jax.set_mesh(mesh):  # parameters and optimizer state are created sharded as annotated
+        model = GPT(cfg, mesh, tuned, rngs=nnx.Rngs(seed))
+        optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, tokens, targets):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    batch_sharding = NamedSharding(mesh, P("data", "model"))
+    keys = jax.random.split(jax.random.key(seed + 1))
+    tokens, targets = (jax.jit(partial(jax.random.randint, shape=(cfg.batch, cfg.seq), minval=0, maxval=cfg.vocab),
+                               out_shardings=batch_sharding)(k) for k in keys)
+    return jax.jit(step, donate_argnums=0), (state, tokens, targets), mesh
+
+
+def gpt_step(tuned=None):
+    """The step spec at the demo's size (see the module docstring)."""
+    return build(DEMO, tuned)
+
+
+def tiny_gpt_step(tuned=None):
+    """The step spec at a test size, on a 2 × 4 (data × model) mesh."""
+    return build(TINY, tuned, model_axis=4)
+
+
+def main() -> None:
+    from collective_matmul import Tuned
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", help="tuned configs from a bundle file")
+    parser.add_argument("--server", help="tuned configs from a cmtune service at this URL")
+    parser.add_argument("--token", help="a reader token for --server")
+    parser.add_argument("--model-name", default="gpt_step", help="the name the step was verified under (overrides)")
+    parser.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="the test size")
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    tuned = Tuned(args.server, token=args.token, bundle=args.bundle, model=args.model_name)
+    step, (state, tokens, targets), _ = (tiny_gpt_step if args.tiny else gpt_step)(tuned)
+    for i in range(args.steps):
+        state, loss = step(state, tokens, targets)
+        print(f"step {i}: loss {float(loss):.4f}")
+    print(tuned.report())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The ``--step SPEC`` halves of `cmtune problems | tune | verify` (and `cmtune submit`): a user's own step.
+
+Each sets the devices up first (``--devices virtual:N``, or ``processes:PxD``: the step's mesh,
+not one ring, decides how many), then imports the spec and calls NAME (`cmtune.tuner.userstep`).
+In a group of processes every process does the same, and process 0 prints and decides.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from cmtune.tuner.cli import console, devices_option, relaunch_as_group
+from cmtune.tuner.cluster import DeviceSpec
+from cmtune.tuner.userstep import REFERENCE, SpecError, SpecRef
+
+DEFAULT_DEVICES = "virtual:8"
+
+
+def prepare(devices: str) -> DeviceSpec | None:
+    """Set the devices up for a step (None: this command was re-run as a group and has finished).
+
+    Raises:
+        typer.BadParameter: for ``processes:N`` without D, or ``auto``.
+    """
+    from cmtune.tuner.cluster import configure
+
+    spec = devices_option(devices)
+    if spec.kind == "auto":
+        spec = DeviceSpec.parse(DEFAULT_DEVICES)
+    if spec.kind == "processes" and not spec.local:
+        raise typer.BadParameter(f"{devices!r}: a step's mesh decides the device count; give processes:PxD "
+                                 f"(e.g. processes:{spec.count}x4)", param_hint="--devices")
+    if spec.needs_group:
+        relaunch_as_group(spec.count, local_devices=spec.local)
+        return None
+    configure(spec)
+    return spec
+
+
+def load(text: str):
+    """Parse and import a step spec: ``(SpecRef, NAME)``."""
+    try:
+        ref = SpecRef.parse(text)
+        return ref, ref.load()
+    except SpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--step") from None
+
+
+def discover_step(ref: SpecRef, fn):
+    """NAME's step as written, and its collective matmuls: ``(Built, Discovery)``."""
+    from cmtune.tuner.userstep import Built
+    from collective_matmul.discovery import discover
+
+    try:
+        built = Built.of(fn, None, spec=str(ref))
+        return built, discover(built.step, built.args, built.mesh)
+    except SpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--step") from None
+
+
+def _leader() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def show_discovery(ref: SpecRef, built, discovery) -> None:
+    from cmtune.tuner.report import discovery_tables
+
+    mesh = ",".join(f"{n}={s}" for n, s in built.mesh.shape.items())
+    for table in discovery_tables(discovery, title=f"collective matmuls of {ref} on {mesh}"):
+        console.print(table)
+    for warning in discovery.warnings:
+        console.print(f"[yellow]{warning}[/yellow]")
+
+
+def no_problems(ref: SpecRef, discovery) -> None:
+    console.print(f"[red]{ref}: the step has no collective matmul cmtune decomposes"
+                  + (f" ({len(discovery.skipped)} collective(s) skipped above)" if discovery.skipped else "")
+                  + ": nothing to tune[/red]")
+    raise typer.Exit(1)
+
+
+def problems(step: str, devices: str, as_json: bool) -> None:
+    """`cmtune problems --step`: list what discovery finds."""
+    if prepare(devices) is None:
+        return
+    ref, fn = load(step)
+    built, discovery = discover_step(ref, fn)
+    if not _leader():
+        return
+    if as_json:
+        print(discovery.model_dump_json(indent=2))
+    else:
+        show_discovery(ref, built, discovery)
+    if not discovery.problems:
+        no_problems(ref, discovery)
+
+
+def tune(step: str, devices: str, tune_problems) -> None:
+    """`cmtune tune --step`: discover, then tune each unique problem on one ring of its axis.
+
+    ``tune_problems(problems, ring_devices)`` runs the tuner (`cmtune.tuner.cli._tune`).
+    """
+    from cmtune.tuner.userstep import tuning_ring
+
+    if prepare(devices) is None:
+        return
+    ref, fn = load(step)
+    built, discovery = discover_step(ref, fn)
+    if _leader():
+        show_discovery(ref, built, discovery)
+    if not discovery.problems:
+        if _leader():
+            no_problems(ref, discovery)
+        return
+    by_axis: dict[str, list] = {}
+    for found in discovery.problems:
+        axis = found.axis or next((a for a, s in built.mesh.shape.items() if s == found.problem.axis_size), None)
+        if axis is None:
+            raise typer.BadParameter(f"{found.problem.key}: no mesh axis of size {found.problem.axis_size}")
+        if found.problem not in by_axis.setdefault(axis, []):
+            by_axis[axis].append(found.problem)
+    for axis, unique in by_axis.items():
+        try:
+            ring = tuning_ring(built.mesh, axis)
+        except SpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--step") from None
+        tune_problems(unique, ring)
+
+
+def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
+           name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
+           json_out: Path | None) -> None:
+    """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline)."""
+    from cmtune.tuner.cluster import Group
+    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.report import sites_table, step_table
+    from cmtune.tuner.userstep import Built, UserStepSession, step_variants
+    from collective_matmul.client import Tuned
+    from collective_matmul.decomposition import OpConfigs
+    from collective_matmul.wire import Protocol
+
+    if decide and bundle is None:
+        raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
+    if prepare(devices) is None:
+        return
+    started = time.monotonic()
+    ref, fn = load(step)
+    model = name or ref.name
+    group = Group()
+    say = console.print if group.leader else (lambda *_: None)
+    try:
+        reference = Built.of(fn, None, spec=str(ref))
+        session = UserStepSession(fn, reference, model=model, spec=str(ref),
+                                  protocol=Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout))
+    except SpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--step") from None
+    message = None
+    if group.leader:  # process 0 looks the configs up; the others run what it resolved
+        tuned = Tuned(server, token=token, bundle=bundle, model=model)
+        try:
+            Built.of(fn, tuned, spec=str(ref)).step.trace(*reference.args)
+        except SpecError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--step") from None
+        sites = tuned.report()
+        message = {"pins": tuned.pins(),
+                   "per_role": {r: [c.model_dump(mode="json") for c in cs] for r, cs in tuned.per_role().items()},
+                   "axis": next((s.axis for s in sites.applied), None)}
+        console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
+                                               f"applied, {len(sites.fell_back)} fell back)"))
+    message = group.share(message)
+    if not group.leader:
+        tuned = Tuned.pinned(message["pins"])
+    per_role = {role: [OpConfigs.model_validate(c) for c in configs] for role, configs in message["per_role"].items()}
+    if not per_role:
+        say(f"[red]{ref}: no call of the step went through the drop-in: give the Flax layers "
+            "collective_matmul.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
+            "tuned.matmul_reduce_scatter) when NAME gets a tuned client[/red]")
+        raise typer.Exit(1)
+    variants = step_variants(tuned, per_role, decide=decide)
+    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
+    import jax
+
+    say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
+    result = session.measure(variants, axis=message["axis"], on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    if decide:
+        result = _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision)
+    if not group.leader:
+        return
+    console.print(step_table(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} "
+                                           f"(jax {result.hardware.jax_version}); reference: the step as written"))
+    if result.confirmation:
+        again = result.model_copy(update={"variants": result.confirmation, "confirmation": []})
+        console.print(step_table(again, title="the decision timed again in fresh rounds (what the speedups report)"))
+    console.print(f"verify took {time.monotonic() - started:.1f}s")
+    if json_out is not None:
+        json_out.write_text(result.model_dump_json(indent=2) + "\n")
+        console.print(f"wrote the step measurement to {json_out}")
+    failed = [v for v in result.variants if not v.ok]
+    for v in failed:
+        console.print(f"[red]{v.name}: {v.status}: {v.message}[/red]")
+    if failed:
+        raise typer.Exit(1)
+
+
+def _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision):
+    """The step decision on a user's step: process 0 decides, the choice is timed again in fresh rounds, and
+    its per-role overrides (each with its role's problems) are written into ``bundle``."""
+    from collective_matmul.bundle import Bundle
+
+    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
+    decision = step_decision(result, uniform) if group.leader else None
+    chosen = group.share({"variant": decision.variant if decision is not None and decision.ok else None})["variant"]
+    if chosen is None:
+        say(f"[red]no decision: {decision.summary if decision is not None else ''}[/red]")
+        return result
+    again = session.measure({name: variants[name] for name in dict.fromkeys([REFERENCE, "baseline", chosen])},
+                            axis=result.tensor_axis)
+    result = result.model_copy(update={"confirmation": again.variants})
+    if not group.leader:
+        return result
+    decision = step_decision(result, uniform)
+    sites = {site.role: site for site in tuned.report().applied}
+    hardware = next(iter(sites.values())).hardware
+    problems = {role: site.problems for role, site in sites.items()}
+    overrides = decision.role_overrides(model, hardware, problems)
+    saved = Bundle.load(bundle) if bundle.exists() else Bundle()
+    saved.overrides = [o for o in saved.overrides if not (o.model == model and o.hardware.key == hardware.key)]
+    for override in overrides:
+        saved.add_override(override)
+    saved.save(bundle)
+    say(f"decision: {decision.summary}")
+    say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
+        + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
+    return result
+
+
+def discovered_body(step: str, name: str | None):
+    """For `cmtune submit --step`: the spec's problems as a `DiscoveredStep`, and the ring's hardware
+    (None on the processes other than 0)."""
+    from collective_matmul.client import ring_hardware
+    from collective_matmul.wire import DiscoveredStep
+
+    ref, fn = load(step)
+    built, discovery = discover_step(ref, fn)
+    if not _leader():
+        return None, None
+    show_discovery(ref, built, discovery)
+    if not discovery.problems:
+        no_problems(ref, discovery)
+    axis = next((p.axis for p in discovery.problems if p.axis), built.mesh.axis_names[-1])
+    body = DiscoveredStep(name=name or ref.name, mesh={str(n): int(s) for n, s in built.mesh.shape.items()},
+                          problems=discovery.problems)
+    return body, ring_hardware(built.mesh, axis)
+
+

@@ -1,0 +1,520 @@
+"""A user's own training step: the step spec, and the step measured as written against the drop-in.
+
+The user writes one function, the *step spec*, ``NAME(tuned=None) -> (step, args, mesh)``:
+
+- with ``tuned=None`` it builds the training step as written (what the user has without cmtune);
+- given a config source (a `collective_matmul.Tuned` client, or one of the variants built here,
+  each with `Tuned`'s interface: ``allgather_matmul`` / ``matmul_reduce_scatter`` for plain JAX
+  code, ``dot_general`` and `collective_matmul.flax` for Flax layers) it builds the same step
+  through the drop-in;
+- ``step`` is the step, jitted or not; ``args`` its arguments (arrays, or
+  `jax.ShapeDtypeStruct`s with shardings for discovery and tuning); ``mesh`` the mesh.
+
+NAME must be deterministic, touch no device at import, and build its mesh from
+``jax.devices()``: cmtune sets the devices up first, then imports the spec and calls NAME.  In a
+multi-process run every process calls NAME and gets the same arguments, and every process runs
+the configs process 0 resolved (`Tuned.pinned`).
+
+`UserStepSession` times the step as written against variants through the drop-in with the
+protocol of `cmtune.tuner.step`: every variant compiled ahead of time (compile seconds and
+memory recorded), checked after one step against the step as written, warmed up, then timed in
+interleaved rounds (slowest process per round; paired median and IQR).  The check compares every
+output: a leaf that updates an argument (parameters, optimizer state) is held to its dtype's
+tolerance of how far the step moved it, plus the rounding of storing it, so an Adam step is
+checked as well as SGD; other outputs (the loss, metrics) to the tolerance of their own size.
+Donated arguments are fed back from each step's outputs: an argument is paired with the output
+of the same structure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from collective_matmul.decomposition import OpConfigs
+from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVariant
+
+REFERENCE = "as-written"
+# The share of an updated leaf's elements that may miss the reference's update: an optimizer that
+# normalises the gradient (Adam) turns float rounding in a near-zero gradient into a whole step of
+# that element, which happens to a few elements in ten thousand; a wrong program misses most.
+STRAY_SHARE = 1e-3
+
+
+class SpecError(ValueError):
+    """A step spec that cannot be loaded or does not keep the contract; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class SpecRef:
+    """``path/to/file.py:NAME`` or ``package.module:NAME``."""
+
+    target: str
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> SpecRef:
+        target, sep, name = text.strip().rpartition(":")
+        if not sep or not target or not re.fullmatch(r"[A-Za-z_]\w*", name):
+            raise SpecError(f"{text!r} is not a step spec: give path/to/file.py:NAME or package.module:NAME, where "
+                            "NAME(tuned=None) returns (step, args, mesh)")
+        return cls(target, name)
+
+    @property
+    def is_file(self) -> bool:
+        return self.target.endswith(".py") or "/" in self.target or "\\" in self.target
+
+    def __str__(self) -> str:
+        return f"{self.target}:{self.name}"
+
+    def load(self) -> Callable:
+        """Import the spec's module and return NAME (the devices must be set up before)."""
+        if self.is_file:
+            path = Path(self.target).expanduser().resolve()
+            if not path.is_file():
+                raise SpecError(f"step spec {self}: no file {self.target}")
+            module_name = "cmtune_step_" + re.sub(r"\W", "_", path.stem)
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))  # the spec may import its neighbours
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                raise SpecError(f"step spec {self}: importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
+        else:
+            try:
+                module = importlib.import_module(self.target)
+            except Exception as exc:
+                raise SpecError(f"step spec {self}: cannot import {self.target}: {type(exc).__name__}: {exc}") from exc
+        fn = getattr(module, self.name, None)
+        if not callable(fn):
+            raise SpecError(f"step spec {self}: {self.target} has no function {self.name!r}")
+        return fn
+
+
+@dataclass
+class Built:
+    """What NAME returned: the step (jitted), its arguments and the mesh."""
+
+    step: Callable
+    args: tuple
+    mesh: object
+
+    @classmethod
+    def of(cls, fn: Callable, tuned, *, spec: str = "NAME") -> Built:
+        """Call ``fn(tuned=tuned)`` and check what it returns.
+
+        Raises:
+            SpecError: if NAME raises or returns something other than ``(step, args, mesh)``.
+        """
+        import jax
+        from jax.sharding import Mesh
+
+        try:
+            out = fn(tuned=tuned)
+        except Exception as exc:
+            kind = "None" if tuned is None else type(tuned).__name__
+            raise SpecError(f"{spec}(tuned={kind}) raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(out, tuple | list) or len(out) != 3:
+            raise SpecError(f"{spec} must return (step, args, mesh), got {type(out).__name__}")
+        step, args, mesh = out
+        if not callable(step):
+            raise SpecError(f"{spec} returned a step that is not callable: {type(step).__name__}")
+        if not isinstance(args, tuple | list):
+            raise SpecError(f"{spec} must return the step's arguments as a tuple, got {type(args).__name__}")
+        if not isinstance(mesh, Mesh):
+            raise SpecError(f"{spec} must return its jax.sharding.Mesh third, got {type(mesh).__name__}")
+        return cls(step if hasattr(step, "lower") else jax.jit(step), tuple(args), mesh)
+
+
+def signature(tree) -> tuple:
+    """A pytree's structure and leaf shapes and dtypes (what pairs an output with an argument)."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
+
+
+def pair_outputs(args: tuple, outputs) -> dict[int, int]:
+    """For each top-level output (a tuple's elements, else the one output), the argument of its structure."""
+    outs = outputs if isinstance(outputs, tuple | list) else (outputs,)
+    free = list(range(len(args)))
+    pairs = {}
+    for j, out in enumerate(outs):
+        sig = signature(out)
+        for i in free:
+            if signature(args[i]) == sig:
+                pairs[j] = i
+                free.remove(i)
+                break
+    return pairs
+
+
+def tuning_ring(mesh, axis: str):
+    """The devices of one ring of ``mesh`` along ``axis`` to tune on, from this process's point of view.
+
+    The drop-in keys its look-ups by the first ring of the mesh along the axis
+    (`collective_matmul.ring_hardware`), so tuning runs on a ring like it: the first ring when it
+    spans every process (the group tunes it together), else a ring of this process's own devices
+    (each process tunes its own at once, as the data-parallel rings of the step run).
+
+    Raises:
+        SpecError: if the rings span some processes but not all.
+    """
+    import jax
+    import numpy as np
+
+    rings = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+    first = {d.process_index for d in rings[0]}
+    if len(first) == jax.process_count():
+        return list(rings[0])
+    if len(first) == 1:
+        mine = [list(r) for r in rings if {d.process_index for d in r} == {jax.process_index()}]
+        if mine:
+            return mine[0]
+    raise SpecError(f"the rings of mesh axis {axis!r} span {len(first)} of {jax.process_count()} processes: "
+                    "tune on a mesh whose rings stay within one process or span all of them")
+
+
+# ---- the variants -----------------------------------------------------------------------------
+
+
+def step_variants(tuned, per_role: Mapping[str, list[OpConfigs]], *, decide: bool) -> dict:
+    """The variants of a user's step: name -> config source (None: the step as written).
+
+    ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline),
+    ``tuned`` (``tuned`` itself); with ``decide``, the whole-step alternatives and the per-role
+    ablation of `cmtune.tuner.step.variant_configs` over the roles the tuned step traced (a role
+    seen with several problems is decided as a whole: set back, or the fixed ring everywhere).
+    """
+    from cmtune.tuner.step import FIXED_RING, variant_configs
+
+    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
+    everywhere = OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING, grad_weight=FIXED_RING)
+    sources: dict = {REFERENCE: None, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()),
+                     "tuned": tuned}
+    if not decide:
+        return sources
+    table = variant_configs(uniform, roles=list(per_role), ablation=True)
+    for name, configs in table.items():
+        if configs is None or name in ("baseline", "tuned"):
+            continue
+        if name == "always-ring":
+            sources[name] = tuned.variant(name, lambda role, c: everywhere)
+        elif name == "tuned-ring-fill":
+            if len(uniform) == len(per_role):
+                sources[name] = tuned.variant(name, lambda role, c, table=configs: table.get(role, c))
+        elif name.startswith("tuned-minus-"):
+            role = name.removeprefix("tuned-minus-")
+            sources[name] = tuned.variant(name, lambda r, c, role=role: OpConfigs() if r == role else c)
+        elif name.startswith("tuned-fuse-"):
+            role = name.removeprefix("tuned-fuse-")
+            sources[name] = tuned.variant(name, lambda r, c, role=role, fused=configs[role]: fused if r == role else c)
+    for role, configs in per_role.items():  # several problems: set back as a whole, if any ran a ring
+        if len(configs) > 1 and any(not c.is_baseline for c in configs):
+            name = f"tuned-minus-{role}"
+            sources[name] = tuned.variant(name, lambda r, c, role=role: OpConfigs() if r == role else c)
+    return sources
+
+
+# ---- the session ----------------------------------------------------------------------------
+
+
+class UserStepSession:
+    """A user's step and its arguments: measure the step as written against variants through the drop-in.
+
+    Every process of a group must make the same calls in the same order, with the same variants.
+
+    Args:
+        fn: the spec's NAME.
+        reference: ``Built.of(fn, None)`` (the step as written, with concrete arguments).
+        model: the name the step is verified under (its overrides' model).
+        protocol: warm-up, repeats and timeout.
+
+    Raises:
+        SpecError: if an argument is abstract (verify needs NAME's own initialisation).
+    """
+
+    def __init__(self, fn: Callable, reference: Built, *, model: str, protocol: Protocol = Protocol(),
+                 spec: str = "NAME"):
+        import jax
+
+        abstract = [leaf for leaf in jax.tree.leaves(reference.args) if not isinstance(leaf, jax.Array)]
+        if abstract:
+            raise SpecError(f"{spec}(tuned=None) returned abstract arguments ({type(abstract[0]).__name__}): "
+                            "verify runs the step, so NAME must build its arguments (its own initialisation: "
+                            "parameters, optimizer state, batch)")
+        self.fn, self.reference, self.model, self.protocol, self.spec = fn, reference, model, protocol, spec
+        self.mesh = reference.mesh
+        self.args = reference.args
+        self._signature = [signature(a) for a in self.args]
+        self._compiled: dict[str, tuple] = {}  # name -> (source, (executable, donated), record fields)
+
+    def measure(self, variants: Mapping[str, object], *, reference: str = REFERENCE, axis: str | None = None,
+                on_event: Callable[[str], None] | None = None) -> StepMeasurement:
+        """Run the protocol for every variant (name -> config source, None for the step as written).
+
+        Failures (NAME raising, a compile error, a variant that disagrees) come back as statuses.
+        """
+        from collective_matmul.problem import Hardware
+
+        if reference not in variants:
+            raise ValueError(f"the reference variant {reference!r} is not among {list(variants)}")
+        say = on_event or (lambda _line: None)
+        started = time.monotonic()
+        order = [reference, *(name for name in variants if name != reference)]
+        records: dict[str, dict] = {name: {"name": name} for name in order}
+        compiled = {}
+        for name in order:
+            program = self._compile(name, variants[name], records[name], say)
+            if program is not None:
+                compiled[name] = program
+        states = self._check(compiled, records, reference, say)
+        if states:
+            from cmtune.tuner.step import interleave
+
+            runs = {name: self._runner(compiled[name], states, name) for name in states}
+            interleave(runs, records, reference, started, self.protocol, say)
+        results = [StepVariant(**records[name]) for name in variants]
+        return StepMeasurement(model=self.model, mesh={str(n): int(s) for n, s in self.mesh.shape.items()},
+                               tensor_axis=axis or self.mesh.axis_names[-1], batch_axes=[],
+                               hardware=Hardware.detect(self.mesh.devices.flat), protocol=self.protocol,
+                               reference=reference, variants=results)
+
+    def _compile(self, name: str, source, record: dict, say):
+        """Build one variant (NAME with its source) and compile its step ahead of time; None if either fails.
+
+        A variant compiled before from the same source object is reused, with its record's compile
+        time and memory (the confirmation after a decision times the same programs again).
+        """
+        from cmtune.tuner.measure import _memory_bytes, _message, classify_failure
+
+        cached = self._compiled.get(name)
+        if cached is not None and cached[0] is source:
+            record.update(cached[2])
+            say(f"{name}: compiled before in {record['compile_s']:.1f}s")
+            return cached[1]
+        try:
+            step = self.reference.step
+            if source is not None:
+                built = Built.of(self.fn, source, spec=self.spec)
+                if [signature(a) for a in built.args] != self._signature:
+                    raise SpecError(f"{self.spec}(tuned=...) returned arguments of another structure than "
+                                    f"{self.spec}(tuned=None): the drop-in must not change the parameters")
+                step = built.step  # its own arguments are dropped: the reference's serve every variant
+                del built
+            start = time.perf_counter()
+            lowered = step.lower(*self.args)
+            executable = lowered.compile()
+            record["compile_s"] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - any failure to build or compile is a result
+            record.update(status=Status.OOM if classify_failure(exc) == Status.OOM else Status.COMPILE_ERROR,
+                          message=_message(exc), configs=_configs(source))
+            say(f"{name}: {record['status']}")
+            return None
+        import jax
+
+        donated = [any(info.donated for info in jax.tree.leaves(arg_info)) for arg_info in lowered.args_info[0]]
+        record.update(memory_bytes=_memory_bytes(executable), configs=_configs(source))
+        say(f"{name}: compiled in {record['compile_s']:.1f}s")
+        self._compiled[name] = (source, (executable, donated),
+                                {key: record[key] for key in ("compile_s", "memory_bytes", "configs")})
+        return executable, donated
+
+    def _check(self, compiled: dict, records: dict, reference: str, say) -> dict[str, tuple]:
+        """One step of every variant from the same arguments; the outputs compared with the reference's.
+
+        Returns each checked variant's arguments for its timed runs (its outputs fed back where the
+        step donates them).
+        """
+        from cmtune.tuner.measure import _message, classify_failure
+
+        states: dict[str, tuple] = {}
+        expected = None
+        for name in [reference, *(n for n in compiled if n != reference)]:
+            if name not in compiled:
+                continue
+            executable, donated = compiled[name]
+            if expected is None and name != reference:
+                records[name].update(status=Status.ERROR, message=f"not checked: the reference {reference!r} failed")
+                continue
+            try:
+                args = _fresh(self.args, donated)
+                out = executable(*args)
+                pairs = pair_outputs(self.args, out)
+                missing = [i for i, d in enumerate(donated) if d and i not in pairs.values()]
+                if missing:
+                    raise SpecError(f"argument {missing[0]} is donated but the step returns nothing of its structure: "
+                                    "return the updated state so that the next step can take it")
+            except Exception as exc:  # noqa: BLE001
+                records[name].update(status=classify_failure(exc), message=_message(exc))
+                continue
+            if name == reference:
+                expected = (out, pairs)
+                records[name]["loss"] = _loss(out)
+                records[name]["rel_error"] = 0.0
+            elif not self._agrees(records[name], out, expected, reference):
+                continue
+            states[name] = _next_args(self.args, args, out, pairs, donated)
+        say(f"checked {len(states)} of {len(compiled)} variants against {reference!r}")
+        return states
+
+    def _agrees(self, record: dict, out, expected, reference: str) -> bool:
+        """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
+        import jax
+
+        from cmtune.tuner.measure import TOLERANCE
+
+        want, pairs = expected
+        record["loss"] = _loss(out)
+        outs = out if isinstance(out, tuple | list) else (out,)
+        wants = want if isinstance(want, tuple | list) else (want,)
+        worst, worst_name, failed = 0.0, None, None
+        for j, (got, ref) in enumerate(zip(outs, wants, strict=True)):
+            old = self.args[pairs[j]] if j in pairs else None
+            paths = jax.tree_util.tree_flatten_with_path(ref)[0]
+            got_leaves, old_leaves = jax.tree.leaves(got), jax.tree.leaves(old) if old is not None else None
+            for index, (path, ref_leaf) in enumerate(paths):
+                leaf_name = f"output {j}{jax.tree_util.keystr(path)}"
+                got_leaf = got_leaves[index]
+                old_leaf = old_leaves[index] if old_leaves is not None else None
+                dtype = str(ref_leaf.dtype)
+                if dtype not in TOLERANCE:  # integers, booleans (step counters, masks): exactly
+                    if not bool(_equal()(got_leaf, ref_leaf)):
+                        failed = failed or (leaf_name, math.inf, 0.0)
+                    continue
+                tolerance, eps = TOLERANCE[dtype], _eps(dtype)
+                if old_leaf is None:  # the loss, metrics: within the tolerance of their size
+                    diff, size = (float(v) for v in _value_terms()(got_leaf, ref_leaf))
+                    error = diff / size if size else (0.0 if diff == 0 else math.inf)
+                    ok = math.isfinite(diff) and diff <= tolerance * size + eps * size
+                else:  # an updated leaf: each element within the tolerance of how far the step moved it
+                    diff, moved, off = (float(v) for v in _update_terms()(got_leaf, ref_leaf, old_leaf, tolerance, eps))
+                    error = diff / moved if moved else (0.0 if diff == 0 else math.inf)
+                    ok = math.isfinite(diff) and off <= STRAY_SHARE * math.prod(ref_leaf.shape)
+                if not math.isfinite(error):
+                    error = math.inf
+                if error > worst or worst_name is None:
+                    worst, worst_name = error, leaf_name
+                if not ok and failed is None:
+                    failed = (leaf_name, error, tolerance)
+        record["rel_error"] = worst if math.isfinite(worst) else None
+        if failed is not None:
+            leaf_name, error, tolerance = failed
+            message = (f"{leaf_name}: off by {error:.3g} of the reference's update or size (tolerance {tolerance:g})"
+                       if tolerance else f"{leaf_name}: differs (compared exactly)")
+            record.update(status=Status.INVALID, message=f"{message} against {reference!r}")
+            return False
+        return True
+
+    @staticmethod
+    def _runner(compiled, states: dict, name: str) -> Callable[[], object]:
+        executable, donated = compiled
+        feed = any(donated)
+
+        def run():
+            out = executable(*states[name])
+            if feed:
+                states[name] = _next_args(states[name], states[name], out, pair_outputs(states[name], out), donated)
+            return out
+
+        return run
+
+
+def _configs(source) -> dict[str, OpConfigs]:
+    per_role = source.per_role() if source is not None and hasattr(source, "per_role") else {}
+    return {role: configs[0] for role, configs in per_role.items() if configs}
+
+
+def _fresh(args: tuple, donated: list[bool]) -> tuple:
+    """``args`` with a copy of each donated one (the step consumes them)."""
+    import jax
+
+    return tuple(jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), arg) if d else arg
+                 for arg, d in zip(args, donated, strict=True))
+
+
+def _next_args(initial: tuple, used: tuple, out, pairs: dict[int, int], donated: list[bool]) -> tuple:
+    """The arguments of the next step: each donated one replaced by its output; the others as they were."""
+    outs = out if isinstance(out, tuple | list) else (out,)
+    nxt = list(used)
+    for j, i in pairs.items():
+        if donated[i]:
+            nxt[i] = outs[j]
+    return tuple(nxt)
+
+
+def _loss(out) -> float | None:
+    """The first floating scalar output (the loss, by convention), as a float."""
+    import jax
+    import numpy as np
+
+    for leaf in jax.tree.leaves(out):
+        if getattr(leaf, "shape", None) == () and np.issubdtype(np.dtype(leaf.dtype), np.floating):
+            value = float(leaf)
+            return value if math.isfinite(value) else None
+    return None
+
+
+_CACHE: dict[str, Callable] = {}
+
+
+def _value_terms():
+    """Jitted ``(|got - ref|, |ref|)`` in float32."""
+    if "value" not in _CACHE:
+        import jax
+        import jax.numpy as jnp
+
+        def terms(got, ref):
+            got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
+            return jnp.linalg.norm(got - ref), jnp.linalg.norm(ref)
+
+        _CACHE["value"] = jax.jit(terms)
+    return _CACHE["value"]
+
+
+def _update_terms():
+    """Jitted ``(|got - ref|, |ref - old|, elements off)`` in float32.
+
+    An element is off when it misses the reference's by more than ``tolerance`` times how far
+    the step moved it (that element's move plus the leaf's root-mean-square move, so that an
+    element the step barely moved is not held to nothing) plus the rounding of storing it.
+    """
+    if "update" not in _CACHE:
+        import jax
+        import jax.numpy as jnp
+
+        def terms(got, ref, old, tolerance, eps):
+            got, ref, old = (v.astype(jnp.float32) for v in (got, ref, old))
+            move = jnp.abs(ref - old)
+            typical = jnp.sqrt(jnp.mean(jnp.square(move)))
+            allowed = tolerance * (move + typical) + 2 * eps * jnp.abs(ref)
+            off = jnp.sum(jnp.abs(got - ref) > allowed)
+            return jnp.linalg.norm(got - ref), jnp.linalg.norm(ref - old), off
+
+        _CACHE["update"] = jax.jit(terms)
+    return _CACHE["update"]
+
+
+def _equal():
+    if "equal" not in _CACHE:
+        import jax
+        import jax.numpy as jnp
+
+        _CACHE["equal"] = jax.jit(lambda a, b: jnp.array_equal(a, b))
+    return _CACHE["equal"]
+
+
+def _eps(dtype: str) -> float:
+    import jax.numpy as jnp
+
+    return float(jnp.finfo(jnp.dtype(dtype)).eps)
