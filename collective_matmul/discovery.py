@@ -256,7 +256,7 @@ def _gathered(module: Module, comp, inst: Instruction) -> _Gathered | None:
                 dim = _forward_dim(step, dim)
                 if dim is None:
                     return None
-            return _Gathered(inst, dim, ring)
+            return _Gathered(start, dim, ring)  # the start holds the replica groups
         if inst.opcode == "get-tuple-element":
             source = comp.instructions.get(inst.operands[0]) if inst.operands else None
             if source is not None and source.opcode == "all-gather-start":

@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from collective_matmul.client import call_label, call_source
-from collective_matmul.ops import allgather_matmul, matmul_reduce_scatter
+from collective_matmul.ops import allgather_matmul, check_call, matmul_reduce_scatter
 
 KINDS = {"column": "allgather_matmul", "row": "matmul_reduce_scatter",
          "allgather_matmul": "allgather_matmul", "matmul_reduce_scatter": "matmul_reduce_scatter"}
@@ -73,6 +73,7 @@ class DotGeneral:
             collective, x, w, unfold = self._fit(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                                  kwargs)
             batch_axis = self._batch_axis(x)
+            check_call(collective, x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis)
             configs = self.source.configs(role, collective, x, w, mesh=self.mesh, axis=self.axis,
                                           batch_axis=batch_axis, source=where, via="dot_general")
         except _Unfit as exc:

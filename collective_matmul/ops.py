@@ -174,6 +174,17 @@ def plain_baseline(
     return _run(partial(kernel, axis=axis), x, w, mesh=mesh, specs=_specs(collective, lead, axis))
 
 
+_SHARDED = {"allgather_matmul": (("M", -2, "x"), ("N", -1, "w")),
+            "matmul_reduce_scatter": (("M", -2, "x"), ("K", -1, "x"))}
+
+
+def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None) -> None:
+    """Raise `ValueError` (what does not fit, and why) if ``x`` and ``w`` do not fit ``collective``'s layout."""
+    if collective not in _SHARDED:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {sorted(_SHARDED)}")
+    _check(x, w, mesh, axis, batch_axis, sharded=_SHARDED[collective])
+
+
 def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
     """Partition specs of (x, w, result), or (u, v, result), for a collective (DESIGN.md layouts)."""
     if collective == "allgather_matmul":

@@ -94,9 +94,15 @@ def match(found: str, known: Sequence[str]) -> str | None:
 
 
 def is_library(path: str) -> bool:
-    """True for a file of JAX, Flax, Optax or cmtune (their frames are not a user's source)."""
+    """True for a file of JAX, Flax, Optax or cmtune (their frames are not a user's source): installed here,
+    or under any ``site-packages`` (a module compiled on another machine names that one's paths)."""
+    if _INSTALLED.search(path):
+        return True
     path = os.path.normcase(os.path.abspath(path)) if path and not path.startswith("<") else path
     return any(path.startswith(root) for root in _library_roots())
+
+
+_INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\](?:" + "|".join(LIBRARIES) + r")[/\\]")
 
 
 @cache

@@ -210,8 +210,6 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
 def _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision):
     """The step decision on a user's step: process 0 decides, the choice is timed again in fresh rounds, and
     its per-role overrides (each with its role's problems) are written into ``bundle``."""
-    from collective_matmul.bundle import Bundle
-
     uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
     decision = step_decision(result, uniform) if group.leader else None
     chosen = group.share({"variant": decision.variant if decision is not None and decision.ok else None})["variant"]
@@ -228,15 +226,23 @@ def _decide(group, session, result, variants, per_role, tuned, model, bundle, sa
     hardware = next(iter(sites.values())).hardware
     problems = {role: site.problems for role, site in sites.items()}
     overrides = decision.role_overrides(model, hardware, problems)
-    saved = Bundle.load(bundle) if bundle.exists() else Bundle()
-    saved.overrides = [o for o in saved.overrides if not (o.model == model and o.hardware.key == hardware.key)]
-    for override in overrides:
-        saved.add_override(override)
-    saved.save(bundle)
+    save_overrides(bundle, model, hardware, overrides)
     say(f"decision: {decision.summary}")
     say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
         + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
     return result
+
+
+def save_overrides(path: Path, model: str, hardware, overrides) -> None:
+    """Replace ``model``'s overrides on ``hardware`` in the bundle at ``path`` by ``overrides`` (a new
+    decision replaces the last one: a role it leaves alone runs its tuned configs again)."""
+    from collective_matmul.bundle import Bundle
+
+    saved = Bundle.load(path) if path.exists() else Bundle()
+    saved.overrides = [o for o in saved.overrides if not (o.model == model and o.hardware.key == hardware.key)]
+    for override in overrides:
+        saved.add_override(override)
+    saved.save(path)
 
 
 def discovered_body(step: str, name: str | None):

@@ -495,3 +495,67 @@ def test_a_lease_and_report_cycle_costs_a_fixed_handful_of_statements(api):
     for cycle in per_cycle:  # (one more where the once-a-second scan for expired leases falls)
         assert not any(s.startswith("SELECT studies.") for s in cycle) or not postgres, cycle
         assert len(cycle) <= (6 if postgres else 11), "\n".join(cycle)
+
+
+DISCOVERED_ROLE = "Model/layers/attention/qkv_projection"  # longer than the block's roles: an open label
+
+
+def discovered_body(**changes) -> dict:
+    problems = [
+        {"role": DISCOVERED_ROLE, "slot": "forward", "count": 24, "axis": "model", "source": "model.py:42",
+         "problem": PROBLEM},
+        {"role": DISCOVERED_ROLE, "slot": "grad_weight", "count": 24, "axis": "model",
+         "problem": PROBLEM | {"collective": "allgather_grad_weight"}},
+        {"role": "model.py:57", "slot": "grad_input", "count": 24, "axis": "model", "problem": PROBLEM},
+    ]
+    step = {"name": "my_gpt", "mesh": {"data": 2, "model": 8}, "problems": problems} | changes
+    return {"discovered": step, "hardware": HARDWARE, "budget": {"trials": 4}}
+
+
+def test_a_discovered_step_becomes_studies_and_a_submission_with_its_roles(api):
+    created = api.admin.post("/v1/studies", json=discovered_body())
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert {s["problem_key"] for s in body["studies"]} == {"allgather_matmul:256x64x128:float32:8",
+                                                           "allgather_grad_weight:256x64x128:float32:8"}
+    assert not any(s["kind"] == "step" for s in body["studies"])  # the service never runs a user's step
+    sub = api.reader.get(f"/v1/submissions/{body['submission_id']}").json()
+    assert sub["name"] == "my_gpt" and sub["mesh"]["axes"] == {"data": 2, "model": 8} and sub["step"] is None
+    roles = {e["problem_key"]: (e["roles"], e["count"]) for e in sub["entries"]}
+    assert roles["allgather_matmul:256x64x128:float32:8"] == ([DISCOVERED_ROLE, "model.py:57.grad_input"], 48)
+    assert roles["allgather_grad_weight:256x64x128:float32:8"] == ([f"{DISCOVERED_ROLE}.grad_weight"], 24)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"mesh": {"data": 2}}, "not in the mesh"),
+    ({"name": "bad\nname"}, "name"),
+    ({"problems": [{"role": "x" * 201, "slot": "forward", "count": 1, "problem": PROBLEM}]}, "role"),
+    ({"problems": [{"role": "r\x00", "slot": "forward", "count": 1, "problem": PROBLEM}]}, "role"),
+    ({"problems": [{"role": "r", "slot": "sideways", "count": 1, "problem": PROBLEM}]}, "slot"),
+    ({"problems": []}, "problems"),
+])
+def test_a_bad_discovered_step_is_refused_and_stores_nothing(api, changes, message):
+    response = api.admin.post("/v1/studies", json=discovered_body(**changes))
+    assert response.status_code == 422 and message in response.text
+    with api.db.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Study)).scalar() == 0
+        assert conn.execute(select(func.count()).select_from(Submission)).scalar() == 0
+
+
+def test_an_imported_decision_of_a_users_step_is_checked_against_its_problems(api):
+    from collective_matmul.models import slot_problems
+
+    problems = {slot: p.model_dump() for slot, p in slot_problems(
+        "allgather_matmul", m=256, k=64, n=128, dtype="float32", axis_size=8).items()}
+    ring = {"forward": {"method": "ring", "chunks": 2}, "grad_input": {"method": "baseline"},
+            "grad_weight": {"method": "baseline", "fuse": True}}
+    override = {"model": "my_gpt", "role": DISCOVERED_ROLE, "hardware": HARDWARE, "configs": ring,
+                "reason": "verify --decide: the tuned step was faster", "step_speedup": 1.2, "problems": problems}
+    bad = override | {"role": "model.py:57", "configs": ring | {"forward": {"method": "ring", "chunks": 64}}}
+    refused = api.admin.post("/v1/bundles", json={"overrides": [override, bad]})
+    assert refused.status_code == 422 and "chunks=64 does not divide a block of 32 rows" in refused.text
+    assert api.reader.get("/v1/overrides", params={"model": "my_gpt", **HARDWARE}).json() == []  # all or nothing
+    assert api.admin.post("/v1/bundles", json={"overrides": [override]}).status_code == 201
+    (stored,) = api.reader.get("/v1/overrides", params={"model": "my_gpt", **HARDWARE}).json()
+    assert stored["role"] == DISCOVERED_ROLE and stored["problems"]["forward"] == problems["forward"]
+    assert api.reader.get("/v1/bundles").json()["overrides"] == [stored]  # exported as imported

@@ -224,4 +224,22 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
     assert unreadable.returncode != 0 and "cannot read" in unreadable.stderr and "missing.token" in unreadable.stderr
     assert run.returncode == 0, run.stderr
     assert "step:tiny" in run.stdout and "submitted models" in run.stdout
-    assert "1.25x" in run.stdout  # the synthetic step: 1.0 s with plain autodiff, 0.8 s tuned
+    assert "1.25x" in run.stdout  # the synthetic step: 1.0 s as written, 0.8 s tuned
+
+
+def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):
+    url = f"sqlite:///{tmp_path / 'submit.sqlite'}"
+    token = admin_token(url)
+    with running_server(database_url=url) as server:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"CMTUNE_TOKEN": token, "COLUMNS": "250"}
+        run = subprocess.run([sys.executable, "-m", "cmtune", "submit", "--server", server.url, "--step",
+                              "tests/steps/linen_mlp.py:linen_step", "--name", "my_linen", "--trials", "2"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        (summary,) = admin.get("/v1/submissions").json()
+        sub = admin.get(f"/v1/submissions/{summary['id']}").json()
+    assert sub["name"] == "my_linen" and sub["hardware_key"] == "cpu:cpu:4:1"  # one ring of the data x model mesh
+    roles = {role for entry in sub["entries"] for role in entry["roles"]}
+    assert {"Model/layer0/up", "Model/layer1/down.grad_input", "Model/layer0/up.grad_weight"} <= roles
+    assert len(sub["entries"]) == 3 and "study" in run.stdout and "submission" in run.stdout

@@ -1,0 +1,143 @@
+"""Discovery on real compiled steps: the reference block written in GSPMD style, linen, NNX and plain JAX.
+
+Each step is lowered and compiled for 8 virtual CPU devices (never run); the problems found must be the
+ones the layout implies, and the drop-in must label its calls as discovery labels the projections.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from collective_matmul import AS_WRITTEN, MeshSpec, TransformerBlock, Tuned, discover, model_problems
+from collective_matmul.block import activation_sharding, apply, init_params
+from collective_matmul.roles import agree, label, scopes
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+BLOCK = TransformerBlock(name="t", d_model=64, d_ff=128, heads=8, head_dim=8, seq_len=64, global_batch=4,
+                         dtype="float32", layers=3)
+
+
+def block_step(mesh, batch_axis):
+    """The reference block written as a user would in GSPMD style, three layers in a scan, SGD."""
+    params = init_params(jax.random.key(0), BLOCK, mesh, axis="model")
+    stacked = jax.tree.map(lambda p: jnp.stack([p] * BLOCK.layers), params)
+    stacked = jax.tree.map(lambda p, q: jax.device_put(p, NamedSharding(mesh, P(None, *q.sharding.spec))),
+                           stacked, params)
+    x = jax.ShapeDtypeStruct((BLOCK.global_batch, BLOCK.seq_len, BLOCK.d_model), jnp.float32,
+                             sharding=activation_sharding(mesh, axis="model", batch_axis=batch_axis))
+    layer = partial(apply, block=BLOCK, mesh=mesh, axis="model", source=AS_WRITTEN, batch_axis=batch_axis)
+
+    def loss(params, x):
+        y, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, params)
+        return jnp.mean(y**2)
+
+    def step(params, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    return jax.jit(step), (stacked, x)
+
+
+@pytest.mark.parametrize("shape, names, types, spec, batch_axis", [
+    ((2, 4), ("data", "model"), AxisType.Auto, "data=2,model=4", "data"),
+    ((8,), ("model",), AxisType.Explicit, "model=8", None),
+])
+def test_the_block_as_written_yields_the_problems_of_its_preset(shape, names, types, spec, batch_axis):
+    mesh = jax.make_mesh(shape, names, axis_types=(types,) * len(names))
+    step, args = block_step(mesh, batch_axis)
+    found = discover(step, args, mesh)
+    want = model_problems(BLOCK, MeshSpec.parse(spec))
+    assert {p.problem.key for p in found.problems} == {mp.problem.key for mp in want}
+    per_role = {(p.role, p.slot): (p.problem.key, p.count, p.axis) for p in found.problems}
+    assert {role for role, _ in per_role} == {"qkv", "attn_out", "mlp_up", "mlp_down"}
+    for mp in want:  # each role and slot of the preset, once per layer (the scan's trip count)
+        for role_slot in mp.roles:
+            role, _, slot = role_slot.partition(".")
+            assert per_role[(role, slot or "forward")] == (mp.problem.key, BLOCK.layers, "model")
+    assert not found.skipped and not found.warnings
+
+
+def test_linen_roles_are_module_paths_and_the_drop_in_agrees():
+    from tests.steps.linen_mlp import linen_step
+
+    step, args, mesh = linen_step(None)
+    found = discover(step, args, mesh)
+    discovered = {p.role: p.problem.key for p in found.problems if p.slot == "forward"}
+    assert discovered == {"Model/layer0/up": "allgather_matmul:128x64x128:float32:4",
+                          "Model/layer0/down": "matmul_reduce_scatter:128x128x64:float32:4",
+                          "Model/layer1/up": "allgather_matmul:128x64x128:float32:4",
+                          "Model/layer1/down": "matmul_reduce_scatter:128x128x64:float32:4"}
+    tuned = Tuned()
+    tuned_step, tuned_args, _ = linen_step(tuned)
+    tuned_step.lower(*tuned_args)
+    sites = tuned.report()
+    assert len(sites) == 4 and not sites.fell_back
+    for site in sites:  # each call the drop-in ran is a discovered projection, with the same problem
+        (match,) = [role for role in discovered if agree(site.role, role)]
+        assert discovered[match] == site.problems["forward"].key
+
+
+def test_nnx_roles_are_source_locations_and_the_drop_in_agrees():
+    import flax_nnx_gpt
+
+    step, args, mesh = flax_nnx_gpt.tiny_gpt_step(None)
+    found = discover(step, args, mesh)
+    forward = {p.role: p.problem.key for p in found.problems if p.slot == "forward"}
+    assert len(forward) == 4 and all(role.startswith("flax_nnx_gpt.py:") for role in forward)
+    assert {p.count for p in found.problems} == {flax_nnx_gpt.TINY.layers}  # one call site, every layer
+    assert {p.slot for p in found.problems} == {"forward", "grad_input", "grad_weight"}
+    tuned = Tuned()
+    tuned_step, tuned_args, _ = flax_nnx_gpt.tiny_gpt_step(tuned)
+    tuned_step.lower(*tuned_args)
+    assert {s.role: s.problems["forward"].key for s in tuned.report()} == forward
+
+
+@pytest.mark.parametrize("name", ["mlp_step", "explicit_mlp_step", "abstract_mlp_step"])
+def test_plain_jax_under_named_scopes_on_either_axis_type_and_from_abstract_arguments(name):
+    from tests.steps import gspmd_mlp
+
+    step, args, mesh = getattr(gspmd_mlp, name)(None)
+    found = discover(step, args, mesh)
+    assert {(p.role, p.slot, p.problem.key) for p in found.problems} == {
+        ("mlp_up", "forward", "allgather_matmul:128x64x128:float32:4"),
+        ("mlp_up", "grad_weight", "allgather_grad_weight:128x64x128:float32:4"),  # x is not differentiated
+        ("mlp_down", "forward", "matmul_reduce_scatter:128x128x64:float32:4"),
+        ("mlp_down", "grad_input", "allgather_matmul:128x64x128:float32:4"),
+        ("mlp_down", "grad_weight", "allgather_grad_weight:128x64x128:float32:4"),
+    }
+
+
+def test_small_weights_gathered_by_xla_are_skipped_with_the_reason():
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((2, 64, 32), jnp.float32, sharding=NamedSharding(mesh, P(None, "model", None)))
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, "model")))
+
+    def step(x, w):  # the output wanted on the rows: XLA gathers the small weight, not the activation
+        with jax.named_scope("proj"):
+            return jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P(None, "model", None)))
+
+    found = discover(step, (x, w), mesh)
+    assert not found.problems
+    (skipped,) = found.skipped
+    assert skipped.role == "proj" and "gathers the weight" in skipped.reason
+
+
+def test_the_labelling_rule():
+    assert scopes("jit(step)/transpose(jvp(Model))/jvp(Model)/checkpoint/rematted_computation/layers/up") == [
+        "Model", "layers", "up"]
+    assert scopes("jit(step)/jvp(mlp_up)/bsd,df->bsf") == ["mlp_up"]
+    assert scopes("jit(step)/jvp()/while/body/closed_call/jit(helper)/attn/qkv") == ["attn", "qkv"]
+    assert label("", [("/site-packages/flax/nnx/nn/linear.py", 287), ("/work/model.py", 42)]) == "model.py:42"
+    assert label("", []) == "unlabelled"
+    assert len(label("a" * 500)) == 200
+    assert agree("layers/up", "Model/layers/up") and not agree("ayers/up", "Model/layers/up")
+    assert not agree("model.py:42", "other.py:42")
