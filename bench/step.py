@@ -2,6 +2,13 @@
 
     python bench/step.py                                   # 3 block sizes, processes:2 and virtual:8 (~1 h)
     python bench/step.py --sizes demo --devices processes:2 --repeats 9
+    python bench/step.py --example --devices processes:2x4 --runs 2   # the NNX GPT example, as a user runs it
+
+``--example`` takes `examples/flax_nnx_gpt.py:gpt_step` (the demo's size) through the commands a
+user runs: ``cmtune tune --step``, ``cmtune verify --step --decide`` (the step decision writes its
+overrides into the bundle), then ``--runs`` fresh ``cmtune verify --step`` runs: the step as written
+(GSPMD) against the drop-in with the tuned configs and overrides, and against the drop-in at the
+baseline, interleaved round by round.  See `example_main`.
 
 For every block size and device layout:
 
@@ -12,8 +19,8 @@ For every block size and device layout:
    whole-step alternatives and the per-role ablation) and `step_decision` picks what runs; its
    overrides go into the bundle, as the service stores them.
 3. A fresh confirmation in the same session, interleaved round-robin (slowest process per run),
-   so the decision's own samples never grade it: ``autodiff`` (the baseline ops under plain
-   autodiff: what a user has without cmtune; the reference), ``baseline`` (the custom VJP,
+   so the decision's own samples never grade it: ``as-written`` (the block as a user writes it
+   without cmtune: GSPMD einsums, JAX's autodiff; the reference), ``baseline`` (the custom VJP,
    every role at the baseline), ``tuned`` (what cmtune runs: the op-tuned configs and the step
    decision's overrides), ``op-tuned`` (the per-problem winners alone), ``costmodel`` (each
    problem's cost-model favourite, no tuning) and ``always-ring`` (one fixed ring for every
@@ -22,7 +29,7 @@ For every block size and device layout:
 4. The op-level estimate (the op-tuned configs' time saved per layer, summed from the bundle's
    confirmation rounds) against the step as measured (all-baseline minus op-tuned).
 
-Prints one markdown table (speedups: median of the paired per-round ratios to plain autodiff,
+Prints one markdown table (speedups: median of the paired per-round ratios to the step as written,
 IQR in brackets) for docs/benchmarks.md.
 """
 
@@ -45,7 +52,7 @@ SIZES = {
     "demo": dict(d_model=1024, d_ff=2048, heads=8, head_dim=16, seq_len=512, global_batch=4),
     "large": dict(d_model=1536, d_ff=3072, heads=8, head_dim=32, seq_len=512, global_batch=4),
 }
-VARIANTS = ("autodiff", "baseline", "tuned", "op-tuned", "costmodel", "always-ring")
+VARIANTS = ("as-written", "baseline", "tuned", "op-tuned", "costmodel", "always-ring")
 
 
 def block_file(name: str, directory: Path) -> Path:
@@ -102,7 +109,7 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
     decided = session.measure(standard_variants(op_tuned))
     decision = step_decision(decided, op_tuned)
     variants = {
-        "autodiff": AS_WRITTEN,
+        "as-written": AS_WRITTEN,
         "baseline": FixedConfigs(),
         "tuned": FixedConfigs(op_tuned | decision.overrides),
         "op-tuned": FixedConfigs(op_tuned),
@@ -136,10 +143,61 @@ def estimate_saved(block: Path, bundle: Path) -> float:
 
 
 def speedup(result, name: str) -> str:
-    q = result.paired(name, "autodiff")
+    q = result.paired(name, result.reference)
     if q is None:
         return f"{result.variant(name).status}"
     return f"{1 / q[1]:.2f}x ({1 / q[2]:.2f}-{1 / q[0]:.2f})"
+
+
+EXAMPLE = "examples/flax_nnx_gpt.py:gpt_step"
+
+
+def cmtune(*args: str) -> tuple[str, float]:
+    """Run a ``cmtune`` command; its output and seconds."""
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "cmtune", *args], cwd=ROOT, capture_output=True, text=True,
+                         env=os.environ | {"COLUMNS": "250"})
+    if run.returncode != 0:
+        raise RuntimeError(f"cmtune {' '.join(args)} failed:\n{run.stdout[-4000:]}\n{run.stderr[-3000:]}")
+    return run.stdout, time.monotonic() - started
+
+
+def example_main(args) -> None:
+    """The NNX GPT example through the user's commands: tune, verify --decide, then fresh verify runs.
+
+    Prints one markdown row per fresh run: the step as written (its median), the drop-in at the
+    baseline and with the tuned configs (speedups: median of the paired per-round ratios to the
+    step as written, IQR in brackets), each variant's compile seconds, and the decision.
+    """
+    from collective_matmul.wire import StepMeasurement
+
+    devices = args.devices[0] if args.devices != ["processes:2", "virtual:8"] else "processes:2x4"
+    directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-example-"))
+    bundle = directory / "tuned.json"
+    _, tune_s = cmtune("tune", "--step", EXAMPLE, "--devices", devices, "--trials", str(args.trials),
+                       "--repeats", "5", "--out", str(bundle))
+    decided = directory / "decided.json"
+    out, decide_s = cmtune("verify", "--step", EXAMPLE, "--devices", devices, "--bundle", str(bundle), "--decide",
+                           "--repeats", str(args.repeats), "--json", str(decided))
+    decision = next((line for line in out.splitlines() if line.startswith("decision:")), "decision: -")
+    rows = []
+    for run in range(args.runs):
+        fresh = directory / f"fresh-{run}.json"
+        _, verify_s = cmtune("verify", "--step", EXAMPLE, "--devices", devices, "--bundle", str(bundle),
+                             "--repeats", str(args.repeats), "--json", str(fresh))
+        result = StepMeasurement.model_validate_json(fresh.read_text())
+        compiles = " / ".join(f"{v.compile_s:.1f}" for v in result.variants)
+        rows.append(f"| {run + 1} | {devices} | {result.variant('as-written').timing.median_s * 1e3:.0f} ms "
+                    f"| {speedup(result, 'baseline')} | {speedup(result, 'tuned')} | {compiles} | {verify_s:.0f} s |")
+        print(rows[-1], flush=True)
+    print(f"\n{os.cpu_count()} CPUs, {EXAMPLE} (d_model 1024, d_ff 2048, 8 heads of 128, 2 layers, seq 512, batch 4, "
+          f"float32, AdamW), {args.repeats} interleaved rounds per variant; tuning: {args.trials} trials per problem "
+          f"({tune_s:.0f} s), decision {decide_s:.0f} s\n")
+    print("| run | devices | as written (GSPMD) | drop-in, baseline | drop-in, tuned "
+          "| compile s (as written / baseline / tuned) | verify |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\n{decision}\nbundle and step records: {directory}")
 
 
 def main() -> None:
@@ -148,12 +206,16 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["processes:2", "virtual:8"])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9, help="rounds of the step variants")
+    parser.add_argument("--example", action="store_true", help="the NNX GPT example instead of the blocks")
+    parser.add_argument("--runs", type=int, default=2, help="with --example: fresh verify runs after the decision")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
         return step_main(args.step, args.bundle, args.repeats, args.json)
+    if args.example:
+        return example_main(args)
     from collective_matmul.wire import StepMeasurement
 
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-step-"))
@@ -174,7 +236,7 @@ def main() -> None:
                                   for v in VARIANTS)
             rows.append(
                 f"| {name} ({SIZES[name]['d_model']}/{SIZES[name]['d_ff']}) | {devices} "
-                f"| {result.variant('autodiff').timing.median_s * 1e3:.0f} ms | {record['decision']} "
+                f"| {result.variant('as-written').timing.median_s * 1e3:.0f} ms | {record['decision']} "
                 + "".join(f"| {speedup(result, v)} " for v in VARIANTS[1:])
                 + f"| {estimate_saved(block, bundle) * 1e3:.0f} ms | "
                 + (f"{measured * 1e3:.0f} ms" if measured is not None else "-")
@@ -183,7 +245,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     print(f"\n{os.cpu_count()} CPUs, {args.repeats} interleaved rounds per variant, float32, seq 512, batch 4, "
           f"data=1,model=8; tuning: {args.trials} trials per problem\n")
-    print("| block (d_model/d_ff) | devices | plain autodiff | step decision | all-baseline custom VJP | tuned "
+    print("| block (d_model/d_ff) | devices | as written (GSPMD) | step decision | all-baseline custom VJP | tuned "
           "| op-tuned | cost model | always ring | saved/layer estimated | saved/layer measured (op-tuned) "
           "| compile s (each variant) | tune + step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

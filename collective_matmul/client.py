@@ -161,13 +161,19 @@ class Tuned:
         client = cls()
         client.name = name
         client._pins = {}
+        client.pin(pins)
+        return client
+
+    def pin(self, pins: Mapping[str, Mapping]) -> None:
+        """Add what another process resolved to this `pinned` client (before its step is traced)."""
+        if self._pins is None:
+            raise ValueError("pin() is for a client made with Tuned.pinned(), which looks nothing up itself")
         for key, entry in pins.items():
             role, _, forward = key.partition("|")
             configs = OpConfigs.model_validate(entry["configs"])
             found = {slot: Lookup(getattr(configs, slot), match, "process 0")
                      for slot, match in entry.get("match", {}).items()}
-            client._pins[(role, forward)] = (configs, found)
-        return client
+            self._pins[(role, forward)] = (configs, found)
 
     def pins(self) -> dict[str, dict]:
         """What this client's calls resolved, for `pinned` (JSON-able, keyed ``role|forward problem``)."""

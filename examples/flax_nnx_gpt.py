@@ -3,7 +3,7 @@
     cmtune problems --step examples/flax_nnx_gpt.py:gpt_step --devices processes:2x4
     cmtune tune     --step examples/flax_nnx_gpt.py:gpt_step --devices processes:2x4 --out tuned.json
     cmtune verify   --step examples/flax_nnx_gpt.py:gpt_step --devices processes:2x4 --bundle tuned.json --decide
-    python examples/flax_nnx_gpt.py --bundle tuned.json --steps 10      # train with the tuned configs
+    python examples/flax_nnx_gpt.py --bundle tuned.json --steps 10      # train with them (2 processes x 4 devices)
 
 The model as a user writes it: token embedding, blocks of causal self-attention and an MLP with
 RMSNorm and residuals, tied output embedding, AdamW.  The layout is Megatron's with sequence
@@ -154,24 +154,36 @@ def tiny_gpt_step(tuned=None):
 
 
 def main() -> None:
+    import os
+    import sys
+
+    from cmtune.tuner.cluster import DeviceSpec, configure, launch
     from collective_matmul import Tuned
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", help="tuned configs from a bundle file")
     parser.add_argument("--server", help="tuned configs from a cmtune service at this URL")
-    parser.add_argument("--token", help="a reader token for --server")
     parser.add_argument("--model-name", default="gpt_step", help="the name the step was verified under (overrides)")
-    parser.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    parser.add_argument("--devices", default="processes:2x4",
+                        help="virtual:N, or processes:PxD (the devices the configs were tuned on)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="the test size")
     args = parser.parse_args()
-    jax.config.update("jax_num_cpu_devices", args.devices)
-    tuned = Tuned(args.server, token=args.token, bundle=args.bundle, model=args.model_name)
+    devices = DeviceSpec.parse(args.devices)
+    if devices.needs_group:  # run this script as a group of processes on loopback, as cmtune's commands do
+        launch(devices.count, sys.argv, local_devices=devices.local or 4, timeout_s=3600, echo_first=True)
+        return
+    configure(devices)
+    # a reader token for --server from CMTUNE_TOKEN: never on the command line
+    tuned = Tuned(args.server, token=os.environ.get("CMTUNE_TOKEN"), bundle=args.bundle, model=args.model_name)
     step, (state, tokens, targets), _ = (tiny_gpt_step if args.tiny else gpt_step)(tuned)
+    leader = jax.process_index() == 0
     for i in range(args.steps):
         state, loss = step(state, tokens, targets)
-        print(f"step {i}: loss {float(loss):.4f}")
-    print(tuned.report())
+        if leader:
+            print(f"step {i}: loss {float(loss):.4f}", flush=True)
+    if leader:
+        print(tuned.report(), flush=True)
 
 
 if __name__ == "__main__":

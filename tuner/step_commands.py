@@ -159,22 +159,26 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
                                   protocol=Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout))
     except SpecError as exc:
         raise typer.BadParameter(str(exc), param_hint="--step") from None
+    # process 0 looks the configs up while it traces the tuned step; the others replay what it resolved.
+    # Every process calls NAME in the same order (NAME may run SPMD computations of its own).
+    tuned = Tuned(server, token=token, bundle=bundle, model=model) if group.leader else Tuned.pinned({})
+    try:
+        traced = Built.of(fn, tuned, spec=str(ref))
+    except SpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--step") from None
     message = None
-    if group.leader:  # process 0 looks the configs up; the others run what it resolved
-        tuned = Tuned(server, token=token, bundle=bundle, model=model)
-        try:
-            Built.of(fn, tuned, spec=str(ref)).step.trace(*reference.args)
-        except SpecError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--step") from None
+    if group.leader:
+        traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
         sites = tuned.report()
         message = {"pins": tuned.pins(),
                    "per_role": {r: [c.model_dump(mode="json") for c in cs] for r, cs in tuned.per_role().items()},
                    "axis": next((s.axis for s in sites.applied), None)}
         console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
                                                f"applied, {len(sites.fell_back)} fell back)"))
+    del traced
     message = group.share(message)
     if not group.leader:
-        tuned = Tuned.pinned(message["pins"])
+        tuned.pin(message["pins"])
     per_role = {role: [OpConfigs.model_validate(c) for c in configs] for role, configs in message["per_role"].items()}
     if not per_role:
         say(f"[red]{ref}: no call of the step went through the drop-in: give the Flax layers "

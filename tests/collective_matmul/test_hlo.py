@@ -1,4 +1,5 @@
 """The HLO reader and the scan of a module's text: the forms accelerator backends print, without compiling."""
+# ruff: noqa: E501 -- the module texts are printed as XLA prints them, one instruction per line
 
 from __future__ import annotations
 
