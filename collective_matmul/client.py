@@ -42,6 +42,11 @@ MAX_SITES = 4096  # call sites recorded per client (a bounded in-process record)
 Edit = Callable[[str, OpConfigs], OpConfigs]
 
 
+class VariantError(ValueError):
+    """A step variant's edit gave a call a config its problem rejects: the variant is not the program
+    its name says, so it fails (it never falls back to ``lax.dot_general``)."""
+
+
 @dataclass(frozen=True)
 class Lookup:
     """The answer to one look-up: the config, and where it came from."""
@@ -169,7 +174,7 @@ class Tuned:
         if self._pins is None:
             raise ValueError("pin() is for a client made with Tuned.pinned(), which looks nothing up itself")
         for key, entry in pins.items():
-            role, _, forward = key.partition("|")
+            role, _, forward = key.rpartition("|")  # a problem key has no "|"; a role may
             configs = OpConfigs.model_validate(entry["configs"])
             found = {slot: Lookup(getattr(configs, slot), match, "process 0")
                      for slot, match in entry.get("match", {}).items()}
@@ -409,7 +414,8 @@ class Tuned:
                 chosen = getattr(after, slot)
                 if chosen != getattr(before, slot):
                     if not problems[slot].accepts(chosen):
-                        raise ValueError(f"{self.name}: {slot} {chosen.id} does not fit {problems[slot].key}")
+                        raise VariantError(f"variant {self.name}: {role} {slot} {chosen.id} does not fit "
+                                           f"{problems[slot].key}")
                     found[slot] = Lookup(chosen, "fixed", "variant")
         site.found = found
         if role is not None:

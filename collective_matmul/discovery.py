@@ -8,9 +8,10 @@ will do), takes the module as XLA's SPMD partitioner left it, and `scan` finds i
 - a dot whose product is reduce-scattered on its rows, or all-reduced and then dynamically sliced
   (what the partitioner emits before a later pass fuses them): a ``matmul_reduce_scatter``
   (row-parallel projection);
-- in the backward, the dots of the same role: an input gradient (the dual collective) and a weight
-  gradient (the dot fed by a gathered operand that contracts the rows).  Their problems come from
-  the one rule of `collective_matmul.models.slot_problems`, applied to the forward call.
+- in the backward, the dots of the same role: its input gradient (a dot with the forward's weight
+  as an operand) and its weight gradient (a dot of two activations, contracting the rows, whose
+  result has the weight's shape).  Their problems come from the one rule of
+  `collective_matmul.models.slot_problems`, applied to the forward call.
 
 Each problem gets its slot, its role (`collective_matmul.roles`) and how often it runs per step
 (a ``scan`` over layers counts its trip count; remat's recomputation is not counted again).
@@ -40,7 +41,7 @@ from collective_matmul.roles import is_library, label
 from collective_matmul.wire import StepProblem
 
 # Ops a value passes through unchanged on its way between a collective and a dot.
-_THROUGH = ("copy", "convert", "bitcast", "reshape", "transpose", "optimization-barrier")
+_THROUGH = ("copy", "convert", "bitcast", "reshape", "transpose")
 
 
 class SkippedCollective(BaseModel):
@@ -63,14 +64,6 @@ class Discovery(BaseModel):
     skipped: list[SkippedCollective] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     mesh: dict[str, int] = Field(default_factory=dict)
-
-    @property
-    def unique(self) -> list[Problem]:
-        """The distinct problems, in order of first occurrence."""
-        return list({p.problem.key: p.problem for p in self.problems}.values())
-
-    def roles(self) -> list[str]:
-        return list(dict.fromkeys(p.role for p in self.problems))
 
 
 # ---- the scan (module text in, problems out: no JAX) ---------------------------------------
@@ -154,9 +147,11 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
     if "rematted_computation" in op_name:  # remat's recomputation of a forward counted already
         return
     if "transpose(" in op_name:  # the backward: which gradients this role's calls compute
-        weight_dims = sorted(dot.shape.dims)
-        slot = "grad_weight" if any(sorted(w) == weight_dims for w in tally.weights.get(role, ())) else "grad_input"
-        tally.backward.setdefault(role, set()).add(slot)
+        weights = tally.weights.get(role, ())
+        if any(operand.shape.dims in weights for operand in (lhs, rhs)):
+            tally.backward.setdefault(role, set()).add("grad_input")  # dy times the weight
+        elif any(sorted(dot.shape.dims) == sorted(w) for w in weights):
+            tally.backward.setdefault(role, set()).add("grad_weight")  # activations contracted to its shape
         return
     gathered_lhs, gathered_rhs = _gathered(module, comp, lhs), _gathered(module, comp, rhs)
     scattered = _scattered(module, comp, dot)
@@ -182,7 +177,13 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
         return
     tally.weights.setdefault(role, []).append(rhs.shape.dims)
     dtype = lhs.shape.dtype_name
-    if gathered_rhs and not gathered_lhs:
+    if gathered_lhs and gathered_rhs:
+        skip(f"{gathered_lhs.collective.opcode} {gathered_lhs.collective.name}, {gathered_rhs.collective.opcode} "
+             f"{gathered_rhs.collective.name} -> {dot.name}",
+             "both operands are gathered (the weight too: FSDP with sequence parallelism): not the layout of "
+             "cmtune's ops, whose weight stays sharded")
+        return
+    if gathered_rhs:
         where = "contracting" if gathered_rhs.dim in rhs_c else "output"
         skip(f"{gathered_rhs.collective.opcode} {gathered_rhs.collective.name} -> {dot.name}",
              f"XLA gathers the weight (on its {where} dimension) over a ring of {gathered_rhs.ring}: FSDP, or a "
@@ -353,8 +354,9 @@ def _axis_groups(mesh: Mapping[str, int]) -> dict[str, set[frozenset[int]]]:
 # ---- lowering a step (JAX) ------------------------------------------------------------------
 
 
-def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None) -> str:
-    """The text of ``step``'s module after SPMD partitioning, compiled for ``args`` (never run).
+def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None) -> tuple[str, str | None]:
+    """The text of ``step``'s module after SPMD partitioning, compiled for ``args`` (never run), and a
+    note when only the optimized module could be had.
 
     ``step`` is jitted if it is not already; ``args`` may be arrays or `jax.ShapeDtypeStruct`s
     with shardings.
@@ -369,8 +371,11 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None) -
         dumps = sorted(f for f in os.listdir(directory) if "after_spmd-partitioning" in f and f.endswith(".txt"))
         if dumps:
             with open(os.path.join(directory, dumps[-1])) as handle:
-                return handle.read()
-    return compiled.as_text()  # no partitioner ran (one device): the optimized module
+                return handle.read(), None
+    # no partitioned module was written: one device (nothing to partition), or a compile served from JAX's
+    # persistent cache; the optimized module holds the same collectives, fused
+    return compiled.as_text(), ("XLA wrote no partitioned module (one device, or a compile from the persistent "
+                                "compilation cache): the optimized module was read instead")
 
 
 def discover(step, args: Sequence, mesh=None, *, kwargs: Mapping | None = None) -> Discovery:
@@ -385,6 +390,9 @@ def discover(step, args: Sequence, mesh=None, *, kwargs: Mapping | None = None) 
     Returns:
         A `Discovery`: problems with slot, role and runs per step; skipped collectives and why.
     """
-    text = partitioned_module(step, args, kwargs=kwargs)
+    text, note = partitioned_module(step, args, kwargs=kwargs)
     shape = {str(name): int(size) for name, size in mesh.shape.items()} if mesh is not None else None
-    return scan(text, shape)
+    found = scan(text, shape)
+    if note:
+        found.warnings.append(note)
+    return found

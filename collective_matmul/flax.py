@@ -60,7 +60,7 @@ class DotGeneral:
             raise ValueError("give the projection's kind ('column' or 'row') or its kernel_axes (one of them)")
         if kind is not None and kind not in KINDS:
             raise ValueError(f"kind must be 'column' (all-gather -> matmul) or 'row' (matmul -> reduce-scatter), "
-                             f"got {kind!r}")
+                             f"or the collective's name (allgather_matmul, matmul_reduce_scatter), got {kind!r}")
         self.source, self.mesh, self.axis = source, mesh, axis
         self.kind = KINDS[kind] if kind is not None else None
         self.kernel_axes = tuple(kernel_axes) if kernel_axes is not None else None
@@ -74,14 +74,13 @@ class DotGeneral:
                                                  kwargs)
             batch_axis = self._batch_axis(x)
             check_call(collective, x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis)
-            configs = self.source.configs(role, collective, x, w, mesh=self.mesh, axis=self.axis,
-                                          batch_axis=batch_axis, source=where, via="dot_general")
-        except _Unfit as exc:
+        except ValueError as exc:  # _Unfit, or shapes that do not divide over the ring
             return self._plain(role, where, str(exc), lhs, rhs, dimension_numbers, precision,
                                preferred_element_type, kwargs)
-        except ValueError as exc:  # the shapes do not divide over the ring, or a config does not fit
-            return self._plain(role, where, str(exc), lhs, rhs, dimension_numbers, precision,
-                               preferred_element_type, kwargs)
+        # a served config that does not fit is skipped inside `configs`; a step variant whose edit does
+        # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
+        configs = self.source.configs(role, collective, x, w, mesh=self.mesh, axis=self.axis,
+                                      batch_axis=batch_axis, source=where, via="dot_general")
         op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
         y = op(x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis, config=configs.forward,
                grad_input=configs.grad_input, grad_weight=configs.grad_weight)
@@ -155,7 +154,7 @@ class DotGeneral:
         return f"collective_matmul.flax.DotGeneral({what}, axis={self.axis!r})"
 
 
-class _Unfit(Exception):
+class _Unfit(ValueError):
     """A call that does not fit the decomposed ops' layout (it runs ``lax.dot_general``)."""
 
 

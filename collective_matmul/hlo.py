@@ -146,9 +146,6 @@ class Module:
             out.append(frame)
         return out
 
-    def instruction(self, computation: str, name: str) -> Instruction | None:
-        return self.computations[computation].instructions.get(name)
-
     @cached_property
     def executions(self) -> dict[str, tuple[int, bool]]:
         """How often each computation runs per execution of the module, and whether that is exact
@@ -165,9 +162,11 @@ class Module:
                     trips = self.trip_count(inst)
                     body = inst.attribute("body")
                     if body:
-                        visit(body, times * (trips or 1), exact and trips is not None, depth + 1)
+                        visit(body, times * (1 if trips is None else trips), exact and trips is not None, depth + 1)
                     continue
                 called = re.findall(r"(?:calls|true_computation|false_computation)=%?([\w.\-]+)", inst.attributes)
+                if inst.opcode == "call":  # a call names its computation to_apply (a reducer's field elsewhere)
+                    called += re.findall(r"to_apply=%?([\w.\-]+)", inst.attributes)
                 branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attributes)
                 for target in called:
                     visit(target, times, exact and inst.opcode != "conditional", depth + 1)

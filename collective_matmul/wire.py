@@ -433,6 +433,8 @@ class StudyCreate(BaseModel):
             raise ValueError("give one of 'problem', 'model' (with 'mesh') or 'discovered'")
         if self.model is not None and self.mesh is None:
             raise ValueError("'model' needs 'mesh', e.g. {\"axes\": {\"data\": 1, \"model\": 8}}")
+        if self.discovered is not None and self.mesh is not None:
+            raise ValueError("'discovered' carries its own mesh: leave out 'mesh'")
         return self
 
 

@@ -239,10 +239,13 @@ class Group:
     """Messages from process 0 to the others of a `jax.distributed` group (no-op alone).
 
     Every process must call `send` (process 0) or `receive` (the others) together: a broadcast
-    is a collective.
+    is a collective.  A message goes in two broadcasts, its length and then its bytes (in a
+    buffer rounded up to a power of two, so few buffer shapes are ever compiled); one over
+    `MAX_BYTES` raises `ValueError` on every process, none left waiting.
     """
 
-    MAX_BYTES = 1 << 16
+    MAX_BYTES = 1 << 26
+    MIN_BUFFER = 1 << 12
 
     def __init__(self):
         import jax
@@ -268,11 +271,12 @@ class Group:
         import numpy as np
         from jax.experimental import multihost_utils
 
-        if len(payload) > self.MAX_BYTES:
-            raise ValueError(f"message of {len(payload)} bytes is over {self.MAX_BYTES}")
-        buffer = np.zeros(self.MAX_BYTES + 4, np.uint8)
-        buffer[:4] = np.frombuffer(np.uint32(len(payload)).tobytes(), np.uint8)
-        buffer[4 : 4 + len(payload)] = np.frombuffer(payload, np.uint8)
+        length = np.array([len(payload) if len(payload) <= self.MAX_BYTES else -1], np.int32)
+        length = int(np.asarray(multihost_utils.broadcast_one_to_all(length))[0])
+        if length < 0:
+            raise ValueError(f"a message from process 0 is over {self.MAX_BYTES} bytes")
+        size = max(self.MIN_BUFFER, 1 << max(length - 1, 0).bit_length())
+        buffer = np.zeros(size, np.uint8)
+        buffer[:len(payload)] = np.frombuffer(payload, np.uint8)
         out = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-        length = int(np.frombuffer(out[:4].tobytes(), np.uint32)[0])
-        return out[4 : 4 + length].tobytes()
+        return out[:length].tobytes()

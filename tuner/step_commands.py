@@ -213,9 +213,14 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
 
 def _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision):
     """The step decision on a user's step: process 0 decides, the choice is timed again in fresh rounds, and
-    its per-role overrides (each with its role's problems) are written into ``bundle``."""
-    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
-    decision = step_decision(result, uniform) if group.leader else None
+    its per-role overrides (each with its role's problems) are written into ``bundle``.
+
+    Each role's configs are those of its first call, as the variants record them.  A role seen with
+    several problems gets an override only where its configs fit every one of them (the baseline,
+    the fixed ring): one override serves all of the role's calls.
+    """
+    first = {role: configs[0] for role, configs in per_role.items()}
+    decision = step_decision(result, first) if group.leader else None
     chosen = group.share({"variant": decision.variant if decision is not None and decision.ok else None})["variant"]
     if chosen is None:
         say(f"[red]no decision: {decision.summary if decision is not None else ''}[/red]")
@@ -225,15 +230,25 @@ def _decide(group, session, result, variants, per_role, tuned, model, bundle, sa
     result = result.model_copy(update={"confirmation": again.variants})
     if not group.leader:
         return result
-    decision = step_decision(result, uniform)
-    sites = {site.role: site for site in tuned.report().applied}
-    hardware = next(iter(sites.values())).hardware
-    problems = {role: site.problems for role, site in sites.items()}
-    overrides = decision.role_overrides(model, hardware, problems)
+    decision = step_decision(result, first)
+    sites: dict[str, list] = {}
+    for site in tuned.report().applied:
+        sites.setdefault(site.role, []).append(site)
+    hardware = next(iter(sites.values()))[0].hardware
+    overrides, dropped = [], []
+    for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()}):
+        calls = sites.get(override.role, [])
+        if all(p.accepts(getattr(override.configs, slot)) for site in calls for slot, p in site.problems.items()):
+            overrides.append(override)
+        else:
+            dropped.append(override.role)
     save_overrides(bundle, model, hardware, overrides)
     say(f"decision: {decision.summary}")
     say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
         + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
+    if dropped:
+        say(f"[yellow]not written (the decided configs do not fit every problem of the role): "
+            f"{', '.join(dropped)}[/yellow]")
     return result
 
 

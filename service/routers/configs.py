@@ -88,10 +88,11 @@ def import_bundle(bundle: Bundle, state: StateDep, _: AdminDep) -> dict:
     with state.store.write() as tx:
         for config in bundle.configs:
             tx.save_tuned(config, study_id=None)
-        groups: dict[tuple[str, str], list] = {}
-        for override in bundle.overrides:
-            groups.setdefault((override.model, override.hardware.key), []).append(override)
+        groups: dict[tuple[str, str], dict] = {}
+        for override in bundle.overrides:  # the same (model, role, hardware) twice: the last one counts
+            groups.setdefault((override.model, override.hardware.key), {})[override.role] = override
         for group in groups.values():
-            tx.save_overrides(group[0].model, group[0].hardware, group)
+            first = next(iter(group.values()))
+            tx.save_overrides(first.model, first.hardware, list(group.values()))
     state.cache.clear()
     return {"imported": len(bundle.configs), "overrides": len(bundle.overrides)}

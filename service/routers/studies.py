@@ -25,6 +25,7 @@ from collective_matmul.wire import (
 )
 
 router = APIRouter(prefix="/v1/studies", tags=["studies"], responses=responses(401, 403, 413, 503))
+MAX_COUNT = (1 << 31) - 1  # runs per step of one problem (an integer column)
 
 
 def _model(body: StudyCreate) -> TransformerBlock:
@@ -50,6 +51,8 @@ def _discovered(body: StudyCreate) -> tuple[MeshSpec, list[tuple]]:
         entry = targets.setdefault(p.problem.key, [p.problem, [], 0])
         entry[1].append(p.role if p.slot == "forward" else f"{p.role}.{p.slot}")
         entry[2] += p.count
+        if entry[2] > MAX_COUNT:
+            raise InvalidError(f"{p.problem.key} runs {entry[2]} times per step in all: at most {MAX_COUNT}")
     return MeshSpec(axes=found.mesh, tensor_axis=tensor_axis), [tuple(t) for t in targets.values()]
 
 

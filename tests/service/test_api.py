@@ -559,3 +559,20 @@ def test_an_imported_decision_of_a_users_step_is_checked_against_its_problems(ap
     (stored,) = api.reader.get("/v1/overrides", params={"model": "my_gpt", **HARDWARE}).json()
     assert stored["role"] == DISCOVERED_ROLE and stored["problems"]["forward"] == problems["forward"]
     assert api.reader.get("/v1/bundles").json()["overrides"] == [stored]  # exported as imported
+
+
+def test_a_discovered_step_with_a_mesh_beside_it_or_too_many_runs_is_refused(api):
+    body = discovered_body() | {"mesh": {"axes": {"model": 8}}}
+    assert api.admin.post("/v1/studies", json=body).status_code == 422
+    problems = [{"role": f"r{i}", "slot": "forward", "count": 1 << 30, "problem": PROBLEM} for i in range(3)]
+    response = api.admin.post("/v1/studies", json=discovered_body(problems=problems))
+    assert response.status_code == 422 and "runs 2147483648 times per step in all: at most 2147483647" in response.text
+
+
+def test_an_override_imported_twice_in_one_bundle_counts_once(api):
+    override = {"model": "m", "role": "r", "hardware": HARDWARE, "reason": "first",
+                "configs": {"forward": {"method": "baseline"}}}
+    twice = {"overrides": [override, override | {"reason": "second"}]}
+    assert api.admin.post("/v1/bundles", json=twice).status_code == 201
+    (stored,) = api.reader.get("/v1/overrides", params={"model": "m", **HARDWARE}).json()
+    assert stored["reason"] == "second"
