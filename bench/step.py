@@ -3,8 +3,9 @@
     python bench/step.py                                   # 3 block sizes, processes:2 and virtual:8 (~1 h)
     python bench/step.py --sizes demo --devices processes:2 --repeats 9
     python bench/step.py --example --devices processes:2x4 --runs 2   # the NNX GPT example, as a user runs it
+    python bench/step.py --example wide_gpt_step --devices processes:2x4  # the same, heads of 128
 
-``--example`` takes `examples/flax_nnx_gpt.py:gpt_step` (the demo's size) through the commands a
+``--example`` takes `examples/flax_nnx_gpt.py:gpt_step` (the demo preset's shapes) through the commands a
 user runs: ``cmtune tune --step``, ``cmtune verify --step --decide`` (the step decision writes its
 overrides into the bundle), then ``--runs`` fresh ``cmtune verify --step`` runs: the step as written
 (GSPMD) against the drop-in with the tuned configs and overrides, and against the drop-in at the
@@ -149,7 +150,8 @@ def speedup(result, name: str) -> str:
     return f"{1 / q[1]:.2f}x ({1 / q[2]:.2f}-{1 / q[0]:.2f})"
 
 
-EXAMPLE = "examples/flax_nnx_gpt.py:gpt_step"
+EXAMPLES = {"gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16 (the demo preset's shapes)",
+            "wide_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 128"}
 
 
 def cmtune(*args: str) -> tuple[str, float]:
@@ -172,25 +174,29 @@ def example_main(args) -> None:
     from collective_matmul.wire import StepMeasurement
 
     devices = args.devices[0] if args.devices != ["processes:2", "virtual:8"] else "processes:2x4"
+    name = args.example
+    if name not in EXAMPLES:
+        raise SystemExit(f"--example: one of {sorted(EXAMPLES)}")
+    example = f"examples/flax_nnx_gpt.py:{name}"
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-example-"))
     bundle = directory / "tuned.json"
-    _, tune_s = cmtune("tune", "--step", EXAMPLE, "--devices", devices, "--trials", str(args.trials),
+    _, tune_s = cmtune("tune", "--step", example, "--devices", devices, "--trials", str(args.trials),
                        "--repeats", "5", "--out", str(bundle))
     decided = directory / "decided.json"
-    out, decide_s = cmtune("verify", "--step", EXAMPLE, "--devices", devices, "--bundle", str(bundle), "--decide",
+    out, decide_s = cmtune("verify", "--step", example, "--devices", devices, "--bundle", str(bundle), "--decide",
                            "--repeats", str(args.repeats), "--json", str(decided))
     decision = next((line for line in out.splitlines() if line.startswith("decision:")), "decision: -")
     rows = []
     for run in range(args.runs):
         fresh = directory / f"fresh-{run}.json"
-        _, verify_s = cmtune("verify", "--step", EXAMPLE, "--devices", devices, "--bundle", str(bundle),
+        _, verify_s = cmtune("verify", "--step", example, "--devices", devices, "--bundle", str(bundle),
                              "--repeats", str(args.repeats), "--json", str(fresh))
         result = StepMeasurement.model_validate_json(fresh.read_text())
         compiles = " / ".join(f"{v.compile_s:.1f}" for v in result.variants)
         rows.append(f"| {run + 1} | {devices} | {result.variant('as-written').timing.median_s * 1e3:.0f} ms "
                     f"| {speedup(result, 'baseline')} | {speedup(result, 'tuned')} | {compiles} | {verify_s:.0f} s |")
         print(rows[-1], flush=True)
-    print(f"\n{os.cpu_count()} CPUs, {EXAMPLE} (d_model 1024, d_ff 2048, 8 heads of 128, 2 layers, seq 512, batch 4, "
+    print(f"\n{os.cpu_count()} CPUs, {example} ({EXAMPLES[name]}, 2 layers, seq 512, batch 4, "
           f"float32, AdamW), {args.repeats} interleaved rounds per variant; tuning: {args.trials} trials per problem "
           f"({tune_s:.0f} s), decision {decide_s:.0f} s\n")
     print("| run | devices | as written (GSPMD) | drop-in, baseline | drop-in, tuned "
@@ -206,7 +212,8 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["processes:2", "virtual:8"])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9, help="rounds of the step variants")
-    parser.add_argument("--example", action="store_true", help="the NNX GPT example instead of the blocks")
+    parser.add_argument("--example", nargs="?", const="gpt_step", default=None,
+                        help="the NNX GPT example instead of the blocks: gpt_step (default) or wide_gpt_step")
     parser.add_argument("--runs", type=int, default=2, help="with --example: fresh verify runs after the decision")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", help=argparse.SUPPRESS)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import MAX_ROLES, Role, TransformerBlock
+from collective_matmul.models import MAX_ROLE_LENGTH, MAX_ROLES, Role, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 
 __all__ = [
@@ -225,7 +225,8 @@ class StepVariant(_Timed, BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=MAX_ROLE_LENGTH + 16,
+                      description="as-written, baseline, tuned, or an alternative such as tuned-minus-<role>")
     status: Status
     message: str = Field(default="", max_length=4000)
     configs: dict[Role, OpConfigs] = Field(

@@ -52,7 +52,8 @@ class Config:
     learning_rate: float = 1e-3
 
 
-DEMO = Config()  # the demo's size: d_model 1024, d_ff 2048, seq 512, batch 4
+DEMO = Config(head_dim=16)  # the demo preset's shapes (`cmtune demo`): d_model 1024, d_ff 2048, 8 heads of 16
+WIDE = Config()  # the same with heads of 128 (attention as wide as d_model): more compute per collective
 TINY = Config(vocab=128, d_model=64, heads=4, head_dim=16, d_ff=128, layers=2, seq=64, batch=4)
 
 
@@ -146,6 +147,11 @@ def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int =
 def gpt_step(tuned=None):
     """The step spec at the demo's size (see the module docstring)."""
     return build(DEMO, tuned)
+
+
+def wide_gpt_step(tuned=None):
+    """The step spec with heads of 128 (see `WIDE`)."""
+    return build(WIDE, tuned)
 
 
 def tiny_gpt_step(tuned=None):

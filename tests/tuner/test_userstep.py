@@ -201,3 +201,18 @@ def test_verify_the_example_on_two_processes(tmp_path):
     assert [v["name"] for v in result["variants"]] == ["as-written", "baseline", "tuned"]
     assert {v["status"] for v in result["variants"]} == {"ok"}
     assert "4 applied, 0 fell back" in flat(run.stdout)
+
+
+@pytest.mark.slow
+def test_problems_and_tune_a_linen_step_on_two_processes(tmp_path):
+    spec = f"{STEPS / 'linen_mlp.py'}:linen_step"
+    run = cmtune("problems", "--step", spec, "--devices", "processes:2x4", "--json", timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    found, _ = json.JSONDecoder().raw_decode(run.stdout[run.stdout.index("{"):])  # process 0's, among gloo's lines
+    assert {p["problem"]["axis_size"] for p in found["problems"]} == {4} and found["mesh"] == {"data": 2, "model": 4}
+    out = tmp_path / "tuned.json"
+    run = cmtune("tune", "--step", spec, "--devices", "processes:2x4", "--trials", "2", "--repeats", "2",
+                 "--out", str(out), timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # each process tuned its own model ring at once: the configs are for a ring within one process
+    assert {c.hardware.key for c in Bundle.load(out).configs} == {"cpu:cpu:4:1"}
