@@ -364,7 +364,7 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     import jax
 
     from cmtune.tuner.cluster import Group
-    from cmtune.tuner.report import roles_table, step_table
+    from cmtune.tuner.report import roles_table
     from cmtune.tuner.step import StepSession, standard_variants, step_layout
     from collective_matmul.block import OpConfigs, configs_per_role
     from collective_matmul.client import Tuned
@@ -403,8 +403,20 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     result = session.measure(variants, on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if not leader:
         return
-    console.print(step_table(result, title=f"training step of {block.name} on {mesh_text}, "
-                                           f"{result.hardware.key} (jax {result.hardware.jax_version})"))
+    show_step(result, title=f"training step of {block.name} on {mesh_text}, {result.hardware.key} "
+                            f"(jax {result.hardware.jax_version})", started=started, json_out=json_out)
+
+
+def show_step(result, *, title: str, started: float, json_out: Path | None) -> None:
+    """Print a step measurement (and its fresh rounds), write it as JSON; exit 1 if a variant failed."""
+    import time
+
+    from cmtune.tuner.report import step_table
+
+    console.print(step_table(result, title=title))
+    if result.confirmation:
+        again = result.model_copy(update={"variants": result.confirmation, "confirmation": []})
+        console.print(step_table(again, title="the decision timed again in fresh rounds (what the speedups report)"))
     console.print(f"verify took {time.monotonic() - started:.1f}s")
     if json_out is not None:
         json_out.write_text(result.model_dump_json(indent=2) + "\n")

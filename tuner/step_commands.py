@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from cmtune.tuner.cli import console, devices_option, relaunch_as_group
+from cmtune.tuner.cli import console, devices_option, relaunch_as_group, show_step
 from cmtune.tuner.cluster import DeviceSpec
 from cmtune.tuner.userstep import REFERENCE, SpecError, SpecRef
 
@@ -138,7 +138,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline)."""
     from cmtune.tuner.cluster import Group
     from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.report import sites_table, step_table
+    from cmtune.tuner.report import sites_table
     from cmtune.tuner.userstep import Built, UserStepSession, step_variants
     from collective_matmul.client import Tuned
     from collective_matmul.decomposition import OpConfigs
@@ -195,20 +195,9 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
         result = _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision)
     if not group.leader:
         return
-    console.print(step_table(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} "
-                                           f"(jax {result.hardware.jax_version}); reference: the step as written"))
-    if result.confirmation:
-        again = result.model_copy(update={"variants": result.confirmation, "confirmation": []})
-        console.print(step_table(again, title="the decision timed again in fresh rounds (what the speedups report)"))
-    console.print(f"verify took {time.monotonic() - started:.1f}s")
-    if json_out is not None:
-        json_out.write_text(result.model_dump_json(indent=2) + "\n")
-        console.print(f"wrote the step measurement to {json_out}")
-    failed = [v for v in result.variants if not v.ok]
-    for v in failed:
-        console.print(f"[red]{v.name}: {v.status}: {v.message}[/red]")
-    if failed:
-        raise typer.Exit(1)
+    show_step(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} (jax "
+                            f"{result.hardware.jax_version}); reference: the step as written",
+              started=started, json_out=json_out)
 
 
 def _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision):
