@@ -16,7 +16,6 @@ back (why) — and `Tuned.report` lists them; the first trace of each role logs 
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -337,7 +336,7 @@ class Tuned:
 
         ``role`` labels the call (default: the rule of `collective_matmul.roles` at the call site).
         """
-        role = role or call_label()
+        role = role or roles.call_label()
         configs = self.configs(role, "allgather_matmul", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
         return allgather_matmul(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
                                 grad_input=configs.grad_input, grad_weight=configs.grad_weight)
@@ -348,7 +347,7 @@ class Tuned:
 
         ``role`` labels the call (default: the rule of `collective_matmul.roles` at the call site).
         """
-        role = role or call_label()
+        role = role or roles.call_label()
         configs = self.configs(role, "matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
         return matmul_reduce_scatter(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
                                      grad_input=configs.grad_input, grad_weight=configs.grad_weight)
@@ -400,7 +399,7 @@ class Tuned:
         forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
         problems = slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
                                  axis_size=forward.axis_size)
-        site = CallSite(role=role or "", source=source or call_source(), via=via, collective=collective,
+        site = CallSite(role=role or "", source=source or roles.call_source(), via=via, collective=collective,
                         problems=problems, hardware=ring_hardware(mesh, axis).identity(), axis=axis)
         if self._pins is not None:
             found = self._pinned_found(role or "", problems)
@@ -474,30 +473,3 @@ def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
     """The hardware of one ring of ``mesh`` along ``axis`` (what configs are tuned for)."""
     devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0).reshape(mesh.shape[axis], -1)[:, 0]
     return Hardware.detect(devices.tolist())
-
-
-def call_label() -> str:
-    """The role of the call being traced now, by the rule of `collective_matmul.roles`."""
-    return roles.label(_name_stack(), _frames())
-
-
-def call_source() -> str:
-    """``file.py:LINE`` of the innermost frame of the call being traced outside JAX, Flax and cmtune."""
-    return next((f"{Path(f).name}:{line}" for f, line in _frames() if not roles.is_library(f)), "")
-
-
-def _name_stack() -> str:
-    try:
-        from jax._src import source_info_util
-
-        return str(source_info_util.current_name_stack())
-    except Exception:  # noqa: BLE001 - a label is never worth a failed step
-        return ""
-
-
-def _frames(limit: int = 64) -> list[tuple[str, int]]:
-    frame, out = sys._getframe(1), []
-    while frame is not None and len(out) < limit:
-        out.append((frame.f_code.co_filename, frame.f_lineno))
-        frame = frame.f_back
-    return out

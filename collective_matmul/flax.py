@@ -39,8 +39,8 @@ import jax
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from collective_matmul.client import call_label, call_source
 from collective_matmul.ops import allgather_matmul, check_call, matmul_reduce_scatter
+from collective_matmul.roles import call_label, call_source
 
 KINDS = {"column": "allgather_matmul", "row": "matmul_reduce_scatter",
          "allgather_matmul": "allgather_matmul", "matmul_reduce_scatter": "matmul_reduce_scatter"}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from functools import cache
 
@@ -131,3 +132,33 @@ def _split(text: str) -> list[str]:
             start = i + 1
     parts.append(text[start:])
     return [p for p in parts if p]
+
+
+# ---- at trace time (the drop-in and the ops' clients) -------------------------------------------
+
+
+def call_label() -> str:
+    """The role of the call being traced now (`label` of JAX's name stack and the Python stack)."""
+    return label(_name_stack(), _frames())
+
+
+def call_source() -> str:
+    """``file.py:LINE`` of the innermost frame of the call being traced outside JAX, Flax and cmtune."""
+    return next((f"{os.path.basename(f)}:{line}" for f, line in _frames() if not is_library(f)), "")
+
+
+def _name_stack() -> str:
+    try:
+        from jax._src import source_info_util
+
+        return str(source_info_util.current_name_stack())
+    except Exception:  # noqa: BLE001 - a label is never worth a failed step
+        return ""
+
+
+def _frames(limit: int = 64) -> list[tuple[str, int]]:
+    frame, out = sys._getframe(1), []
+    while frame is not None and len(out) < limit:
+        out.append((frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return out
