@@ -25,8 +25,11 @@ Each of the four ops (roles ``qkv``, ``attn_out``, ``mlp_up``, ``mlp_down``) tak
 ``grad_input`` and ``grad_weight`` configs from a `ConfigSource`: fixed configs
 (`FixedConfigs`) or a `collective_matmul.Tuned` client.  `AS_WRITTEN` is the block as a user
 writes it without cmtune: each projection a plain einsum under a named scope of its role, with the
-sharding of its result stated (GSPMD: XLA's partitioner places the all-gathers and
-reduce-scatters), and JAX's autodiff for the backward — the reference of a step measurement.
+sharding of its result stated, the attention and the MLP activation mapped over each device's
+column block (`jax.vmap`, no `shard_map`), so that XLA's partitioner places the all-gathers and
+reduce-scatters (GSPMD), and JAX's autodiff for the backward — the reference of a step
+measurement.  (Over the 2-process cluster it runs as fast as the same block with `shard_map` for
+the attention: 0.858 s against 0.857 s, 9 interleaved rounds, demo preset.)
 """
 
 from __future__ import annotations
@@ -231,11 +234,12 @@ def apply(
     op = partial(_op, source=source, mesh=mesh, axis=axis, batch_axis=batch_axis)
     h = _rmsnorm(x, params["attn_norm"])
     qkv = op("qkv", h, params["w_qkv"])
-    o = _attention(qkv, block=block, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    local = _per_device_block if isinstance(source, AsWritten) else _local
+    o = _attention(qkv, block=block, mesh=mesh, axis=axis, batch_axis=batch_axis, local=local)
     x = x + op("attn_out", o, params["w_o"])
     h = _rmsnorm(x, params["mlp_norm"])
     u = op("mlp_up", h, params["w_up"])
-    a = _mlp_activation(u, gated=block.gated_mlp, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    a = _mlp_activation(u, gated=block.gated_mlp, mesh=mesh, axis=axis, batch_axis=batch_axis, local=local)
     return x + op("mlp_down", a, params["w_down"])
 
 
@@ -364,7 +368,24 @@ def _local(fn, y: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis) ->
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(y)
 
 
-def _attention(qkv: jax.Array, *, block: TransformerBlock, mesh: Mesh, axis: str, batch_axis: BatchAxis):
+def _per_device_block(fn, y: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis) -> jax.Array:
+    """``fn`` on each device's column block of ``y``, as written in GSPMD style (no `shard_map`): the
+    columns split as ``[batch, seq, P, columns/P]``, sharded on the P dimension, and ``fn`` mapped over it."""
+    b, s, columns = y.shape
+    size = mesh.shape[axis]
+    split = _reshaped(y, (b, s, size, columns // size), P(batch_axis, None, axis, None), mesh)
+    out = jax.vmap(fn, in_axes=2, out_axes=2)(split)
+    return _reshaped(out, (b, s, size * out.shape[-1]), P(batch_axis, None, axis), mesh)
+
+
+def _reshaped(y: jax.Array, shape: tuple, spec: P, mesh: Mesh) -> jax.Array:
+    sharding = NamedSharding(mesh, spec)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jnp.reshape(y, shape, out_sharding=sharding)
+    return jax.lax.with_sharding_constraint(jnp.reshape(y, shape), sharding)
+
+
+def _attention(qkv: jax.Array, *, block: TransformerBlock, mesh: Mesh, axis: str, batch_axis: BatchAxis, local=_local):
     """Causal attention of each device's heads (its ``[q_i | k_i | v_i]`` column block)."""
     size = mesh.shape[axis]
     heads, kv_heads, dim = block.heads // size, (block.kv_heads or block.heads) // size, block.head_dim
@@ -382,10 +403,10 @@ def _attention(qkv: jax.Array, *, block: TransformerBlock, mesh: Mesh, axis: str
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
         return out.reshape(b, s, heads * dim)
 
-    return _local(core, qkv, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    return local(core, qkv, mesh=mesh, axis=axis, batch_axis=batch_axis)
 
 
-def _mlp_activation(u: jax.Array, *, gated: bool, mesh: Mesh, axis: str, batch_axis: BatchAxis):
+def _mlp_activation(u: jax.Array, *, gated: bool, mesh: Mesh, axis: str, batch_axis: BatchAxis, local=_local):
     """``silu(gate) * up`` of each device's ``[gate_i | up_i]`` block, or ``gelu(u)``."""
 
     def act(local: jax.Array) -> jax.Array:
@@ -394,7 +415,7 @@ def _mlp_activation(u: jax.Array, *, gated: bool, mesh: Mesh, axis: str, batch_a
         half = local.shape[-1] // 2
         return jax.nn.silu(local[..., :half]) * local[..., half:]
 
-    return _local(act, u, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    return local(act, u, mesh=mesh, axis=axis, batch_axis=batch_axis)
 
 
 def _check_call(block: TransformerBlock, x, mesh: Mesh, axis: str, batch_axis: BatchAxis) -> None:
