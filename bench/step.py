@@ -150,8 +150,9 @@ def speedup(result, name: str) -> str:
     return f"{1 / q[1]:.2f}x ({1 / q[2]:.2f}-{1 / q[0]:.2f})"
 
 
-EXAMPLES = {"gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16 (the demo preset's shapes)",
-            "wide_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 128"}
+EXAMPLES = {"gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16 (the demo preset's shapes), 2 layers",
+            "wide_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 128, 2 layers",
+            "one_layer_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16, one layer"}
 
 
 def cmtune(*args: str) -> tuple[str, float]:
@@ -196,7 +197,7 @@ def example_main(args) -> None:
         rows.append(f"| {run + 1} | {devices} | {result.variant('as-written').timing.median_s * 1e3:.0f} ms "
                     f"| {speedup(result, 'baseline')} | {speedup(result, 'tuned')} | {compiles} | {verify_s:.0f} s |")
         print(rows[-1], flush=True)
-    print(f"\n{os.cpu_count()} CPUs, {example} ({EXAMPLES[name]}, 2 layers, seq 512, batch 4, "
+    print(f"\n{os.cpu_count()} CPUs, {example} ({EXAMPLES[name]}, seq 512, batch 4, "
           f"float32, AdamW), {args.repeats} interleaved rounds per variant; tuning: {args.trials} trials per problem "
           f"({tune_s:.0f} s), decision {decide_s:.0f} s\n")
     print("| run | devices | as written (GSPMD) | drop-in, baseline | drop-in, tuned "
@@ -213,7 +214,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9, help="rounds of the step variants")
     parser.add_argument("--example", nargs="?", const="gpt_step", default=None,
-                        help="the NNX GPT example instead of the blocks: gpt_step (default) or wide_gpt_step")
+                        help="the NNX GPT example instead of the blocks: gpt_step (default), wide_gpt_step or "
+                             "one_layer_gpt_step")
     parser.add_argument("--runs", type=int, default=2, help="with --example: fresh verify runs after the decision")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", help=argparse.SUPPRESS)

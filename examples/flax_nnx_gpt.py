@@ -154,6 +154,11 @@ def wide_gpt_step(tuned=None):
     return build(WIDE, tuned)
 
 
+def one_layer_gpt_step(tuned=None):
+    """The step spec with one block (the demo preset's shapes): the layer count's share of the gain."""
+    return build(Config(head_dim=16, layers=1), tuned)
+
+
 def tiny_gpt_step(tuned=None):
     """The step spec at a test size, on a 2 × 4 (data × model) mesh."""
     return build(TINY, tuned, model_axis=4)
