@@ -63,14 +63,9 @@ def block_file(name: str, directory: Path) -> Path:
 
 
 def tune(block: Path, devices: str, bundle: Path, trials: int, repeats: int) -> float:
-    started = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "cmtune", "tune", "--model", str(block), "--mesh", "data=1,model=8",
-                          "--devices", devices, "--trials", str(trials), "--repeats", str(repeats),
-                          "--out", str(bundle)],
-                         cwd=ROOT, capture_output=True, text=True, env=os.environ | {"COLUMNS": "200"})
-    if run.returncode != 0:
-        raise RuntimeError(f"cmtune tune failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    return time.monotonic() - started
+    _, seconds = cmtune("tune", "--model", str(block), "--mesh", "data=1,model=8", "--devices", devices,
+                        "--trials", str(trials), "--repeats", str(repeats), "--out", str(bundle))
+    return seconds
 
 
 def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path) -> None:

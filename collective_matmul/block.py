@@ -42,19 +42,13 @@ from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul.decomposition import OpConfigs
 from collective_matmul.models import ROLES as MODEL_ROLES
 from collective_matmul.models import TransformerBlock
-from collective_matmul.ops import (
-    BatchAxis,
-    _axes_size,
-    _placed,
-    allgather_matmul,
-    matmul_reduce_scatter,
-)
+from collective_matmul.ops import OPS, BatchAxis, _axes_size, _placed, is_explicit
 
 # The collective of each role's forward (models.py derives the same problems).
 ROLE_COLLECTIVES: dict[str, str] = {
@@ -330,9 +324,8 @@ def _op(role: str, x, w, *, source: ConfigSource, mesh: Mesh, axis: str, batch_a
     if isinstance(source, AsWritten):
         return _as_written(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
     configs = source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
-    op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
     try:
-        return op(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
+        return OPS[collective](x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
                   grad_input=configs.grad_input, grad_weight=configs.grad_weight)
     except ValueError as exc:
         raise ValueError(f"{role}: {exc}") from None
@@ -350,7 +343,7 @@ def _as_written(role: str, collective: str, x, w, *, mesh: Mesh, axis: str, batc
     out = P(*lead, None, axis) if collective == "allgather_matmul" else P(*lead, axis, None)
     sharding = NamedSharding(mesh, out)
     with jax.named_scope(role):
-        if any(t == AxisType.Explicit for t in mesh.axis_types):
+        if is_explicit(mesh):
             return jnp.einsum("...k,kn->...n", x, w, out_sharding=sharding)
         return jax.lax.with_sharding_constraint(jnp.einsum("...k,kn->...n", x, w), sharding)
 
@@ -380,7 +373,7 @@ def _per_device_block(fn, y: jax.Array, *, mesh: Mesh, axis: str, batch_axis: Ba
 
 def _reshaped(y: jax.Array, shape: tuple, spec: P, mesh: Mesh) -> jax.Array:
     sharding = NamedSharding(mesh, spec)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
+    if is_explicit(mesh):
         return jnp.reshape(y, shape, out_sharding=sharding)
     return jax.lax.with_sharding_constraint(jnp.reshape(y, shape), sharding)
 

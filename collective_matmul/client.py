@@ -22,13 +22,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from collective_matmul import roles
 from collective_matmul.bundle import Bundle, RoleOverride, nearest
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
-from collective_matmul.models import SLOTS, slot_problems
+from collective_matmul.models import SLOTS, rings, slot_problems
 from collective_matmul.ops import BatchAxis, allgather_matmul, matmul_reduce_scatter, problem_of
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import ConfigAnswer
@@ -336,10 +335,7 @@ class Tuned:
 
         ``role`` labels the call (default: the rule of `collective_matmul.roles` at the call site).
         """
-        role = role or roles.call_label()
-        configs = self.configs(role, "allgather_matmul", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
-        return allgather_matmul(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
-                                grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+        return self._op("allgather_matmul", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
 
     def matmul_reduce_scatter(self, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
                               role: str | None = None) -> jax.Array:
@@ -347,10 +343,15 @@ class Tuned:
 
         ``role`` labels the call (default: the rule of `collective_matmul.roles` at the call site).
         """
-        role = role or roles.call_label()
-        configs = self.configs(role, "matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
-        return matmul_reduce_scatter(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
-                                     grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+        return self._op("matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
+
+    def _op(self, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis, role: str | None):
+        label, source = roles.call_site()
+        configs = self.configs(role or label, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
+                               source=source)
+        op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
+        return op(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
+                  grad_input=configs.grad_input, grad_weight=configs.grad_weight)
 
     def dot_general(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
                     kernel_axes: tuple | None = None, **options):
@@ -388,7 +389,7 @@ class Tuned:
             collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
             x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`).
             mesh, axis, batch_axis: as for the op.
-            source: ``file:line`` of the call, for `report` (default: the call site).
+            source: ``file:line`` of the call, for `report` (default: the call site, where ``role`` is given).
             via: how the call came (``op`` or ``dot_general``), for `report`.
 
         Raises:
@@ -399,13 +400,16 @@ class Tuned:
         forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
         problems = slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
                                  axis_size=forward.axis_size)
-        site = CallSite(role=role or "", source=source or roles.call_source(), via=via, collective=collective,
-                        problems=problems, hardware=ring_hardware(mesh, axis).identity(), axis=axis)
+        hardware = ring_hardware(mesh, axis)
+        if role is not None and not source:
+            source = roles.call_site()[1]
+        site = CallSite(role=role or "", source=source, via=via, collective=collective, problems=problems,
+                        hardware=hardware.identity(), axis=axis)
         if self._pins is not None:
             found = self._pinned_found(role or "", problems)
         else:
-            found = self._found(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
-                                problems=problems, notes=site.notes)
+            call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
+            found = self._found(role, call, hardware, problems=problems, notes=site.notes)
         if self._edit is not None:
             before = OpConfigs(**{slot: f.decomposition for slot, f in found.items()})
             after = self._edit(role or "", before)
@@ -422,9 +426,7 @@ class Tuned:
             self._site(site)
         return OpConfigs(**{slot: found[slot].decomposition for slot in SLOTS})
 
-    def _found(self, role, collective, x, w, *, mesh, axis, batch_axis, problems, notes) -> dict[str, Lookup]:
-        call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
-        hardware = ring_hardware(mesh, axis)
+    def _found(self, role, call: tuple, hardware: Hardware, *, problems, notes) -> dict[str, Lookup]:
         override = self.override(role, hardware) if role else None
         found: dict[str, Lookup] = {}
         for slot, problem in problems.items():
@@ -451,9 +453,9 @@ class Tuned:
 
     def _pinned_found(self, role: str, problems: dict[str, Problem]) -> dict[str, Lookup]:
         pinned = self._pins.get((role, problems["forward"].key))
-        if pinned is None:
-            return {slot: Lookup(DEFAULT_GRAD_WEIGHT if slot == "grad_weight" else Decomposition.baseline(),
-                                 "baseline", "process 0 did not resolve this call") for slot in SLOTS}
+        if pinned is None:  # what autodiff of the baseline does (OpConfigs' defaults)
+            return {slot: Lookup(getattr(OpConfigs(), slot), "baseline", "process 0 did not resolve this call")
+                    for slot in SLOTS}
         configs, found = pinned
         return {slot: found.get(slot, Lookup(getattr(configs, slot), "fixed", "process 0")) for slot in SLOTS}
 
@@ -470,6 +472,5 @@ def _override_of(found: RoleOverride, source: str) -> _Override:
 
 
 def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
-    """The hardware of one ring of ``mesh`` along ``axis`` (what configs are tuned for)."""
-    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0).reshape(mesh.shape[axis], -1)[:, 0]
-    return Hardware.detect(devices.tolist())
+    """The hardware of one ring of ``mesh`` along ``axis``, the first (what configs are tuned for)."""
+    return Hardware.detect(rings(mesh.devices, mesh.axis_names.index(axis))[0].tolist())

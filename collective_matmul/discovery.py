@@ -35,9 +35,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.hlo import Instruction, Module, parse_module
-from collective_matmul.models import COLUMN, ROW, SLOTS, Role, slot_problems
-from collective_matmul.problem import Problem
-from collective_matmul.roles import is_library, label
+from collective_matmul.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
+from collective_matmul.roles import label, source_of
 from collective_matmul.wire import StepProblem
 
 # Ops a value passes through unchanged on its way between a collective and a dot.
@@ -86,7 +85,7 @@ class _Scattered:
 
 @dataclass
 class _Tally:
-    problems: dict[tuple, list] = field(default_factory=dict)
+    problems: dict[tuple, list] = field(default_factory=dict)  # (role, key) -> [slot problems, count, axis, source]
     skipped: dict[tuple, int] = field(default_factory=dict)
     backward: dict[str, set[str]] = field(default_factory=dict)  # role -> slots its backward computes
     weights: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # role -> forward weight shapes
@@ -105,18 +104,16 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
     axes = _axis_groups(mesh) if mesh else {}
     tally = _Tally()
     dots = [(dot, times) for name, (times, _exact) in module.executions.items() if times > 0
-            for dot in module.computations[name].instructions.values() if dot.opcode == "dot"]
+            for dot in module.computations[name].instructions.values()
+            if dot.opcode == "dot" and "rematted_computation" not in dot.op_name]  # remat's recompute: counted once
     for backward in (False, True):  # the forward first: a weight gradient is known by its weight's shape
         for dot, times in dots:
-            if ("transpose(" in dot.op_name and "rematted_computation" not in dot.op_name) == backward:
-                _classify(module, dot, times, axes, tally)
+            if ("transpose(" in dot.op_name) == backward:
+                _classify(module, dot, times, axes, tally, backward=backward)
     problems, warnings = [], []
     shapes_per_role: dict[str, set[str]] = {}
-    for (role, problem_key), (forward, collective, count, axis, source) in tally.problems.items():
-        del problem_key
-        shapes_per_role.setdefault(role, set()).add(forward.key)
-        slots = slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
-                              axis_size=forward.axis_size)
+    for (role, key), (slots, count, axis, source) in tally.problems.items():
+        shapes_per_role.setdefault(role, set()).add(key)
         for slot in SLOTS:
             if slot == "forward" or slot in tally.backward.get(role, ()):
                 problems.append(StepProblem(role=role, slot=slot, problem=slots[slot], count=count, axis=axis,
@@ -130,13 +127,12 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
     return Discovery(problems=problems, skipped=skipped, warnings=warnings, mesh=dict(mesh or {}))
 
 
-def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _Tally) -> None:
+def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _Tally, *, backward: bool) -> None:
     """Tally one dot: a forward collective matmul, a skipped collective, or backward evidence."""
     comp = module.computations[dot.computation]
-    op_name = dot.op_name
     frames = [(f.file, f.line) for f in module.stack(dot.stack_frame_id)]
-    role = label(op_name.rpartition("/")[0] if "/" in op_name else "", frames)
-    source = next((f"{os.path.basename(f)}:{line}" for f, line in frames if not is_library(f)), "")
+    role = label(dot.op_name.rpartition("/")[0], frames)  # the op_name without its primitive
+    source = source_of(frames)
     lhs_c, rhs_c = dot.ints("lhs_contracting_dims"), dot.ints("rhs_contracting_dims")
     lhs_b = dot.ints("lhs_batch_dims")
     if len(dot.operands) != 2:
@@ -144,9 +140,7 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
     lhs, rhs = (comp.instructions.get(o) for o in dot.operands)
     if lhs is None or rhs is None:
         return
-    if "rematted_computation" in op_name:  # remat's recomputation of a forward counted already
-        return
-    if "transpose(" in op_name:  # the backward: which gradients this role's calls compute
+    if backward:  # which gradients this role's calls compute
         weights = tally.weights.get(role, ())
         if any(operand.shape.dims in weights for operand in (lhs, rhs)):
             tally.backward.setdefault(role, set()).add("grad_input")  # dy times the weight
@@ -224,16 +218,15 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
                    "float32, bfloat16 or float16")
         return
     try:
-        problem = Problem(collective=collective, m=m, k=k, n=n, dtype=dtype, axis_size=ring)
-        slot_problems(collective, m=m, k=k, n=n, dtype=dtype, axis_size=ring)
+        slots = slot_problems(collective, m=m, k=k, n=n, dtype=dtype, axis_size=ring)
     except ValueError as exc:
         skip(what, str(exc))
         return
-    key = (role, problem.key)
+    key = (role, slots["forward"].key)
     if key in tally.problems:
-        tally.problems[key][2] += times
+        tally.problems[key][1] += times
     else:
-        tally.problems[key] = [problem, collective, times, axis, source]
+        tally.problems[key] = [slots, times, axis, source]
 
 
 def _gathered(module: Module, comp, inst: Instruction) -> _Gathered | None:
@@ -342,13 +335,8 @@ def _last_element(shape):
 
 def _axis_groups(mesh: Mapping[str, int]) -> dict[str, set[frozenset[int]]]:
     """For each mesh axis, the groups of partition ids that run along it."""
-    names, sizes = list(mesh), list(mesh.values())
-    grid = np.arange(math.prod(sizes)).reshape(sizes)
-    out = {}
-    for i, name in enumerate(names):
-        moved = np.moveaxis(grid, i, -1).reshape(-1, sizes[i])
-        out[name] = {frozenset(int(v) for v in row) for row in moved}
-    return out
+    grid = np.arange(math.prod(mesh.values())).reshape(list(mesh.values()))
+    return {name: {frozenset(int(v) for v in row) for row in rings(grid, i)} for i, name in enumerate(mesh)}
 
 
 # ---- lowering a step (JAX) ------------------------------------------------------------------

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 
 import jax
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from collective_matmul.ops import allgather_matmul, check_call, matmul_reduce_scatter
-from collective_matmul.roles import call_label, call_source
+from collective_matmul.ops import OPS, check_call, is_explicit
+from collective_matmul.roles import call_site
 
 KINDS = {"column": "allgather_matmul", "row": "matmul_reduce_scatter",
          "allgather_matmul": "allgather_matmul", "matmul_reduce_scatter": "matmul_reduce_scatter"}
@@ -68,7 +68,8 @@ class DotGeneral:
         self.batch_axis, self.role = batch_axis, role
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        role, where = self.role or call_label(), call_source()
+        label, where = call_site()
+        role = self.role or label
         try:
             collective, x, w, unfold = self._fit(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                                  kwargs)
@@ -81,8 +82,7 @@ class DotGeneral:
         # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
         configs = self.source.configs(role, collective, x, w, mesh=self.mesh, axis=self.axis,
                                       batch_axis=batch_axis, source=where, via="dot_general")
-        op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
-        y = op(x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis, config=configs.forward,
+        y = OPS[collective](x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis, config=configs.forward,
                grad_input=configs.grad_input, grad_weight=configs.grad_weight)
         y = y.reshape(unfold)
         out_sharding = kwargs.get("out_sharding")
@@ -194,6 +194,6 @@ def dot_general_cls(source, **options):
 def _reshard(y, sharding, mesh: Mesh):
     if not isinstance(sharding, NamedSharding):
         sharding = NamedSharding(mesh, sharding)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
+    if is_explicit(mesh):
         return jax.sharding.reshard(y, sharding)
     return lax.with_sharding_constraint(y, sharding)

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from collective_matmul.problem import DType, Problem
@@ -118,6 +119,11 @@ class MeshSpec(BaseModel):
         if tensor_axis is None:
             tensor_axis = "model" if "model" in axes else list(axes)[-1]
         return cls(axes=axes, tensor_axis=tensor_axis)
+
+
+def rings(grid: np.ndarray, index: int) -> np.ndarray:
+    """The rings of a mesh's device (or partition id) grid along its axis ``index``: one a row, in mesh order."""
+    return np.moveaxis(np.asarray(grid), index, -1).reshape(-1, np.shape(grid)[index])
 
 
 class ModelProblem(BaseModel):

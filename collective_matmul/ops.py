@@ -239,9 +239,14 @@ def problem_of(
     )
 
 
+def is_explicit(mesh: Mesh) -> bool:
+    """True for a mesh with an Explicit axis (shardings are part of the types: reshard, not constrain)."""
+    return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
 def _placed(mesh: Mesh, specs: tuple, *arrays: jax.Array) -> tuple:
     """On a mesh with Explicit axes, reshard inputs to the specs (a no-op when they match)."""
-    if not any(t == AxisType.Explicit for t in mesh.axis_types):
+    if not is_explicit(mesh):
         return arrays
     return tuple(
         jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs, strict=True)
@@ -285,3 +290,7 @@ def _check(x, w, mesh: Mesh, axis: str, batch_axis: BatchAxis, *, sharded, contr
     if batch_axis is not None and x.ndim > 2 and x.shape[0] % shards:
         raise ValueError(f"batch dimension {x.shape[0]} is not divisible by {shards} ({batch_axis!r})")
     return _lead_spec(x.ndim - 2, batch_axis)
+
+
+# The two forward ops by collective (what the drop-in, the block and the client call).
+OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter}

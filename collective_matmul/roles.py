@@ -66,13 +66,14 @@ def label(name_stack: str, frames: Iterable[tuple[str, int]] = ()) -> str:
         frames: ``(file, line)`` of the call's stack, innermost first.
     """
     found = scopes(name_stack)
-    if found:
-        text = "/".join(found)
-    else:
-        user = next(((f, line) for f, line in frames if not is_library(f)), None)
-        text = f"{os.path.basename(user[0])}:{user[1]}" if user else "unlabelled"
+    text = "/".join(found) if found else source_of(frames) or "unlabelled"
     text = re.sub(r"[\x00-\x1f\x7f]", "?", text)
     return text if len(text) <= MAX_ROLE_LENGTH else "…" + text[-(MAX_ROLE_LENGTH - 1):]
+
+
+def source_of(frames: Iterable[tuple[str, int]]) -> str:
+    """``file.py:LINE`` of the innermost frame outside JAX, Flax, Optax and cmtune ("" if none)."""
+    return next((f"{os.path.basename(f)}:{line}" for f, line in frames if not is_library(f)), "")
 
 
 def agree(a: str, b: str) -> bool:
@@ -137,14 +138,11 @@ def _split(text: str) -> list[str]:
 # ---- at trace time (the drop-in and the ops' clients) -------------------------------------------
 
 
-def call_label() -> str:
-    """The role of the call being traced now (`label` of JAX's name stack and the Python stack)."""
-    return label(_name_stack(), _frames())
-
-
-def call_source() -> str:
-    """``file.py:LINE`` of the innermost frame of the call being traced outside JAX, Flax and cmtune."""
-    return next((f"{os.path.basename(f)}:{line}" for f, line in _frames() if not is_library(f)), "")
+def call_site() -> tuple[str, str]:
+    """The call being traced now: its role (`label` of JAX's name stack and the Python stack) and its
+    source (`source_of` the Python stack)."""
+    frames = _frames()
+    return label(_name_stack(), frames), source_of(frames)
 
 
 def _name_stack() -> str:

@@ -315,7 +315,8 @@ def verify(
     from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
     from collective_matmul.block import check_block
 
-    if bundle is not None and server is not None or (step is None and bundle is None and server is None):
+    given = (bundle is not None) + (server is not None)  # a step may take neither: the cost model's choices
+    if given > 1 or (step is None and given == 0):
         raise typer.BadParameter("give the tuned configs with --bundle FILE or --server URL (one of them)")
     if step is not None:
         from cmtune.tuner import step_commands

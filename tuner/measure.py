@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.ops import allgather_grad_weight, allgather_matmul, input_shardings, matmul_reduce_scatter
+from collective_matmul.ops import OPS as MATMULS
+from collective_matmul.ops import allgather_grad_weight, input_shardings
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import Measurement, Protocol, Status, Timing, quartiles
 
@@ -32,8 +33,7 @@ RING_AXIS = "ring"
 # Builds the program for a candidate: (x, w) -> out, over the given mesh and axis.
 Program = Callable[[jax.Array, jax.Array], jax.Array]
 ProgramBuilder = Callable[[Problem, Decomposition, Mesh, str], Program]
-OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
-       "allgather_grad_weight": allgather_grad_weight}
+OPS = {**MATMULS, "allgather_grad_weight": allgather_grad_weight}
 
 
 def default_program(problem: Problem, config: Decomposition, mesh: Mesh, axis: str) -> Program:

@@ -8,6 +8,7 @@ In a group of processes every process does the same, and process 0 prints and de
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -40,13 +41,20 @@ def prepare(devices: str) -> DeviceSpec | None:
     return spec
 
 
-def load(text: str):
-    """Parse and import a step spec: ``(SpecRef, NAME)``."""
+@contextmanager
+def spec_errors():
+    """A step spec that breaks its contract is a bad ``--step`` (the message says what to fix)."""
     try:
-        ref = SpecRef.parse(text)
-        return ref, ref.load()
+        yield
     except SpecError as exc:
         raise typer.BadParameter(str(exc), param_hint="--step") from None
+
+
+def load(text: str):
+    """Parse and import a step spec: ``(SpecRef, NAME)``."""
+    with spec_errors():
+        ref = SpecRef.parse(text)
+        return ref, ref.load()
 
 
 def discover_step(ref: SpecRef, fn):
@@ -54,11 +62,9 @@ def discover_step(ref: SpecRef, fn):
     from cmtune.tuner.userstep import Built
     from collective_matmul.discovery import discover
 
-    try:
+    with spec_errors():
         built = Built.of(fn, None, spec=str(ref))
         return built, discover(built.step, built.args, built.mesh)
-    except SpecError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--step") from None
 
 
 def _leader() -> bool:
@@ -125,10 +131,8 @@ def tune(step: str, devices: str, tune_problems) -> None:
         if found.problem not in by_axis.setdefault(axis, []):
             by_axis[axis].append(found.problem)
     for axis, unique in by_axis.items():
-        try:
+        with spec_errors():
             ring = tuning_ring(built.mesh, axis)
-        except SpecError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--step") from None
         tune_problems(unique, ring)
 
 
@@ -153,19 +157,15 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     model = name or ref.name
     group = Group()
     say = console.print if group.leader else (lambda *_: None)
-    try:
+    # process 0 looks the configs up while it traces the tuned step; the others replay what it resolved.
+    # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
+    # session keeps the tuned step built here and compiles it when it measures.
+    tuned = Tuned(server, token=token, bundle=bundle, model=model) if group.leader else Tuned.pinned({})
+    with spec_errors():
         reference = Built.of(fn, None, spec=str(ref))
         session = UserStepSession(fn, reference, model=model, spec=str(ref),
                                   protocol=Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout))
-    except SpecError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--step") from None
-    # process 0 looks the configs up while it traces the tuned step; the others replay what it resolved.
-    # Every process calls NAME in the same order (NAME may run SPMD computations of its own).
-    tuned = Tuned(server, token=token, bundle=bundle, model=model) if group.leader else Tuned.pinned({})
-    try:
-        traced = Built.of(fn, tuned, spec=str(ref))
-    except SpecError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--step") from None
+        traced = session.built(tuned)
     message = None
     if group.leader:
         traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
@@ -175,7 +175,6 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
                    "axis": next((s.axis for s in sites.applied), None)}
         console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
                                                f"applied, {len(sites.fell_back)} fell back)"))
-    del traced
     message = group.share(message)
     if not group.leader:
         tuned.pin(message["pins"])

@@ -150,12 +150,13 @@ def signature(tree) -> tuple:
 def pair_outputs(args: tuple, outputs) -> dict[int, int]:
     """For each top-level output (a tuple's elements, else the one output), the argument of its structure."""
     outs = outputs if isinstance(outputs, tuple | list) else (outputs,)
+    arg_signatures = [signature(a) for a in args]
     free = list(range(len(args)))
     pairs = {}
     for j, out in enumerate(outs):
         sig = signature(out)
         for i in free:
-            if signature(args[i]) == sig:
+            if arg_signatures[i] == sig:
                 pairs[j] = i
                 free.remove(i)
                 break
@@ -174,14 +175,15 @@ def tuning_ring(mesh, axis: str):
         SpecError: if the rings span some processes but not all.
     """
     import jax
-    import numpy as np
 
-    rings = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
-    first = {d.process_index for d in rings[0]}
+    from collective_matmul.models import rings
+
+    all_rings = rings(mesh.devices, mesh.axis_names.index(axis))
+    first = {d.process_index for d in all_rings[0]}
     if len(first) == jax.process_count():
-        return list(rings[0])
+        return list(all_rings[0])
     if len(first) == 1:
-        mine = [list(r) for r in rings if {d.process_index for d in r} == {jax.process_index()}]
+        mine = [list(r) for r in all_rings if {d.process_index for d in r} == {jax.process_index()}]
         if mine:
             return mine[0]
     raise SpecError(f"the rings of mesh axis {axis!r} span {len(first)} of {jax.process_count()} processes: "
@@ -207,6 +209,9 @@ def step_variants(tuned, per_role: Mapping[str, list[OpConfigs]], *, decide: boo
                      "tuned": tuned}
     if not decide:
         return sources
+    def one_role(name: str, role: str, configs: OpConfigs):  # ``role`` runs ``configs``, the others as tuned
+        return tuned.variant(name, lambda r, c: configs if r == role else c)
+
     table = variant_configs(uniform, roles=list(per_role), ablation=True)
     for name, configs in table.items():
         if configs is None or name in ("baseline", "tuned"):
@@ -217,15 +222,13 @@ def step_variants(tuned, per_role: Mapping[str, list[OpConfigs]], *, decide: boo
             if len(uniform) == len(per_role):
                 sources[name] = tuned.variant(name, lambda role, c, table=configs: table.get(role, c))
         elif name.startswith("tuned-minus-"):
-            role = name.removeprefix("tuned-minus-")
-            sources[name] = tuned.variant(name, lambda r, c, role=role: OpConfigs() if r == role else c)
+            sources[name] = one_role(name, name.removeprefix("tuned-minus-"), OpConfigs())
         elif name.startswith("tuned-fuse-"):
             role = name.removeprefix("tuned-fuse-")
-            sources[name] = tuned.variant(name, lambda r, c, role=role, fused=configs[role]: fused if r == role else c)
+            sources[name] = one_role(name, role, configs[role])
     for role, configs in per_role.items():  # several problems: set back as a whole, if any ran a ring
         if len(configs) > 1 and any(not c.is_baseline for c in configs):
-            name = f"tuned-minus-{role}"
-            sources[name] = tuned.variant(name, lambda r, c, role=role: OpConfigs() if r == role else c)
+            sources[f"tuned-minus-{role}"] = one_role(f"tuned-minus-{role}", role, OpConfigs())
     return sources
 
 
@@ -261,6 +264,19 @@ class UserStepSession:
         self.args = reference.args
         self._signature = [signature(a) for a in self.args]
         self._compiled: dict[str, tuple] = {}  # name -> (source, (executable, donated), record fields)
+        self._built: dict[int, Built] = {}  # id(source) -> NAME(tuned=source), built before measuring
+
+    def built(self, source) -> Built:
+        """``NAME(tuned=source)``, checked to take the reference's arguments; kept for `measure` to compile."""
+        built = self._built.get(id(source))  # `_compile` takes it out: nothing is kept once compiled
+        if built is None:
+            built = Built.of(self.fn, source, spec=self.spec)
+            if [signature(a) for a in built.args] != self._signature:
+                raise SpecError(f"{self.spec}(tuned=...) returned arguments of another structure than "
+                                f"{self.spec}(tuned=None): the drop-in must not change the parameters")
+            built.args = ()  # the reference's arguments serve every variant
+            self._built[id(source)] = built
+        return built
 
     def measure(self, variants: Mapping[str, object], *, reference: str = REFERENCE, axis: str | None = None,
                 on_event: Callable[[str], None] | None = None) -> StepMeasurement:
@@ -307,14 +323,8 @@ class UserStepSession:
             say(f"{name}: compiled before in {record['compile_s']:.1f}s")
             return cached[1]
         try:
-            step = self.reference.step
-            if source is not None:
-                built = Built.of(self.fn, source, spec=self.spec)
-                if [signature(a) for a in built.args] != self._signature:
-                    raise SpecError(f"{self.spec}(tuned=...) returned arguments of another structure than "
-                                    f"{self.spec}(tuned=None): the drop-in must not change the parameters")
-                step = built.step  # its own arguments are dropped: the reference's serve every variant
-                del built
+            step = self.reference.step if source is None else self.built(source).step
+            self._built.pop(id(source), None)
             start = time.perf_counter()
             lowered = step.lower(*self.args)
             executable = lowered.compile()
