@@ -86,7 +86,7 @@ def run_demo(directory: Path, *, model: str, trials: int, repeats: int, ablation
                 console.print(_ops_table(sub))
                 console.print(_step_table(sub))
             console.print(f"done in {time.monotonic() - started:.0f} s")
-            console.print(f"dashboard: {server.url}/ui/submissions/{created.submission_id}?token={tokens['reader']}")
+            console.print(f"dashboard: {server.url}/ui/submissions/{created.submission_id}#token={tokens['reader']}")
             console.print(f"API docs:  {server.url}/docs")
             if keep_serving:
                 _serve_until_interrupted(f"serving at {server.url} (admin token {tokens['admin']}); Ctrl-C to stop",

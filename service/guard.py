@@ -8,6 +8,9 @@ An ASGI middleware (no per-request task, like `LatencyMiddleware`):
    401 before its body is read, so an anonymous caller cannot make the server hold or parse
    anything.  (Which role may do what is checked later, per route.)
 3. Only then is the body, at most ``max_body_bytes``, handed to the app.
+
+Every answer, refusals included, says ``Referrer-Policy: no-referrer``: no URL of ours (a dashboard
+page, say) travels on in a browser's Referer.
 """
 
 from __future__ import annotations
@@ -18,15 +21,22 @@ from cmtune.service.deps import AppState, authenticate
 from cmtune.service.errors import UnauthorizedError
 
 WITH_BODY = {"POST", "PUT", "PATCH", "DELETE"}
+NO_REFERRER = (b"referrer-policy", b"no-referrer")
 
 
 class GuardMiddleware:
     def __init__(self, app, *, state: AppState):
         self.app, self.state = app, state
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope, receive, send_on):
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            return await self.app(scope, receive, send_on)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                message = message | {"headers": [*message.get("headers", []), NO_REFERRER]}
+            await send_on(message)
+
         limit = self.state.settings.max_body_bytes
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")

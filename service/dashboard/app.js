@@ -348,13 +348,22 @@ const ROUTES = [
   [/^\/ui\/submissions\/(\d+)$/, "overview", (m) => submissionPage(m[1])],
 ];
 
+// A link signs in with the token in its fragment (#token=cmt_…), which a browser never sends to a server nor
+// puts in a Referer: the page stores it and drops it from the address before it asks the API.  A ?token= of
+// an older link is taken the same way.
+function takeToken() {
+  const query = new URLSearchParams(location.search), fragment = new URLSearchParams(location.hash.slice(1));
+  const token = fragment.get("token") || query.get("token");
+  if (!token) return;
+  localStorage.setItem(TOKEN_KEY, token);
+  query.delete("token");
+  fragment.delete("token");
+  const rest = `${String(query) ? `?${query}` : ""}${String(fragment) ? `#${fragment}` : ""}`;
+  history.replaceState({}, "", `${location.pathname}${rest}`);
+}
+
 function route(rerender = false) {
-  const params = new URLSearchParams(location.search);
-  if (params.get("token")) {  // a link with ?token= signs in once, then drops it from the address
-    localStorage.setItem(TOKEN_KEY, params.get("token"));
-    params.delete("token");
-    history.replaceState({}, "", `${location.pathname}${params.toString() ? `?${params}` : ""}`);
-  }
+  takeToken();  // also on a popstate: a #token= pasted over an open page navigates within it
   document.getElementById("logout").hidden = !localStorage.getItem(TOKEN_KEY);
   for (const [pattern, nav, render] of ROUTES) {
     const match = location.pathname.match(pattern);

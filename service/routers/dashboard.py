@@ -1,4 +1,8 @@
-"""The web dashboard: one page shell for every /ui URL, plus its static files (no external assets)."""
+"""The web dashboard: one page shell for every /ui URL, plus its static files (no external assets).
+
+Every answer says ``Referrer-Policy: no-referrer`` (`cmtune.service.guard`; the shell's
+``<meta name="referrer">`` too): no dashboard URL travels on in a Referer.
+"""
 
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -66,18 +68,29 @@ def site(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser():
+def chromium():
+    """Playwright's Chromium type (one Playwright per thread: a test that needs its own browser starts it here)."""
     with playwright_api.sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield instance
-        instance.close()
+        yield p.chromium
+
+
+@pytest.fixture(scope="module")
+def browser(chromium):
+    instance = chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    yield instance
+    instance.close()
+
+
+def link(url: str, path: str, token: str) -> str:
+    """A sign-in link as `cmtune demo` prints it: the token in the fragment, which no request carries."""
+    return f"{url}{path}#token={token}"
 
 
 @pytest.fixture
 def page(browser, site):
     context = browser.new_context(viewport={"width": 1366, "height": 800})
     page = context.new_page()
-    page.goto(f"{site['url']}/ui?token={site['tokens']['reader']}")
+    page.goto(link(site["url"], "/ui", site["tokens"]["reader"]))
     page.wait_for_selector("#studies")
     yield page
     context.close()
@@ -92,7 +105,7 @@ def test_overview_lists_studies_and_workers(page, site):
     rows = page.locator("#studies tbody tr")
     assert rows.count() == 10  # the tiny preset: 9 unique problems (forward, input and weight gradients), the step
     assert "step:tiny" in page.locator("#studies").inner_text()
-    assert "?token=" not in page.url  # the token went to local storage, not the address bar
+    assert "token" not in page.url  # the token went to local storage, not the address bar
     text = page.locator("main").inner_text()
     assert "completed" in text and "allgather_matmul:512x256x768:float32:8" in text
     assert page.locator("#workers-online").inner_text() == "1"
@@ -179,7 +192,7 @@ def test_laptop_width_and_no_external_assets(browser, site):
     page = context.new_page()
     requests = []
     page.on("request", lambda request: requests.append(request.url))
-    page.goto(f"{site['url']}/ui/studies/{site['first']}?token={site['tokens']['reader']}")
+    page.goto(link(site["url"], f"/ui/studies/{site['first']}", site["tokens"]["reader"]))
     page.wait_for_selector("#trial-plot")
     assert all(url.startswith(site["url"]) or url.startswith("blob:") for url in requests), requests
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280 + 1
@@ -195,6 +208,117 @@ def test_without_a_token_the_page_asks_for_one(browser, site):
     page.click("#token-form button")
     page.wait_for_selector("#studies tbody tr")
     context.close()
+
+
+def sent(requests: list) -> list[tuple[str, dict[str, str]]]:
+    """Each request's URL and every header the browser sent with it (Referer and Cookie included)."""
+    return [(request.url, request.all_headers()) for request in requests]
+
+
+def leaks(requests: list[tuple[str, dict[str, str]]], token: str) -> list[tuple[str, str]]:
+    """Where ``token`` went other than as the bearer of an API call: (URL, "url" or the header's name)."""
+    found = [(url, "url") for url, _ in requests if token in url]
+    for url, headers in requests:
+        bearer = urlsplit(url).path.startswith("/v1/") and headers.get("authorization") == f"Bearer {token}"
+        found += [(url, name) for name, value in headers.items()
+                  if token in value and not (name == "authorization" and bearer)]
+    return found
+
+
+def signed_in(page) -> bool:
+    return page.locator("#logout").is_visible() and page.locator("#token-form").count() == 0
+
+
+def test_the_printed_link_signs_in_and_no_request_carries_its_token(browser, site):
+    token = site["tokens"]["reader"]
+    context = browser.new_context()
+    requests = []
+    context.on("request", lambda request: requests.append(request))
+    page = context.new_page()
+    page.goto(link(site["url"], f"/ui/submissions/{site['submission']}", token))
+    page.wait_for_selector("#roles tbody tr")
+    page.locator("nav a[data-nav=workers]").click()  # and on to another page
+    page.wait_for_selector("#workers tbody tr")
+    assert signed_in(page)
+    assert token not in page.url and token not in page.evaluate("location.href")
+    seen = sent(requests)
+    assert leaks(seen, token) == [], leaks(seen, token)
+    assert [url for url, headers in seen if "referer" in headers] == []  # Referrer-Policy: no-referrer
+    assert any(headers.get("authorization") == f"Bearer {token}" for _, headers in seen)  # it did read the API
+    context.close()
+
+
+def test_an_old_query_link_still_signs_in_once_and_goes_no_further(browser, site):
+    """A ``?token=`` link (from before the fragment) is sent with its first request, as it always was, but
+    the token goes on in no Referer nor any later URL, and leaves the address bar."""
+    token = site["tokens"]["reader"]
+    context = browser.new_context()
+    requests = []
+    context.on("request", lambda request: requests.append(request))
+    page = context.new_page()
+    page.goto(f"{site['url']}/ui/studies/{site['first']}?token={token}")
+    page.wait_for_selector("#trial-plot")
+    assert signed_in(page) and token not in page.url
+    seen = sent(requests)
+    assert leaks(seen, token) == [(f"{site['url']}/ui/studies/{site['first']}?token={token}", "url")]
+    context.close()
+
+
+def test_a_fragment_link_pasted_over_an_open_page_signs_in(browser, site):
+    """Only the fragment differs: the browser navigates within the open page, without loading it again."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{site['url']}/ui")
+    page.wait_for_selector("#token-form")
+    page.goto(link(site["url"], "/ui", site["tokens"]["reader"]))
+    page.wait_for_selector("#studies tbody tr")
+    assert signed_in(page) and "token" not in page.url
+    context.close()
+
+
+def test_every_dashboard_answer_says_no_referrer(browser, site):
+    context = browser.new_context()
+    responses = []
+    context.on("response", lambda response: responses.append(response))
+    page = context.new_page()
+    page.goto(link(site["url"], f"/ui/submissions/{site['submission']}", site["tokens"]["reader"]))
+    page.wait_for_selector("#roles tbody tr")
+    policies = {urlsplit(r.url).path: r.all_headers().get("referrer-policy") for r in responses
+                if urlsplit(r.url).path.startswith("/ui")}
+    assert policies == {f"/ui/submissions/{site['submission']}": "no-referrer", "/ui/static/app.js": "no-referrer",
+                        "/ui/static/style.css": "no-referrer"}
+    assert page.locator('meta[name="referrer"]').get_attribute("content") == "no-referrer"
+    context.close()
+    first = httpx.get(f"{site['url']}/ui/static/app.js")
+    again = httpx.get(f"{site['url']}/ui/static/app.js", headers={"If-None-Match": first.headers["etag"]})
+    assert again.status_code == 304 and again.headers["referrer-policy"] == "no-referrer"
+
+
+def test_a_persistent_profile_keeps_the_token_only_in_the_history_of_the_link_itself(chromium, site, tmp_path):
+    """What a profile on disk keeps after the printed link was opened.  Chromium records the link in its
+    History when the navigation commits, before the page runs a line of script: no page or server can keep
+    it out (not ``history.replaceState``, ``location.replace``, a redirect or an error status).  Everything
+    after it is clean: the page's own entry, the pages it went on to, and the HTTP cache (keyed by URL
+    without the fragment; a ``?token=`` link left the token there)."""
+    token = site["tokens"]["reader"]
+    opened = link(site["url"], f"/ui/submissions/{site['submission']}", token)
+    context = chromium.launch_persistent_context(tmp_path / "profile", executable_path=CHROMIUM, args=FLAGS)
+    page = context.pages[0] if context.pages else context.new_page()
+    page.goto(opened)
+    page.wait_for_selector("#roles tbody tr")
+    page.locator("nav a[data-nav=workers]").click()
+    page.wait_for_selector("#workers tbody tr")
+    context.close()  # the browser with it: the profile is on disk
+    history = sqlite3.connect(f"file:{tmp_path / 'profile' / 'Default' / 'History'}?mode=ro", uri=True)
+    try:
+        urls = [url for (url,) in history.execute("SELECT url FROM urls")]
+    finally:
+        history.close()
+    assert {f"{site['url']}/ui/submissions/{site['submission']}", f"{site['url']}/ui/workers"} <= set(urls)
+    assert {url for url in urls if token in url} <= {opened}, urls
+    cache = tmp_path / "profile" / "Default" / "Cache"
+    assert cache.is_dir()
+    assert [f.name for f in cache.rglob("*") if f.is_file() and token.encode() in f.read_bytes()] == []
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +339,8 @@ def measured_site(tmp_path_factory):
 def test_the_model_page_shows_the_step_measured_against_the_estimate(browser, measured_site):
     context = browser.new_context(viewport={"width": 1366, "height": 800})
     page = context.new_page()
-    page.goto(f"{measured_site['url']}/ui/submissions/{measured_site['submission']}?token="
-              f"{measured_site['tokens']['reader']}")
+    page.goto(link(measured_site["url"], f"/ui/submissions/{measured_site['submission']}",
+                   measured_site["tokens"]["reader"]))
     page.wait_for_selector("#variants tbody tr")
     assert page.locator("#step-vs-reference").inner_text().startswith("1.33×")  # 1.0 / 0.75: the fresh rounds
     assert "tuned-minus-mlp_up (runs)" in page.locator("#confirmation").inner_text()

@@ -177,7 +177,7 @@ def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
         assert "the whole training step of tiny, measured" in text and "over the step as written" in text
         assert "timed again after the decision" in text  # the reported speedup is not the deciding rounds
         assert "estimated from the ops" in text
-        assert "/docs" in text and "/ui/submissions/1?token=cmt_" in text
+        assert "/docs" in text and "/ui/submissions/1#token=cmt_" in text
         url = next(word for line in lines if "serving at" in line for word in line.split() if word.startswith("http"))
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=60) == 0
