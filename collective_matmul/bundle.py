@@ -6,16 +6,22 @@ import datetime as dt
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import MAX_ROLES, SLOTS, Role
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
+from collective_matmul.problem import Hardware, Problem, Version
+from collective_matmul.text import label, message
 
 BUNDLE_FORMAT = "cmtune.bundle"
 BUNDLE_VERSION = 2  # 2 adds per-model, per-role overrides; version 1 files still load
+
+
+Timestamp = label(64)  # ISO 8601, as `utc_now` writes it
+Count = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]  # an integer column
+Reason = message(2000)  # role_overrides.reason
 
 
 def utc_now() -> str:
@@ -30,17 +36,18 @@ class TunedConfig(BaseModel):
     problem: Problem
     hardware: Hardware = Field(description="identity only: versions are in jax_version/jaxlib_version")
     decomposition: Decomposition
-    time_s: float = Field(gt=0, description="median time of the decomposition in the confirmation round")
-    baseline_s: float = Field(gt=0, description="median time of the baseline in the same round")
-    speedup: float = Field(gt=0, description="median paired baseline/candidate ratio")
-    speedup_iqr: float = Field(default=0.0, ge=0)
-    trials: int = Field(default=0, ge=0)
-    invalid: int = Field(default=0, ge=0)
-    failed: int = Field(default=0, ge=0)
-    space_size: int = Field(default=0, ge=0)
-    jax_version: str = ""
-    jaxlib_version: str = ""
-    tuned_at: str = Field(default_factory=utc_now)
+    time_s: float = Field(gt=0, allow_inf_nan=False,
+                          description="median time of the decomposition in the confirmation round")
+    baseline_s: float = Field(gt=0, allow_inf_nan=False, description="median time of the baseline in the same round")
+    speedup: float = Field(gt=0, allow_inf_nan=False, description="median paired baseline/candidate ratio")
+    speedup_iqr: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    trials: Count = 0
+    invalid: Count = 0
+    failed: Count = 0
+    space_size: Count = 0
+    jax_version: Version = ""
+    jaxlib_version: Version = ""
+    tuned_at: Timestamp = Field(default_factory=utc_now)
 
     @model_validator(mode="after")
     def _fits(self) -> TunedConfig:
@@ -78,12 +85,12 @@ class RoleOverride(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(min_length=1, max_length=200, description="the model's name (TransformerBlock.name, or "
-                                                                  "the name a user's step was verified under)")
+    model: ModelName = Field(description="the model's name (TransformerBlock.name, or the name a user's step "
+                                         "was verified under)")
     role: Role = Field(description="the reference block's role, or a user's projection (collective_matmul.roles)")
     hardware: Hardware = Field(description="identity only")
     configs: OpConfigs
-    reason: str = Field(max_length=2000)
+    reason: Reason
     step_speedup: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                        description="the step with this choice, over the step as written "
                                                    "(median of paired runs)")
@@ -115,7 +122,7 @@ class Bundle(BaseModel):
 
     format: Literal["cmtune.bundle"] = BUNDLE_FORMAT
     version: Literal[1, 2] = BUNDLE_VERSION
-    created_at: str = Field(default_factory=utc_now)
+    created_at: Timestamp = Field(default_factory=utc_now)
     configs: list[TunedConfig] = Field(default_factory=list, max_length=100_000)
     overrides: list[RoleOverride] = Field(default_factory=list, max_length=100 * MAX_ROLES)
 

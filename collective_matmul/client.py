@@ -274,11 +274,20 @@ class Tuned:
                 "model": self.model, "platform": hardware.platform, "device_kind": hardware.device_kind,
                 "device_count": hardware.device_count, "process_count": hardware.process_count})
             response.raise_for_status()
-            return [RoleOverride.model_validate(o) for o in response.json()]
+            served = list(response.json())
         except Exception as exc:  # noqa: BLE001 - the training step must go on
             self._warn_once("server", f"cmtune server {self.server} unavailable ({type(exc).__name__}: {exc}); "
                                       "falling back to the bundle, the cost model or the baseline")
             return []
+        found = []
+        for item in served:  # one bad entry costs only itself
+            try:
+                found.append(RoleOverride.model_validate(item))
+            except ValueError as exc:
+                self._warn_once(f"override:{item.get('role') if isinstance(item, dict) else item!r}",
+                                f"cmtune server {self.server} served an override that does not check out, "
+                                f"skipped: {exc}")
+        return found
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -430,12 +439,17 @@ class Tuned:
         override = self.override(role, hardware) if role else None
         found: dict[str, Lookup] = {}
         for slot, problem in problems.items():
+            skipped = False
             if override is not None:  # the step measurement decided this role for this model
                 chosen = getattr(override.configs, slot)
                 if problem.accepts(chosen):
                     found[slot] = Lookup(chosen, "override", override.source)
                     continue
-                notes.append(f"override {slot} {chosen.id} does not fit {problem.key}: skipped")
+                note = f"override {slot} {chosen.id} does not fit {problem.key}: skipped"
+                notes.append(note)
+                self._warn_once(f"override:{role}:{slot}", f"{self.model} {role}: {note} (from the {override.source}; "
+                                                           "the look-up decides instead)")
+                skipped = True
             key = (slot, *call)
             hit = self._calls.get(key)
             if hit is None:
@@ -448,7 +462,7 @@ class Tuned:
                 hit = (problem, answer)
                 if len(self._calls) < MAX_SITES:
                     self._calls[key] = hit
-            found[slot] = hit[1]
+            found[slot] = replace(hit[1], source=f"{hit[1].source} (the override did not fit)") if skipped else hit[1]
         return found
 
     def _pinned_found(self, role: str, problems: dict[str, Problem]) -> dict[str, Lookup]:

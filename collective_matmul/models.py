@@ -19,12 +19,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from collective_matmul.problem import DType, Problem
+from collective_matmul.text import label
+
+MODEL_NAME_LENGTH = 200  # a model's name: role_overrides.model
+ModelName = label(MODEL_NAME_LENGTH)
 
 
 class TransformerBlock(BaseModel):
@@ -32,7 +35,7 @@ class TransformerBlock(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = "model"
+    name: ModelName = "model"
     d_model: int = Field(gt=0, le=1 << 20)
     d_ff: int = Field(gt=0, le=1 << 22)
     heads: int = Field(gt=0, le=4096)
@@ -140,7 +143,7 @@ class ModelProblem(BaseModel):
 # label discovery and the drop-in give a user's projection (collective_matmul.roles).  Open, bounded.
 MAX_ROLE_LENGTH = 200
 MAX_ROLES = 256
-Role = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ROLE_LENGTH, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Role = label(MAX_ROLE_LENGTH)  # role_overrides.role
 
 ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")  # the reference block's
 SLOTS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")

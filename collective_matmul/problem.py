@@ -13,6 +13,7 @@ from collective_matmul.decomposition import (
     REDUCE_SCATTER_ACCUMULATE,
     Decomposition,
 )
+from collective_matmul.text import label
 
 Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -229,6 +230,14 @@ def check_decomposition(
             )
 
 
+# The text of a hardware description: bounded like its columns (hardware.platform, hardware.device_kind);
+# versions are stored in JSON, as JAX reports them (a few dozen characters)
+Platform = label(64)
+DeviceKind = label(128)
+Version = label(128, min_length=0)
+HardwareKey = label(300)  # hardware.key (`Hardware.key`)
+
+
 class Hardware(BaseModel):
     """Where a decomposition runs: the key half that is not the problem.
 
@@ -237,12 +246,12 @@ class Hardware(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    platform: str = Field(min_length=1, max_length=64)
-    device_kind: str = Field(min_length=1, max_length=128)
+    platform: Platform
+    device_kind: DeviceKind
     device_count: int = Field(gt=0, le=1 << 20)
     process_count: int = Field(default=1, gt=0, le=1 << 16)
-    jax_version: str = ""
-    jaxlib_version: str = ""
+    jax_version: Version = ""
+    jaxlib_version: Version = ""
 
     @property
     def key(self) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from functools import cache
 
 from collective_matmul.models import MAX_ROLE_LENGTH
+from collective_matmul.text import as_label
 
 # Names JAX gives its own structure in a name stack (never a user's scope).
 STRUCTURAL = frozenset({
@@ -67,13 +68,13 @@ def label(name_stack: str, frames: Iterable[tuple[str, int]] = ()) -> str:
     """
     found = scopes(name_stack)
     text = "/".join(found) if found else source_of(frames) or "unlabelled"
-    text = re.sub(r"[\x00-\x1f\x7f]", "?", text)
+    text = as_label(text)
     return text if len(text) <= MAX_ROLE_LENGTH else "…" + text[-(MAX_ROLE_LENGTH - 1):]
 
 
 def source_of(frames: Iterable[tuple[str, int]]) -> str:
     """``file.py:LINE`` of the innermost frame outside JAX, Flax, Optax and cmtune ("" if none)."""
-    return next((f"{os.path.basename(f)}:{line}" for f, line in frames if not is_library(f)), "")
+    return next((as_label(f"{os.path.basename(f)}:{line}") for f, line in frames if not is_library(f)), "")
 
 
 def agree(a: str, b: str) -> bool:

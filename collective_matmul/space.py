@@ -41,3 +41,17 @@ def _candidates(problem: Problem, include_baseline: bool) -> tuple[Decomposition
             continue
         found.append(config)
     return tuple(found)
+
+
+def has_ring(problem: Problem) -> bool:
+    """Whether any ring decomposition fits ``problem`` (if none does, only the baseline can run)."""
+    return len(_candidates(problem, False)) > 0
+
+
+def no_ring_reason(problem: Problem) -> str:
+    """Why no ring fits ``problem``: what the simplest ring's check says."""
+    try:
+        problem.check(Decomposition(direction="unidirectional", chunks=1, unroll="full"))
+    except ValueError as exc:
+        return str(exc)
+    return "no chunking of the ring fits its blocks; use the baseline"

@@ -21,12 +21,13 @@ import statistics
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import MAX_ROLE_LENGTH, MAX_ROLES, Role, TransformerBlock
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.models import MAX_ROLE_LENGTH, MAX_ROLES, MODEL_NAME_LENGTH, ModelName, Role, TransformerBlock
+from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Version
+from collective_matmul.text import label, message
 
 __all__ = [
     "Bundle", "Decomposition", "Hardware", "Measurement", "OpConfigs", "Problem", "Protocol", "RoleOverride", "Status",
@@ -117,9 +118,16 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-ShortText = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-Version = Annotated[str, StringConstraints(max_length=128)]
-LeaseId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+# Free text (collective_matmul.text): bounded like the columns that store it
+ShortText = label(64)  # a mesh axis, a package, a variant the others are checked against
+Name = label(200)  # workers.name, tokens.name
+LeaseId = label(36)  # leases.id (a UUID)
+MAX_MESSAGE_LENGTH = 4000  # what a worker may say about a result; trials.message keeps the first 2000 characters
+Message = message(MAX_MESSAGE_LENGTH)
+VariantName = label(MAX_ROLE_LENGTH + 16)  # tuned-minus-<role>
+Source = label(400, min_length=0)  # file:line
+PresetName = label(MODEL_NAME_LENGTH, min_length=0)  # (an empty one is an unknown model, as any other)
+MeshAxes = dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]]
 
 # Times and ratios a worker reports: finite, and times above zero (a result that is neither is refused)
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -190,7 +198,7 @@ class Measurement(_Timed, BaseModel):
     decomposition: Decomposition
     hardware: Hardware
     status: Status
-    message: str = Field(default="", max_length=4000)
+    message: Message = ""
     compile_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60)
     rel_error: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -206,15 +214,26 @@ class Measurement(_Timed, BaseModel):
         if self.status == Status.OK and (self.candidate is None or self.baseline is None or self.ratio is None):
             raise ValueError("an 'ok' measurement needs 'candidate' and 'baseline' timings and a 'ratio'")
         if self.ratio is not None and self.candidate is not None and self.baseline is not None:
-            pairs = [c / b for c, b in zip(self.candidate.samples_s, self.baseline.samples_s, strict=False)]
-            if len(self.candidate.samples_s) == len(self.baseline.samples_s):
-                q1, median, q3 = quartiles(pairs)
-                if not _agrees(self.ratio, median):
-                    raise ValueError(f"ratio={self.ratio!r} disagrees with the samples, whose paired ratios have "
-                                     f"median {median!r}")
-                if self.ratio_iqr is not None and not _agrees(self.ratio_iqr, q3 - q1):
-                    raise ValueError(f"ratio_iqr={self.ratio_iqr!r} disagrees with the samples ({q3 - q1!r})")
+            _check_ratio(self, self.candidate, self.baseline, "the candidate's", "the baseline's")
         return self
+
+
+def _check_ratio(record: Measurement | StepVariant, timing: Timing, reference: Timing, name: str, against: str,
+                 ) -> None:
+    """``record.ratio`` (and ``ratio_iqr``) must be what its samples give, paired one to one with the reference's.
+
+    Raises:
+        ValueError: if they are not (the service computes nothing twice: it believes only what it can check).
+    """
+    if len(timing.samples_s) != len(reference.samples_s):
+        raise ValueError(f"{name} {len(timing.samples_s)} samples cannot be paired with {against} "
+                         f"{len(reference.samples_s)}: a ratio needs one sample of each per round")
+    q1, median, q3 = quartiles([t / r for t, r in zip(timing.samples_s, reference.samples_s, strict=True)])
+    if not _agrees(record.ratio, median):
+        raise ValueError(f"ratio={record.ratio!r} disagrees with the samples: {name} over {against}, paired, have "
+                         f"median {median!r}")
+    if record.ratio_iqr is not None and not _agrees(record.ratio_iqr, q3 - q1):
+        raise ValueError(f"ratio_iqr={record.ratio_iqr!r} disagrees with the samples ({q3 - q1!r})")
 
 
 # --- the training step ------------------------------------------------------------------------
@@ -225,10 +244,9 @@ class StepVariant(_Timed, BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=MAX_ROLE_LENGTH + 16,
-                      description="as-written, baseline, tuned, or an alternative such as tuned-minus-<role>")
+    name: VariantName = Field(description="as-written, baseline, tuned, or an alternative such as tuned-minus-<role>")
     status: Status
-    message: str = Field(default="", max_length=4000)
+    message: Message = ""
     configs: dict[Role, OpConfigs] = Field(
         default_factory=dict, max_length=MAX_ROLES,
         description="per role, the forward / grad_input / grad_weight configs used (of its first call; empty: "
@@ -253,6 +271,31 @@ class StepVariant(_Timed, BaseModel):
         return self
 
 
+def _check_rounds(variants: list[StepVariant], reference: str, field: str) -> None:
+    """One set of interleaved rounds: names unique, and every ratio the one its samples give against
+    ``reference``'s, paired by round.
+
+    Raises:
+        ValueError: if not.
+    """
+    if not variants:
+        return
+    names = [v.name for v in variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{field}: each variant is measured once; {twice} appear more than once")
+    ref = next((v for v in variants if v.name == reference), None)
+    if ref is None:
+        raise ValueError(f"{field}: the reference variant {reference!r} is missing (measured: {names})")
+    for v in variants:
+        if v.ratio is None:
+            continue
+        if v.timing is None or ref.timing is None:
+            raise ValueError(f"{field}: {v.name} has a ratio, but it or the reference {reference!r} has no timing "
+                             "to compute it from")
+        _check_ratio(v, v.timing, ref.timing, f"{v.name}'s", f"{reference}'s")
+
+
 class StepMeasurement(BaseModel):
     """Every variant of one training step (the reference block's, or a user's own), timed together on one mesh."""
 
@@ -260,15 +303,16 @@ class StepMeasurement(BaseModel):
 
     block: TransformerBlock | None = Field(default=None, description="the reference block as measured "
                                                                      "(global_batch: the batch measured)")
-    model: str | None = Field(default=None, min_length=1, max_length=200,
-                              description="a user's step: the name it was verified under (no block)")
-    mesh: dict[str, int] = Field(description="mesh axes as measured, in order")
-    tensor_axis: str
-    batch_axes: list[str] = Field(default_factory=list, description="the mesh axes sharding the batch")
+    model: ModelName | None = Field(default=None,
+                                   description="a user's step: the name it was verified under (no block)")
+    mesh: MeshAxes = Field(max_length=8, description="mesh axes as measured, in order")
+    tensor_axis: ShortText
+    batch_axes: list[ShortText] = Field(default_factory=list, max_length=8,
+                                        description="the mesh axes sharding the batch")
     hardware: Hardware
     protocol: Protocol
-    reference: str = Field(default="as-written", max_length=64,
-                           description="the variant every other is checked and timed against: the step as written "
+    reference: ShortText = Field(
+        default="as-written", description="the variant every other is checked and timed against: the step as written "
                                        "(records before 0.3 call it 'autodiff')")
     variants: list[StepVariant] = Field(min_length=1, max_length=2 * MAX_ROLES + 8)
     confirmation: list[StepVariant] = Field(
@@ -281,6 +325,8 @@ class StepMeasurement(BaseModel):
     def _names_its_step(self) -> StepMeasurement:
         if (self.block is None) == (self.model is None):
             raise ValueError("a step measurement names its step: the reference 'block', or a user's step 'model'")
+        for field in ("variants", "confirmation"):
+            _check_rounds(getattr(self, field), self.reference, field)
         return self
 
     @property
@@ -329,8 +375,8 @@ class HardwareIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    platform: str = Field(min_length=1, max_length=64)
-    device_kind: str = Field(min_length=1, max_length=128)
+    platform: Platform
+    device_kind: DeviceKind
     device_count: int = Field(gt=0, le=1 << 20)
     process_count: int = Field(default=1, gt=0, le=1 << 16)
 
@@ -354,8 +400,7 @@ class Budget(BaseModel):
 class MeshIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    axes: dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]] = Field(
-        min_length=1, max_length=8, description="mesh axis names and sizes, in order")
+    axes: MeshAxes = Field(min_length=1, max_length=8, description="mesh axis names and sizes, in order")
     tensor_axis: ShortText = "model"
 
 
@@ -383,8 +428,7 @@ class StepProblem(BaseModel):
     problem: Problem
     count: int = Field(ge=1, le=1 << 30, description="runs per step")
     axis: ShortText | None = Field(default=None, description="the mesh axis of the ring, where known")
-    source: str = Field(default="", max_length=400, pattern=r"^[^\x00-\x1f\x7f]*$",
-                        description="file:line of the call")
+    source: Source = Field(default="", description="file:line of the call")
 
 
 class DiscoveredStep(BaseModel):
@@ -392,9 +436,8 @@ class DiscoveredStep(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$",
-                      description="the name the step is verified under (its overrides' model)")
-    mesh: dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]] = Field(min_length=1, max_length=8)
+    name: ModelName = Field(description="the name the step is verified under (its overrides' model)")
+    mesh: MeshAxes = Field(min_length=1, max_length=8)
     problems: list[StepProblem] = Field(min_length=1, max_length=3 * MAX_ROLES)
 
 
@@ -411,7 +454,7 @@ class StudyCreate(BaseModel):
     )
 
     problem: Problem | None = None
-    model: Annotated[str, StringConstraints(max_length=200)] | TransformerBlock | None = Field(
+    model: PresetName | TransformerBlock | None = Field(
         default=None, description="a preset name, or the block's shape inline (never a file on the server)")
     discovered: DiscoveredStep | None = Field(default=None, description="the problems of a user's own step, "
                                                                         "with their roles (cmtune submit --step)")
@@ -471,15 +514,19 @@ class StudyPublic(BaseModel):
 
 
 class Skipped(BaseModel):
-    problem: str
+    problem: str = Field(description="the problem's key, or 'step:<model>' for a model's step study")
     study_id: int | None
-    reason: Literal["under study", "already tuned"]
+    reason: Literal["under study", "already tuned", "nothing to tune"] = Field(
+        description="'nothing to tune': no ring decomposition fits the problem (a ring of one device, or shapes "
+                    "no chunking divides), so the baseline runs")
 
 
 class StudyCreated(BaseModel):
     studies: list[StudyPublic]
     submission_id: int | None = None
     skipped: list[Skipped] = Field(default_factory=list, description="problems already tuned or under study")
+    joined: bool = Field(default=False, description="the same model, mesh and hardware is being measured already: "
+                                                    "this submission joined that one (submission_id is its)")
 
 
 class StudyPage(BaseModel):
@@ -516,7 +563,7 @@ class WorkerCreate(BaseModel):
         {"name": "tpu-vm-0", "hardware": EXAMPLE_HARDWARE, "software": {"jax": "0.10.2", "jaxlib": "0.10.2"},
          "memory_bytes": 17179869184}]})
 
-    name: str = Field(min_length=1, max_length=200)
+    name: Name
     hardware: HardwareIn
     software: dict[ShortText, Version] = Field(default_factory=dict, max_length=16,
                                                description="package -> version, e.g. jax, jaxlib")
@@ -559,8 +606,7 @@ class StepTask(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     block: TransformerBlock
-    mesh: dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]] = Field(max_length=8,
-                                                                           description="the submitted mesh")
+    mesh: MeshAxes = Field(max_length=8, description="the submitted mesh")
     tensor_axis: ShortText = "model"
     configs: dict[str, OpConfigs] = Field(description="per role, the tuned forward / grad_input / grad_weight")
     ablation: bool = Field(default=True, description="also time each role set back to the baseline, and each "
@@ -650,8 +696,8 @@ class ConfigQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     problem: Problem
-    platform: str = Field(min_length=1, max_length=64)
-    device_kind: str = Field(min_length=1, max_length=128)
+    platform: Platform
+    device_kind: DeviceKind
     device_count: int | None = Field(default=None, gt=0, le=1 << 20)
     process_count: int = Field(default=1, gt=0, le=1 << 16)
 
@@ -693,10 +739,14 @@ class TunedPublic(TunedConfig):
                    decomposition_id=config.decomposition.id, study_id=study_id)
 
 
+MAX_BATCH = 1_000  # look-ups per batch: about 0.1-0.4 s of one core at most (cost-model choices of unseen shapes)
+
+
 class ConfigQueryBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    queries: list[ConfigQuery] = Field(max_length=10_000)
+    queries: list[ConfigQuery] = Field(max_length=MAX_BATCH, description=f"at most {MAX_BATCH}; one batch is "
+                                       "answered at a time per server process, the others wait their turn")
 
 
 class SubmissionEntry(BaseModel):
@@ -791,7 +841,7 @@ class SubmissionPublic(BaseModel):
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: Name
     role: Literal["admin", "worker", "reader"]
 
 

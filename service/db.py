@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.exc import DisconnectionError, OperationalError
+from sqlalchemy.exc import DataError, DisconnectionError, OperationalError
 
-from cmtune.service.errors import UnavailableError
+from cmtune.service.errors import InvalidError, UnavailableError
 
 log = logging.getLogger("cmtune.service")
 
@@ -95,7 +95,9 @@ class Database:
         """One transaction on a pooled connection (Core, no ORM unit of work): commits on success,
         rolls back on any error, wraps driver errors.
 
-        Domain errors pass through unchanged; database failures become `UnavailableError`.
+        Domain errors pass through unchanged; database failures become `UnavailableError`, and a value the
+        database refuses (a NUL in text, a string over its column, an integer out of range) `InvalidError`:
+        the API's own bounds should have refused it first, so it is logged as an error.
         """
         try:
             with (self._writer if write else self.engine).begin() as connection:
@@ -103,6 +105,11 @@ class Database:
         except OperationalError as exc:
             log.warning("database unavailable: %s", exc.orig)  # where it is stays in the server's log
             raise UnavailableError("database unavailable; retry shortly") from exc
+        except DataError as exc:
+            reason = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0][:200]
+            log.error("the database refused a value the API let through: %s", reason)
+            raise InvalidError(f"the database refused a value of this request ({reason}): nothing was stored; "
+                               "send shorter text, without NUL characters, and numbers in range") from exc
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -9,6 +9,7 @@ worker.  Both are checked against the database once and then cached for
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -37,6 +38,7 @@ class AppState:
     cache: ConfigCache
     tokens: dict[str, tuple[float, TokenInfo | None]] = field(default_factory=dict)
     credentials: dict[str, tuple[float, int | None]] = field(default_factory=dict)
+    batch_turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one batch look-up at a time
 
 
 async def get_state(request: Request) -> AppState:

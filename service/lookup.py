@@ -60,7 +60,8 @@ MAX_ANSWERS = 10_000  # memoised answers: unique look-ups must not grow memory w
 class ConfigCache:
     """Tuned configs per hardware key, reloaded after ``ttl_s``; serialised answers memoised with them.
 
-    Both maps are bounded (`MAX_HARDWARE`, `MAX_ANSWERS`): past the bound the oldest entries go.
+    Both maps are bounded (`MAX_HARDWARE`, `MAX_ANSWERS`): past the bound the oldest entries go; a
+    key's loading lock lives only while its first load is in progress.
     """
 
     def __init__(self, store: SqlStore, ttl_s: float):
@@ -89,9 +90,13 @@ class ConfigCache:
                 task.add_done_callback(self._tasks.discard)
             return
         lock = self._loading.setdefault(key, asyncio.Lock())
-        async with lock:
-            if key not in self._entries:
-                await run_in_threadpool(self.tuned_for, hardware)
+        try:
+            async with lock:
+                if key not in self._entries:
+                    await run_in_threadpool(self.tuned_for, hardware)
+        finally:  # loaded (or failed): the next miss of this key takes a new lock, so the map stays small
+            if self._loading.get(key) is lock and not lock.locked():
+                del self._loading[key]
 
     async def _reload(self, hardware: Hardware, key: str) -> None:
         try:

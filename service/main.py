@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,11 @@ from cmtune.service.routers import configs, dashboard, health, studies, submissi
 from cmtune.service.settings import Settings, get_settings
 from cmtune.service.store import SqlStore
 from cmtune.tuner.engine import Engine
+
+# How long a thread that holds the GIL keeps it while another waits (Python's default: 5 ms).  A CPU-bound
+# request (a batch of cost-model look-ups) would otherwise add up to 5 ms to every small request's each
+# wait for the GIL; 0.5 ms keeps their latency within a small factor (bench/batch.py, docs/benchmarks.md).
+SWITCH_INTERVAL_S = 0.0005
 
 DESCRIPTION = """Tune collective-matmul decompositions on real devices and serve the best configs.
 
@@ -103,6 +109,7 @@ def serve_app() -> FastAPI:
     app = create_app(get_settings(), prepare=False)
     gc.collect()
     gc.freeze()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     return app
 
 

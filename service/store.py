@@ -18,6 +18,7 @@ import dataclasses
 import datetime as dt
 import functools
 import hashlib
+import logging
 import secrets
 import time
 import uuid
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from sqlalchemy import (
     Connection,
     and_,
@@ -78,6 +80,7 @@ studies, trials, leases, workers = Study.__table__, Trial.__table__, Lease.__tab
 problems, hardware_t, tuned_t, tokens = ProblemRow.__table__, HardwareRow.__table__, TunedConfigRow.__table__, \
     Token.__table__
 overrides_t = RoleOverrideRow.__table__
+log = logging.getLogger(__name__)
 ACTIVE = [s.value for s in ACTIVE_STUDY_STATES]
 MAX_TOUCHED = 100_000
 
@@ -519,10 +522,17 @@ class SqlTx:
                     "_study_id": study_id, **{f"study_{k}": v for k, v in study_changes.items()}})
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        return self._step_studies(hardware, [StudyState.PENDING], lock=True)
+
+    def active_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        return self._step_studies(hardware, sorted(ACTIVE_STUDY_STATES), lock=False)
+
+    def _step_studies(self, hardware: Hardware, states: Sequence[StudyState], *, lock: bool) -> list[StudyRecord]:
         ids = self.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
-                           .where(studies.c.kind == StudyKind.STEP.value, studies.c.state == StudyState.PENDING.value,
+                           .where(studies.c.kind == StudyKind.STEP.value,
+                                  studies.c.state.in_([state.value for state in states]),
                                   hardware_t.c.key == hardware.identity().key).order_by(studies.c.id)).scalars().all()
-        return [self.study(i, lock=True) for i in ids]
+        return [self.study(i, lock=lock) for i in ids]
 
     def step_study_of(self, submission_id: int) -> StudyRecord | None:
         """The newest step study of a submission."""
@@ -555,10 +565,18 @@ class SqlTx:
             query = query.where(hardware_t.c.platform == platform)
         if device_kind:
             query = query.where(hardware_t.c.device_kind == device_kind)
-        return [RoleOverride(model=r.model, role=r.role, hardware=_hardware(r), configs=OpConfigs.model_validate(
-            r.configs), reason=r.reason, step_speedup=r.step_speedup,
-            problems=None if r.problems is None else {s: Problem.model_validate(p) for s, p in r.problems.items()})
-                for r in self.execute(query.order_by(overrides_t.c.model, overrides_t.c.role))]
+        found = []
+        for r in self.execute(query.order_by(overrides_t.c.model, overrides_t.c.role)):
+            try:
+                found.append(RoleOverride(
+                    model=r.model, role=r.role, hardware=_hardware(r), configs=OpConfigs.model_validate(r.configs),
+                    reason=r.reason, step_speedup=r.step_speedup,
+                    problems=None if r.problems is None else {s: Problem.model_validate(p)
+                                                              for s, p in r.problems.items()}))
+            except ValidationError as exc:  # stored before its checks existed: never served
+                log.warning("override of %s role %s on %s:%s does not fit its problems, not served: %s",
+                            r.model, r.role, r.platform, r.device_kind, exc.errors()[0]["msg"])
+        return found
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         problem_id = self.problem_id(config.problem, create=True)
@@ -811,6 +829,13 @@ class SqlTx:
                    or 0)
 
     # --- submissions --------------------------------------------------------------------------
+
+    def lock_hardware(self, hardware: Hardware) -> None:
+        """Serialise this transaction with every other that locks ``hardware`` (its row, made if missing)
+        until it ends: submissions of one model on one hardware then see each other's step study.
+        SQLite's write transactions are serial already."""
+        hardware_id = self.hardware_id(hardware, create=True)
+        self.execute(select(hardware_t.c.id).where(hardware_t.c.id == hardware_id).with_for_update())
 
     def add_submission(self, *, model: dict, mesh: dict, hardware: Hardware, now: dt.datetime) -> int:
         return self.execute(insert(Submission.__table__).values(

@@ -58,13 +58,14 @@ from cmtune.tuner.search import (
     stop_reason,
     tuned_config,
 )
+from cmtune.tuner.step import variant_configs
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
 from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.space import candidates
+from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     Measurement,
     Protocol,
@@ -162,7 +163,13 @@ class Engine:
 
     def create_study(self, tx: StoreTx, *, problem: Problem, hardware: Hardware, settings: SearchSettings,
                      protocol: Protocol, now: dt.datetime) -> StudyRecord:
-        """A new study with its first proposals queued."""
+        """A new study with its first proposals queued.
+
+        Raises:
+            InvalidError: no ring fits ``problem`` (nothing to search), or the settings' profile is unknown.
+        """
+        if not has_ring(problem):
+            raise InvalidError(f"{problem.key}: nothing to tune: {no_ring_reason(problem)}")
         if settings.profile is None:
             settings = settings.model_copy(update={"profile": profile_name_for(hardware)})
         if settings.profile not in PROFILES:
@@ -276,7 +283,7 @@ class Engine:
         _check_matches(study, trial, results)
         if trial.kind == TrialKind.SEARCH:
             (m,) = results
-            status, ratio, message = m.status, (m.ratio if m.ok else None), (m.message or None)
+            status, ratio, message = m.status, (m.ratio if m.ok else None), (m.message[:2000] or None)
         else:
             ok = [m for m in results if m.ok]
             status, ratio, message = (Status.OK if ok else Status.ERROR), min((m.ratio for m in ok), default=None), None
@@ -338,6 +345,14 @@ class Engine:
         self._refill_step(tx, study, now=now)
         return tx.study(study.id)
 
+    @staticmethod
+    def step_study_of(tx: StoreTx, *, block: TransformerBlock, mesh: MeshSpec, hardware: Hardware,
+                      ) -> StudyRecord | None:
+        """The step study of this model (block and mesh) on ``hardware`` that is not final, if any: one
+        measures a model at a time, and an identical submission joins it."""
+        return next((s for s in tx.active_step_studies(hardware) if s.step.block == block and s.step.mesh == mesh),
+                    None)
+
     def step_configs(self, tx: StoreTx, study: StudyRecord) -> dict[str, OpConfigs]:
         """Each role's tuned configs for a step study: the tuned decomposition of each of its problems.
 
@@ -374,28 +389,8 @@ class Engine:
                      lease_id: str | None) -> TrialRecord:
         if not isinstance(result, StepMeasurement):
             raise InvalidError(f"trial {trial.id} is a step trial: send 'step'")
-        if result.block is None or result.block.name != study.step.block.name:
-            raise InvalidError(f"trial {trial.id} measures the block {study.step.block.name!r}: send its 'block'")
         configs = step_task_configs(trial)
-        sent = {role: result.variant("tuned").configs.get(role) for role in ROLES} \
-            if any(v.name == "tuned" for v in result.variants) else {}
-        if any(sent.get(role) not in (None, configs[role]) for role in ROLES):
-            raise InvalidError(f"trial {trial.id} measured other configs than it was given")
-        problems = role_problems(study.step.block, study.step.mesh)
-        for variant in [*result.variants, *result.confirmation]:
-            for role, role_configs in variant.configs.items():
-                if role not in problems:
-                    raise InvalidError(f"trial {trial.id}: variant {variant.name} has configs for {role!r}, which is "
-                                       f"not a role of the block ({', '.join(problems)})")
-                for slot in SLOTS:
-                    try:
-                        problems[role][slot].check(getattr(role_configs, slot))
-                    except ValueError as exc:
-                        raise InvalidError(f"trial {trial.id}: variant {variant.name}, {role} {slot}: {exc}") from None
-        measured = {v.name: v.configs for v in result.variants}
-        if any(measured.get(v.name) != v.configs for v in result.confirmation):
-            raise InvalidError(f"trial {trial.id}: each confirmation variant must be one of the variants measured, "
-                               "with the same configs")
+        problems = _check_step_result(study, trial, result, configs)
         decision = step_decision(result, configs)
         done = dict(state=T.COMPLETED, status=Status.OK if decision.ok else Status.ERROR, ratio=decision.ratio,
                     step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
@@ -478,6 +473,45 @@ def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:
     """A step trial's per-role configs (stored flat: role by role, forward, grad_input, grad_weight)."""
     flat = list(trial.decompositions)
     return {role: OpConfigs(**dict(zip(SLOTS, flat[i * 3:(i + 1) * 3], strict=True))) for i, role in enumerate(ROLES)}
+
+
+def _check_step_result(study: StudyRecord, trial: TrialRecord, result: StepMeasurement,
+                       configs: dict[str, OpConfigs]) -> dict[str, dict[str, Problem]]:
+    """A step result decides what a model runs: it must measure this study's block, only the variants
+    the trial asked for (with the configs it gave them), each config fitting its role's problem.
+    Its ratios were checked against its samples where it was parsed (`StepMeasurement`).
+
+    Returns:
+        the block's problems by role and slot.
+
+    Raises:
+        InvalidError: naming the first thing that does not hold.
+    """
+    if result.block is None or result.block.name != study.step.block.name:
+        raise InvalidError(f"trial {trial.id} measures the block {study.step.block.name!r}: send its 'block'")
+    problems = role_problems(study.step.block, study.step.mesh)
+    asked = variant_configs(configs, ablation=study.step.ablation)
+    measured = {v.name for v in result.variants}
+    for variant in [*result.variants, *result.confirmation]:
+        for role, role_configs in variant.configs.items():
+            if role not in problems:
+                raise InvalidError(f"trial {trial.id}: variant {variant.name} has configs for {role!r}, which is "
+                                   f"not a role of the block ({', '.join(problems)})")
+            for slot in SLOTS:
+                try:
+                    problems[role][slot].check(getattr(role_configs, slot))
+                except ValueError as exc:
+                    raise InvalidError(f"trial {trial.id}: variant {variant.name}, {role} {slot}: {exc}") from None
+        if variant.name not in asked:
+            raise InvalidError(f"trial {trial.id} asked for the variants {', '.join(asked)}: "
+                               f"{variant.name!r} is not one of them")
+        if variant.configs != (asked[variant.name] or {}):
+            raise InvalidError(f"trial {trial.id}: variant {variant.name} measured other configs than the trial "
+                               "gave it")
+        if variant.name not in measured:
+            raise InvalidError(f"trial {trial.id}: the confirmation re-times {variant.name}, which the rounds "
+                               "did not measure")
+    return problems
 
 
 def task_for(study: StudyRecord, trial: TrialRecord) -> TrialTask:

@@ -86,7 +86,7 @@ class LocalRunner:
 
     def _run_step(self, task: TrialTask) -> StepMeasurement:
         """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement."""
-        from cmtune.tuner.measure import classify_failure
+        from cmtune.tuner.measure import _message, classify_failure
         from cmtune.tuner.step import run_step
         from collective_matmul.problem import Hardware
 
@@ -94,7 +94,7 @@ class LocalRunner:
         try:
             return run_step(task)
         except Exception as exc:  # noqa: BLE001 - the block could not be set up here: a result
-            message = f"{type(exc).__name__}: {exc}"[:2000]
+            message = _message(exc)
             status = classify_failure(exc)
             step = task.step
             return StepMeasurement(

@@ -25,6 +25,7 @@ from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import OPS as MATMULS
 from collective_matmul.ops import allgather_grad_weight, input_shardings
 from collective_matmul.problem import Hardware, Problem
+from collective_matmul.text import as_message
 from collective_matmul.wire import Measurement, Protocol, Status, Timing, quartiles
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
@@ -57,7 +58,7 @@ def failure(problem: Problem, config: Decomposition, protocol: Protocol, status:
     """The record of a candidate that could not be timed."""
     hardware = Hardware.detect()
     return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status,
-                       message=message[:2000], protocol=protocol)
+                       message=as_message(message, 2000), protocol=protocol)
 
 
 def device_memory(device=None) -> int | None:
@@ -250,8 +251,8 @@ def _relative_error(a: jax.Array, b: jax.Array) -> float:
 
 
 def _message(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) < 2000 else text[:2000] + " ..."
+    """What a failure says: its type and text, as a valid message (an error's text may hold anything)."""
+    return as_message(f"{type(exc).__name__}: {exc}", 2000)
 
 
 def _barrier() -> None:

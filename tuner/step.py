@@ -496,12 +496,17 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
             break
     slowest = {name: _slowest_process(samples[name]) for name in runs}
     base = slowest[reference]
+    reference_failed = "status" in records[reference]
     for name in runs:
         record = records[name]
         if "status" in record:  # failed while timing
             continue
         times = slowest[name]
-        ratios = [t / b for t, b in zip(times, base, strict=False)]  # the reference may have failed
+        if reference_failed:  # nothing to compare against: a ratio would be made up
+            record.update(status=Status.ERROR, message=f"not compared: the reference {reference} failed",
+                          timing=Timing.of(times) if times else None)
+            continue
+        ratios = [t / b for t, b in zip(times, base, strict=True)]
         q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
         record.update(
             status=Status.TIMEOUT if timed_out else Status.OK,

@@ -123,7 +123,11 @@ class StoreTx(TypingProtocol):
                   step: StepSpec | None = None, submission_id: int | None = None) -> StudyRecord: ...
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
-        """The pending step studies on ``hardware`` (they wait for their search studies)."""
+        """The pending step studies on ``hardware`` (they wait for their search studies), locked."""
+        ...
+
+    def active_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        """The step studies on ``hardware`` that are not final (pending, running or confirming)."""
         ...
 
     def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None: ...
@@ -201,7 +205,10 @@ class InMemoryStore:
         return study
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
-        return [s for s in self.studies.values() if s.kind == StudyKind.STEP and s.state == StudyState.PENDING
+        return [s for s in self.active_step_studies(hardware) if s.state == StudyState.PENDING]
+
+    def active_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
+        return [s for s in self.studies.values() if s.kind == StudyKind.STEP and s.state.active
                 and s.hardware.key == hardware.identity().key]
 
     def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:

@@ -34,6 +34,7 @@ from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponenti
 from cmtune.tuner.cluster import EXIT_HUNG, Group
 from cmtune.tuner.local import LocalRunner, Watchdog, follow
 from collective_matmul.problem import Hardware
+from collective_matmul.text import as_message
 from collective_matmul.wire import (
     WORKER_HEADER,
     HardwareIn,
@@ -248,6 +249,7 @@ def describe(task: TrialTask) -> str:
 def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | StepMeasurement:
     from cmtune.tuner.measure import failure
 
+    message = as_message(message, 2000)  # an error's text may hold anything
     if task.kind == TrialKind.STEP:
         return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
                                hardware=Hardware.detect(), protocol=task.protocol,

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
+from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
 from cmtune.service.errors import InvalidError, responses
-from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, TunedPublic
+from collective_matmul.models import ModelName
+from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem
+from collective_matmul.text import label
+from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, ShortText, TunedPublic
 
 router = APIRouter(tags=["configs"], responses=responses(401, 403, 413, 503))
 
@@ -26,11 +29,11 @@ def _validated(model, **fields):
 @router.get("/v1/configs", response_model=ConfigAnswer)
 async def get_config(
     state: StateDep, _: ReaderDep,
-    collective: Annotated[str, Query(max_length=64, examples=["allgather_matmul"])],
+    collective: Annotated[ShortText, Query(examples=["allgather_matmul"])],
     m: Annotated[int, Query(gt=0)], k: Annotated[int, Query(gt=0)], n: Annotated[int, Query(gt=0)],
-    dtype: Annotated[str, Query(max_length=16, examples=["bfloat16"])], axis_size: Annotated[int, Query(gt=0)],
-    platform: Annotated[str, Query(max_length=64, examples=["tpu"])],
-    device_kind: Annotated[str, Query(max_length=128, examples=["TPU v5p"])],
+    dtype: Annotated[label(16), Query(examples=["bfloat16"])], axis_size: Annotated[int, Query(gt=0)],
+    platform: Annotated[Platform, Query(examples=["tpu"])],
+    device_kind: Annotated[DeviceKind, Query(examples=["TPU v5p"])],
     device_count: Annotated[int | None, Query(gt=0, description="default: axis_size")] = None,
     process_count: Annotated[int, Query(gt=0)] = 1,
 ) -> ConfigAnswer:
@@ -43,16 +46,25 @@ async def get_config(
 
 
 @router.post("/v1/configs/query", response_model=list[ConfigAnswer])
-def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep) -> list[ConfigAnswer]:
-    """Many look-ups at once, answered in order."""
-    return [state.cache.lookup(q.problem, _validated(
-        Hardware, platform=q.platform, device_kind=q.device_kind, device_count=q.device_count or q.problem.axis_size,
-        process_count=q.process_count)) for q in body.queries]
+async def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep) -> Response:
+    """Many look-ups at once, answered in order.
+
+    One batch at a time per server process: the others wait their turn on the event loop, holding
+    no request thread, so that large batches cannot starve every other request.
+    """
+    queries = [(q.problem, _validated(Hardware, platform=q.platform, device_kind=q.device_kind,
+                                      device_count=q.device_count or q.problem.axis_size,
+                                      process_count=q.process_count)) for q in body.queries]
+    async with state.batch_turn:
+        for hardware in {h.key: h for _, h in queries}.values():
+            await state.cache.ensure(hardware)
+        answers = await run_in_threadpool(lambda: [state.cache.lookup_json(p, h) for p, h in queries])
+    return Response(b"[" + b",".join(answers) + b"]", media_type="application/json")
 
 
 @router.get("/v1/tuned", response_model=list[TunedPublic])
-def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Query(max_length=64)] = None,
-               device_kind: Annotated[str | None, Query(max_length=128)] = None) -> list[TunedPublic]:
+def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[Platform | None, Query()] = None,
+               device_kind: Annotated[DeviceKind | None, Query()] = None) -> list[TunedPublic]:
     """Every tuned config (filtered by hardware), with keys, ids and the study that tuned it."""
     with store.read() as tx:
         return [TunedPublic.of(row.config, row.study_id)
@@ -62,8 +74,8 @@ def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Qu
 @router.get("/v1/overrides", response_model=list[RoleOverride])
 def list_overrides(
     store: StoreDep, _: ReaderDep,
-    model: Annotated[str, Query(min_length=1, max_length=200, description="the model's name")],
-    platform: Annotated[str, Query(max_length=64)], device_kind: Annotated[str, Query(max_length=128)],
+    model: Annotated[ModelName, Query(description="the model's name")],
+    platform: Annotated[Platform, Query()], device_kind: Annotated[DeviceKind, Query()],
     device_count: Annotated[int, Query(gt=0)], process_count: Annotated[int, Query(gt=0)] = 1,
 ) -> list[RoleOverride]:
     """The roles of ``model`` that run otherwise than their problems' tuned configs on this hardware, and why."""
@@ -74,8 +86,8 @@ def list_overrides(
 
 
 @router.get("/v1/bundles", response_model=Bundle)
-def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[str | None, Query(max_length=64)] = None,
-                  device_kind: Annotated[str | None, Query(max_length=128)] = None) -> Bundle:
+def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[Platform | None, Query()] = None,
+                  device_kind: Annotated[DeviceKind | None, Query()] = None) -> Bundle:
     """Every tuned config and role override (filtered by hardware) as a bundle file for offline use."""
     with store.read() as tx:
         return Bundle(configs=tx.list_tuned(platform=platform, device_kind=device_kind),
@@ -84,7 +96,16 @@ def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[str | None,
 
 @router.post("/v1/bundles", status_code=201)
 def import_bundle(bundle: Bundle, state: StateDep, _: AdminDep) -> dict:
-    """Store every config and override of a bundle (replacing entries with the same keys), all or nothing."""
+    """Store every config and override of a bundle (replacing entries with the same keys), all or nothing.
+
+    Each override must carry its role's problems (bundles written by cmtune 0.3 and later do): its
+    configs are checked against them here, as a worker's step result is, and again where they are applied.
+    """
+    unchecked = [f"{o.model} {o.role}" for o in bundle.overrides if o.problems is None]
+    if unchecked:
+        raise InvalidError(f"overrides without their problems cannot be checked, so none was imported: "
+                           f"{', '.join(unchecked[:5])}{' ...' if len(unchecked) > 5 else ''}; export the bundle "
+                           "again with cmtune 0.3 or later (or `cmtune verify --step ... --decide`), which writes them")
     with state.store.write() as tx:
         for config in bundle.configs:
             tx.save_tuned(config, study_id=None)

@@ -13,6 +13,8 @@ from cmtune.service.models import utcnow
 from cmtune.service.views import studies_public, study_public, trial_public
 from cmtune.tuner.engine import study_settings
 from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems
+from collective_matmul.problem import HardwareKey
+from collective_matmul.space import has_ring, no_ring_reason
 from collective_matmul.wire import (
     Protocol,
     Skipped,
@@ -79,9 +81,17 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
             raise InvalidError(
                 f"{problem.key} is a ring of {problem.axis_size} devices but the hardware has device_count="
                 f"{hardware.device_count}; tune each ring on hardware of its size")
+    if body.problem is not None and not has_ring(body.problem):
+        raise InvalidError(f"{body.problem.key}: nothing to tune: {no_ring_reason(body.problem)}")
     now = utcnow()
     created, skipped, depends_on = [], [], []
     with state.store.write() as tx:
+        if model is not None and body.step.measure and not body.force:
+            tx.lock_hardware(hardware)  # two identical submissions at once: the second sees the first's study
+            joined = state.engine.step_study_of(tx, block=model, mesh=mesh, hardware=hardware)
+            if joined is not None:
+                return StudyCreated(studies=[], submission_id=joined.submission_id, joined=True, skipped=[
+                    Skipped(problem=f"step:{model.name}", study_id=joined.id, reason="under study")])
         memory = tx.hardware_memory(hardware)
         for problem, _roles, _count in targets:
             if memory is not None and problem.device_bytes > memory:
@@ -96,7 +106,10 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
         for problem, roles, count in targets:
             existing = None if body.force else tx.find_study(problem, hardware)
             tuned = None if body.force or existing is not None else tx.tuned(problem, hardware)
-            if existing is not None or tuned is not None:
+            if not has_ring(problem):
+                skipped.append(Skipped(problem=problem.key, study_id=None, reason="nothing to tune"))
+                study_id = None
+            elif existing is not None or tuned is not None:
                 study_id = existing.id if existing is not None else tuned.study_id
                 reason = "under study" if existing is not None and existing.state != StudyState.COMPLETED \
                     else "already tuned"
@@ -127,7 +140,7 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
 def list_studies(
     store: StoreDep, _: ReaderDep,
     state: Annotated[StudyState | None, Query(description="only studies in this state")] = None,
-    hardware: Annotated[str | None, Query(max_length=300, description="hardware key, e.g. cpu:cpu:8:1")] = None,
+    hardware: Annotated[HardwareKey | None, Query(description="hardware key, e.g. cpu:cpu:8:1")] = None,
     offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> StudyPage:

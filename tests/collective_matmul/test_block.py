@@ -349,3 +349,31 @@ def test_the_bundle_example_in_the_docs_loads(tmp_path):
     bundle = Bundle.load(tmp_path / "example.json")
     assert bundle.version == 2 and len(bundle.configs) == 1
     assert bundle.overrides[0].role == "mlp_down" and bundle.overrides[0].configs.forward.method == "baseline"
+
+
+def test_a_served_override_that_does_not_fit_is_skipped_with_one_warning_and_the_step_runs(tmp_path):
+    """Issue 18: a bundle (or server) override the call's problem rejects (a ring of 64 chunks on blocks of
+    8 rows) must not raise inside the training step: it is skipped, warned about once and reported."""
+    import warnings
+
+    from collective_matmul.bundle import RoleOverride
+
+    mesh = mesh_1d()
+    hw = ring_hardware(mesh, "model").identity()
+    bad = OpConfigs(forward=Decomposition(direction="unidirectional", chunks=64, unroll="full"))
+    Bundle(overrides=[RoleOverride(model="mha", role="qkv", hardware=hw, configs=bad, reason="forged",
+                                   step_speedup=1000.0)]).save(tmp_path / "b.json")
+    tuned = Tuned(bundle=tmp_path / "b.json", model="mha")
+    params, x, target = setup(MHA_GATED, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, value, grads = run_block(MHA_GATED, mesh, tuned, params, x, target)
+        run_block(MHA_GATED, mesh, tuned, params, x * 2, target)  # traced again: still one warning
+    want_y, want_loss, _ = reference(MHA_GATED, 8, params, x, target)
+    assert rel_error(y, want_y) <= TOLERANCE["float32"]
+    skipped = [w for w in caught if "does not fit" in str(w.message)]
+    assert len(skipped) == 1 and "qkv" in str(skipped[0].message) and "c64" in str(skipped[0].message)
+    found = tuned.resolved_by_role["qkv"]["forward"][1]
+    assert found.match == "model" and "override did not fit" in found.source  # the look-up decided instead
+    (site,) = [s for s in tuned.report().applied if s.role == "qkv"]
+    assert any("skipped" in note for note in site.notes)

@@ -52,9 +52,12 @@ def test_studies_from_a_model_and_mesh_with_submission(api):
     assert sub["saved_s_per_step"] is None  # nothing tuned yet
     listed = api.reader.get("/v1/submissions").json()
     assert [(s["id"], s["name"], s["problems"]) for s in listed] == [(created["submission_id"], "tiny", 9)]
-    # the same model again links the existing studies instead of creating new ones
+    # the same model again joins the submission being measured; without a step measurement it links the
+    # existing studies instead of creating new ones
     again = api.admin.post("/v1/studies", json=body).json()
-    assert [s["kind"] for s in again["studies"]] == ["step"] and len(again["skipped"]) == 9
+    assert again["joined"] and again["studies"] == [] and again["submission_id"] == created["submission_id"]
+    unmeasured = api.admin.post("/v1/studies", json=body | {"step": {"measure": False}}).json()
+    assert unmeasured["studies"] == [] and len(unmeasured["skipped"]) == 9 and not unmeasured["joined"]
 
 
 def test_lease_result_tell_cycle(api):
@@ -428,7 +431,7 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
     forged = json.loads(json.dumps(result))
     forged["step"]["confirmation"][2]["configs"] = {}
     response = worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=forged)
-    assert response.status_code == 422 and "same configs" in response.text
+    assert response.status_code == 422 and "measured other configs than the trial gave it" in response.text
     assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=result).status_code == 200
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     assert sub["step"]["variant"] == "tuned-minus-mlp_up"
@@ -570,7 +573,10 @@ def test_a_discovered_step_with_a_mesh_beside_it_or_too_many_runs_is_refused(api
 
 
 def test_an_override_imported_twice_in_one_bundle_counts_once(api):
-    override = {"model": "m", "role": "r", "hardware": HARDWARE, "reason": "first",
+    from collective_matmul.models import slot_problems
+
+    problems = {slot: p.model_dump() for slot, p in slot_problems(**PROBLEM).items()}
+    override = {"model": "m", "role": "r", "hardware": HARDWARE, "reason": "first", "problems": problems,
                 "configs": {"forward": {"method": "baseline"}}}
     twice = {"overrides": [override, override | {"reason": "second"}]}
     assert api.admin.post("/v1/bundles", json=twice).status_code == 201

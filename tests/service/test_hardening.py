@@ -323,3 +323,185 @@ def test_connections_the_database_dropped_are_replaced_before_use(monkeypatch):
         assert connection.scalar(text("SELECT 1")) == 1
         assert connection.scalar(text("SELECT pg_backend_pid()")) != ours
     database.dispose()
+
+
+# --- free text: one line or a message, bounded like its column (issue 18) ------------------------------------------
+
+CONTROL = ["\x00", "\n", "\x1b", "\x7f"]  # NUL (PostgreSQL refuses it), a line break, an escape, DEL
+VALID_QUERY = {**PROBLEM, "platform": "cpu", "device_kind": "cpu", "device_count": 8, "model": "tiny",
+               "hardware": "cpu:cpu:8:1"}
+TEXT_PARAMETERS = {  # every text parameter of the API, by path (test_every_text_parameter_is_listed keeps it so)
+    "/v1/studies": ["hardware"],
+    "/v1/configs": ["collective", "dtype", "platform", "device_kind"],
+    "/v1/tuned": ["platform", "device_kind"],
+    "/v1/overrides": ["model", "platform", "device_kind"],
+    "/v1/bundles": ["platform", "device_kind"],
+}
+
+
+def text_parameters(spec: dict) -> dict[str, list[str]]:
+    """The text (string, not enum) query and path parameters of every operation of an OpenAPI document."""
+    found: dict[str, list[str]] = {}
+    for path, operations in spec["paths"].items():
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                schemas = parameter["schema"].get("anyOf", [parameter["schema"]])
+                if parameter["in"] in ("query", "path") and any(s.get("type") == "string" and "enum" not in s
+                                                                for s in schemas):
+                    found.setdefault(path, []).append(parameter["name"])
+    return found
+
+
+def test_every_text_parameter_is_listed(api):
+    assert text_parameters(api.anonymous.get("/openapi.json").json()) == TEXT_PARAMETERS
+
+
+def refused(response, *loc) -> bool:
+    """A 422 of FastAPI's shape with an error at ``loc``."""
+    return response.status_code == 422 and any(tuple(e["loc"]) == loc and e["msg"] for e in response.json()["detail"])
+
+
+@pytest.mark.parametrize("path", sorted(TEXT_PARAMETERS))
+def test_control_characters_in_text_queries_get_422(api, path):
+    spec = api.anonymous.get("/openapi.json").json()
+    required = {p["name"]: VALID_QUERY[p["name"]] for p in spec["paths"][path]["get"]["parameters"] if p["required"]}
+    assert api.reader.get(path, params=required).status_code == 200
+    for name in TEXT_PARAMETERS[path]:
+        for char in CONTROL:
+            response = api.reader.get(path, params=required | {name: f"cpu{char}"})
+            assert refused(response, "query", name), (name, char, response.status_code, response.text)
+
+
+def test_control_characters_in_a_worker_get_422(api):
+    good = {"name": "w0", "hardware": HARDWARE, "software": {"jax": "0.10.2"}}
+    for char in CONTROL:
+        for where, body in [(("name",), good | {"name": f"w{char}"}),
+                            (("hardware", "platform"), good | {"hardware": HARDWARE | {"platform": f"cpu{char}"}}),
+                            (("hardware", "device_kind"), good | {"hardware": HARDWARE | {"device_kind": f"c{char}"}}),
+                            (("software", "jax"), good | {"software": {"jax": f"0.10{char}"}})]:
+            response = api.worker.post("/v1/workers", json=body)
+            assert refused(response, "body", *where), (where, char, response.status_code, response.text)
+    assert api.reader.get("/v1/workers").json() == []
+    assert api.worker.post("/v1/workers", json=good).status_code == 201
+
+
+def test_control_characters_in_a_config_query_get_422(api):
+    query = {"problem": PROBLEM, "platform": "cpu", "device_kind": "cpu"}
+    assert api.reader.post("/v1/configs/query", json={"queries": [query]}).status_code == 200
+    for name in ("platform", "device_kind"):
+        for char in CONTROL:
+            response = api.reader.post("/v1/configs/query", json={"queries": [query, query | {name: f"cpu{char}"}]})
+            assert refused(response, "body", "queries", 1, name), (name, char, response.status_code, response.text)
+
+
+@pytest.mark.parametrize("name", ["m" * 201, "m" * (1 << 20), "tiny\x00", "tiny\n"],
+                         ids=["201 characters", "1 MB", "NUL", "a line break"])
+def test_an_inline_model_name_is_one_line_bounded_like_its_column(api, name):
+    from collective_matmul.models import PRESETS
+
+    body = {"model": PRESETS["tiny"].model_dump() | {"name": name}, "mesh": {"axes": {"data": 1, "model": 8}},
+            "hardware": HARDWARE}
+    response = api.admin.post("/v1/studies", json=body)
+    assert response.status_code == 422, response.text[:1000]
+    assert any(e["loc"][:2] == ["body", "model"] and e["loc"][-1] == "name" for e in response.json()["detail"])
+    assert api.reader.get("/v1/studies").json()["total"] == 0  # nothing stored
+    assert api.reader.get("/v1/submissions").json() == []
+    longest = api.admin.post("/v1/studies", json=body | {"model": body["model"] | {"name": "m" * 200}})
+    assert longest.status_code == 201, longest.text
+
+
+@pytest.mark.parametrize("changes", [
+    {"hardware.jax_version": "0" * (1 << 20)}, {"hardware.jaxlib_version": "0.10.2\x00"},
+    {"hardware.device_kind": "cpu\x00"}, {"message": "fine\x00"}, {"message": "x" * 4001},
+], ids=["1 MB jax_version", "NUL in jaxlib_version", "NUL in device_kind", "NUL in the message",
+        "a message over 4000 characters"])
+def test_a_result_with_bad_text_is_refused_and_the_trial_takes_a_good_one(api, changes):
+    create(api.admin)
+    worker = register(api.worker)
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    good = measurement(PROBLEM, Decomposition.model_validate(grant["trial"]["decomposition"]), 1.0)
+    url = f"/v1/trials/{grant['trial']['id']}/result"
+    response = worker.post(url, json={"lease_id": grant["lease"]["id"], "measurement": broken(good, **changes)})
+    (path,) = changes
+    assert refused(response, "body", "measurement", *path.split(".")), response.text[:1000]
+    assert api.reader.get("/v1/studies/1").json()["trials_done"] == 0
+    assert worker.post(url, json={"lease_id": grant["lease"]["id"], "measurement": good}).status_code == 200
+    assert api.reader.get("/v1/studies/1").json()["trials_done"] == 1
+
+
+def test_control_characters_in_a_lease_id_get_422(api):
+    create(api.admin)
+    worker = register(api.worker)
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    good = measurement(PROBLEM, Decomposition.model_validate(grant["trial"]["decomposition"]), 1.0)
+    url = f"/v1/trials/{grant['trial']['id']}/result"
+    for char in CONTROL:
+        response = worker.post(url, json={"lease_id": f"{grant['lease']['id'][:30]}{char}", "measurement": good})
+        assert refused(response, "body", "lease_id"), (char, response.status_code, response.text)
+        response = worker.post(f"/v1/workers/{worker}/heartbeat", json={"lease_id": f"lease{char}"})
+        assert refused(response, "body", "lease_id"), (char, response.status_code, response.text)
+    assert worker.post(url, json={"lease_id": grant["lease"]["id"], "measurement": good}).status_code == 200
+
+
+def test_a_message_keeps_its_tabs_and_line_breaks_and_is_stored_cut_to_its_column(api):
+    create(api.admin)
+    worker = register(api.worker)
+    grant = worker.post(f"/v1/workers/{worker}/lease").json()
+    failed = measurement(PROBLEM, Decomposition.model_validate(grant["trial"]["decomposition"]), None, status="error")
+    said = "Traceback:\r\n\tline one\n" + "x" * 3000
+    body = {"lease_id": grant["lease"]["id"], "measurement": failed | {"message": said}}
+    response = worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=body)
+    assert response.status_code == 200, response.text[:1000]
+    (trial,) = [t for t in api.reader.get("/v1/studies/1/trials").json() if t["id"] == grant["trial"]["id"]]
+    assert trial["message"] == said[:2000]  # trials.message holds 2000 characters
+
+
+BAD_BUNDLES = {
+    "NUL in a version": ("configs", 0, "jax_version", "0.10.2\x00"),
+    "1 MB version": ("configs", 0, "jaxlib_version", "0" * (1 << 20)),
+    "a count over an integer column": ("configs", 0, "trials", 1 << 40),
+    "a line break in a time stamp": ("configs", 0, "tuned_at", "2025-01-01\n"),
+    "NUL in an override's model": ("overrides", 0, "model", "tiny\x00"),
+    "NUL in an override's reason": ("overrides", 0, "reason", "faster\x00"),
+    "an override's reason over its column": ("overrides", 0, "reason", "x" * 2001),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BUNDLES))
+def test_a_bundle_with_bad_text_is_refused_and_nothing_imported(api, name):
+    from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
+    from collective_matmul.decomposition import OpConfigs
+    from collective_matmul.models import slot_problems
+    from collective_matmul.problem import Hardware, Problem
+
+    hardware = Hardware(**HARDWARE)
+    config = TunedConfig(problem=Problem(**PROBLEM), hardware=hardware, decomposition=Decomposition.baseline(),
+                         time_s=1e-3, baseline_s=1e-3, speedup=1.0, jax_version="0.10.2")
+    problems = slot_problems("allgather_matmul", m=256, k=64, n=128, dtype="float32", axis_size=8)
+    override = RoleOverride(model="tiny", role="qkv", hardware=hardware, configs=OpConfigs(), reason="faster",
+                            problems=problems)
+    good = Bundle(configs=[config], overrides=[override]).model_dump(mode="json")
+    field, index, key, value = BAD_BUNDLES[name]
+    bad = json.loads(json.dumps(good))
+    bad[field][index][key] = value
+    response = api.admin.post("/v1/bundles", json=bad)
+    assert refused(response, "body", field, index, key), response.text[:1000]
+    assert api.reader.get("/v1/tuned").json() == [] and api.reader.get("/v1/bundles").json()["overrides"] == []
+    assert api.admin.post("/v1/bundles", json=good).status_code == 201
+
+
+def test_a_value_the_database_refuses_is_a_422_not_a_500(api, monkeypatch):
+    """The safety net under the API's bounds: a driver's DataError (PostgreSQL refuses a NUL, a string over its
+    column, an integer out of range) is the request's 422, with the database's reason and nothing stored."""
+    from sqlalchemy.exc import DataError
+
+    from cmtune.service.store import SqlTx
+
+    def refuse(*_args, **_kwargs):
+        raise DataError("SELECT ...", {"key_1": "secret"}, ValueError("integer out of range\nCONTEXT: unnamed portal"))
+
+    monkeypatch.setattr(SqlTx, "list_studies", refuse)
+    response = api.reader.get("/v1/studies")
+    assert response.status_code == 422, response.text
+    assert isinstance(response.json()["detail"], list) and "integer out of range" in response.text
+    assert "secret" not in response.text and "CONTEXT" not in response.text and "SELECT" not in response.text

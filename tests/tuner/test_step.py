@@ -298,3 +298,29 @@ def test_the_step_decision_reports_from_the_fresh_rounds():
     assert partial.graded("tuned-ring-fill") is partial
     assert step_decision(partial, tuned).ratio == pytest.approx(0.705)
     assert "(the rounds that decided)" in step_decision(partial, tuned).summary
+
+
+def test_when_the_reference_fails_while_timing_no_ratio_is_made_up():
+    """Ratios are against the reference's samples, paired by round: without them there is none (before:
+    the other variants' ratios were computed from the reference's partial rounds, which a service that
+    checks ratios against samples must refuse)."""
+    import time
+
+    from cmtune.tuner.step import interleave
+    from collective_matmul.wire import StepVariant
+
+    calls = {"as-written": 0}
+
+    def reference():
+        calls["as-written"] += 1
+        if calls["as-written"] > 3:  # warm-up and two rounds, then it fails
+            raise RuntimeError("the reference broke")
+        return 1.0
+
+    runs = {"as-written": reference, "tuned": lambda: 2.0}
+    records = {name: {"name": name, "configs": {}} for name in runs}
+    interleave(runs, records, "as-written", time.monotonic(), Protocol(warmup=1, repeats=4), lambda _: None)
+    assert records["as-written"]["status"] == "error"
+    tuned = StepVariant(**records["tuned"])
+    assert tuned.status == "error" and tuned.ratio is None and "the reference as-written failed" in tuned.message
+    assert len(tuned.timing.samples_s) == 4  # its own samples are kept
