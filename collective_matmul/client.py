@@ -25,12 +25,13 @@ import jax
 from jax.sharding import Mesh
 
 from collective_matmul import roles
-from collective_matmul.bundle import Bundle, RoleOverride, nearest
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
+from collective_matmul.bundle import Bundle, RoleOverride
+from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.lookup import MATCHES, MEASURED, from_tuned, untuned, weight_gradient
 from collective_matmul.models import SLOTS, rings, slot_problems
 from collective_matmul.ops import BatchAxis, allgather_matmul, matmul_reduce_scatter, problem_of
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import ConfigAnswer
+from collective_matmul.wire import ConfigAnswer, Pin
 
 logger = logging.getLogger("collective_matmul")
 
@@ -167,26 +168,22 @@ class Tuned:
         client.pin(pins)
         return client
 
-    def pin(self, pins: Mapping[str, Mapping]) -> None:
+    def pin(self, pins: Mapping[str, Pin | Mapping]) -> None:
         """Add what another process resolved to this `pinned` client (before its step is traced)."""
         if self._pins is None:
             raise ValueError("pin() is for a client made with Tuned.pinned(), which looks nothing up itself")
         for key, entry in pins.items():
             role, _, forward = key.rpartition("|")  # a problem key has no "|"; a role may
-            configs = OpConfigs.model_validate(entry["configs"])
-            found = {slot: Lookup(getattr(configs, slot), match, "process 0")
-                     for slot, match in entry.get("match", {}).items()}
-            self._pins[(role, forward)] = (configs, found)
+            entry = Pin.model_validate(entry)
+            found = {slot: Lookup(getattr(entry.configs, slot), match, "process 0")
+                     for slot, match in entry.match.items()}
+            self._pins[(role, forward)] = (entry.configs, found)
 
-    def pins(self) -> dict[str, dict]:
-        """What this client's calls resolved, for `pinned` (JSON-able, keyed ``role|forward problem``)."""
-        out = {}
-        for site in self._sites.values():
-            if site.applied:
-                out[f"{site.role}|{site.problems['forward'].key}"] = {
-                    "configs": site.configs.model_dump(mode="json"),
-                    "match": {slot: f.match for slot, f in site.found.items()}}
-        return out
+    def pins(self) -> dict[str, Pin]:
+        """What this client's calls resolved, for `pinned` (keyed ``role|forward problem``)."""
+        return {f"{site.role}|{site.problems['forward'].key}": Pin(
+                    configs=site.configs, match={slot: f.match for slot, f in site.found.items()})
+                for site in self._sites.values() if site.applied}
 
     # -- look-ups ------------------------------------------------------------------------------
 
@@ -201,17 +198,14 @@ class Tuned:
         return found
 
     def _resolve(self, problem: Problem, hardware: Hardware) -> Lookup:
-        answers = [self._from_server(problem, hardware), self._from_bundle(problem, hardware)]
-        for match in ("exact", "nearest"):
-            for answer in answers:
-                if answer is not None and answer.match == match and problem.accepts(answer.decomposition):
-                    return answer
-        from collective_matmul.costmodel import model_choice
-
-        choice = model_choice(problem, hardware)
-        if choice is not None:
-            return Lookup(choice, "model", "costmodel")
-        return Lookup(Decomposition.baseline(), "baseline", "baseline")
+        """The first answer in the look-up order (`collective_matmul.lookup`): the server's and the
+        bundle's measured answers (the server's first at the same match), then the cost model or the baseline."""
+        measured = [a for a in (self._from_server(problem, hardware), self._from_bundle(problem, hardware))
+                    if a is not None and a.match in MEASURED and problem.accepts(a.decomposition)]
+        if measured:
+            return min(measured, key=lambda a: MATCHES.index(a.match))  # stable: the server first
+        match, decomposition = untuned(problem, hardware)
+        return Lookup(decomposition, match, "costmodel" if match == "model" else "baseline")
 
     def _from_server(self, problem: Problem, hardware: Hardware) -> Lookup | None:
         if self.server is None:
@@ -240,11 +234,11 @@ class Tuned:
     def _from_bundle(self, problem: Problem, hardware: Hardware) -> Lookup | None:
         if self.bundle is None:
             return None
-        exact = self.bundle.lookup(problem, hardware)
-        if exact is not None:
-            return Lookup(exact.decomposition, "exact", "bundle", exact.speedup)
-        best = nearest(problem, (c for c in self.bundle.configs if c.hardware.key == hardware.key))
-        return Lookup(best.decomposition, "nearest", "bundle") if best is not None else None
+        found = from_tuned(problem, {c.problem.key: c for c in self.bundle.configs if c.hardware.key == hardware.key})
+        if found is None:
+            return None
+        match, config = found
+        return Lookup(config.decomposition, match, "bundle", config.speedup if match == "exact" else None)
 
     def override(self, role: str, hardware: Hardware) -> _Override | None:
         """This model's override of ``role`` on ``hardware`` (server first, then the bundle), or None.
@@ -388,10 +382,8 @@ class Tuned:
         The three problems come from the forward's shapes by the rule of
         `collective_matmul.models.slot_problems`.  The model's override of ``role`` comes first
         (each of its configs checked against its problem: one that does not fit is skipped and
-        noted); then each problem is looked up with `lookup`.  A weight gradient runs a ring only
-        where one was tuned (exact or nearest); otherwise, and when the tuned one is the
-        baseline, it runs ``Decomposition.baseline(fuse=True)``, what autodiff of the baseline
-        does (no second gather).
+        noted, warned about once); then each problem is looked up with `lookup`, and a weight
+        gradient runs what `collective_matmul.lookup.weight_gradient` makes of its answer.
 
         Args:
             role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
@@ -454,11 +446,8 @@ class Tuned:
             hit = self._calls.get(key)
             if hit is None:
                 answer = self.lookup(problem, hardware)
-                # a weight gradient runs a ring only where one was measured to win: the cost model does not
-                # know `fuse`, and the fused baseline (no second gather) is what autodiff does
-                if slot == "grad_weight" and (answer.decomposition == Decomposition.baseline()
-                                              or answer.match in ("model", "baseline")):
-                    answer = replace(answer, decomposition=DEFAULT_GRAD_WEIGHT)
+                if slot == "grad_weight":
+                    answer = replace(answer, decomposition=weight_gradient(answer.decomposition, answer.match))
                 hit = (problem, answer)
                 if len(self._calls) < MAX_SITES:
                     self._calls[key] = hit

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.lookup import Match
 from collective_matmul.models import MAX_ROLE_LENGTH, MAX_ROLES, MODEL_NAME_LENGTH, ModelName, Role, TransformerBlock
 from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Version
 from collective_matmul.text import label, message
@@ -626,6 +627,57 @@ class TrialTask(BaseModel):
     step: StepTask | None = None
 
 
+# --- messages within a multi-process group (process 0 to the others; `cmtune.tuner.cluster.Group`) ---------
+
+
+class GroupMessage(BaseModel):
+    """What process 0 of a worker's or `cmtune tune`'s group tells the others: run this trial together,
+    nothing to run yet, or stop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["trial", "idle", "stop"]
+    task: TrialTask | None = None
+
+
+class ChosenVariant(BaseModel):
+    """The step variant process 0 decided on (None: no decision could be made)."""
+
+    variant: str | None
+
+
+class Resolved(BaseModel):
+    """What one slot of one role resolved to, for the table every process prints alike."""
+
+    problem: str
+    decomposition: str
+    match: str
+    source: str
+
+
+class BlockConfigs(BaseModel):
+    """The reference block's per-role configs as process 0 looked them up (`cmtune verify --model`)."""
+
+    configs: dict[str, OpConfigs]
+    resolved: dict[str, dict[str, Resolved]]
+
+
+class Pin(BaseModel):
+    """One call's configs as process 0's `Tuned` resolved them, replayed by `Tuned.pinned` elsewhere."""
+
+    configs: OpConfigs
+    match: dict[str, str] = Field(default_factory=dict, description="slot -> how process 0's look-up answered")
+
+
+class StepCalls(BaseModel):
+    """What process 0's drop-in resolved in a user's step (`cmtune verify --step`): the pins (keyed
+    ``role|forward problem``), each role's configs in call order, and the mesh axis of the rings."""
+
+    pins: dict[str, Pin]
+    per_role: dict[str, list[OpConfigs]]
+    axis: str | None = None
+
+
 class LeaseGranted(BaseModel):
     lease: LeasePublic
     trial: TrialTask
@@ -706,7 +758,6 @@ class ConfigQuery(BaseModel):
                         device_count=self.device_count or self.problem.axis_size, process_count=self.process_count)
 
 
-Match = Literal["exact", "nearest", "model", "baseline"]
 
 
 class ConfigAnswer(BaseModel):

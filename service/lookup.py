@@ -1,4 +1,4 @@
-"""Config look-up with a stated fallback order: exact, nearest, model, baseline.
+"""Config look-up in the stated order (`collective_matmul.lookup`): exact, nearest, model, baseline.
 
 Tuned configs of a hardware are cached per replica for ``config_cache_seconds`` (writes from
 this replica clear the cache at once; other replicas see them within that time).
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from fastapi.concurrency import run_in_threadpool
 
-from collective_matmul.bundle import TunedConfig, nearest
-from collective_matmul.costmodel import model_choice
+from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
+from collective_matmul.lookup import from_tuned, untuned
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import ConfigAnswer
 
@@ -24,17 +24,13 @@ if TYPE_CHECKING:
 
 
 def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) -> ConfigAnswer:
-    """Pick from ``tuned`` (problem key -> config, one hardware) in the fallback order."""
-    exact = tuned.get(problem.key)
-    if exact is not None:
-        return _from_tuned(problem, hardware, exact, "exact")
-    best = nearest(problem, tuned.values())
-    if best is not None:
-        return _from_tuned(problem, hardware, best, "nearest")
-    choice = model_choice(problem, hardware)
-    if choice is not None:
-        return _answer(problem, hardware, choice, "model")
-    return _answer(problem, hardware, Decomposition.baseline(), "baseline")
+    """Pick from ``tuned`` (problem key -> config, one hardware) in the look-up order
+    (`collective_matmul.lookup`)."""
+    found = from_tuned(problem, tuned)
+    if found is not None:
+        return _from_tuned(problem, hardware, found[1], found[0])
+    match, decomposition = untuned(problem, hardware)
+    return _answer(problem, hardware, decomposition, match)
 
 
 def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, match: str, **extra) -> ConfigAnswer:

@@ -62,7 +62,8 @@ from cmtune.tuner.step import variant_configs
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.costmodel import PROFILES, profile_for
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
+from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.lookup import weight_gradient
 from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import candidates, has_ring, no_ring_reason
@@ -356,8 +357,8 @@ class Engine:
     def step_configs(self, tx: StoreTx, study: StudyRecord) -> dict[str, OpConfigs]:
         """Each role's tuned configs for a step study: the tuned decomposition of each of its problems.
 
-        A problem without a tuned config runs the baseline; a weight gradient tuned to the baseline
-        runs the fused baseline (what autodiff of the baseline does: no second gather), a tuned ring unfused (the
+        A problem without a tuned config runs the baseline; a weight gradient what
+        `collective_matmul.lookup.weight_gradient` makes of its tuned config (a tuned ring runs unfused: the
         step trial also times it fused).
         """
         configs = {}
@@ -365,9 +366,8 @@ class Engine:
             chosen = {}
             for slot, problem in problems.items():
                 tuned = tx.tuned_config(problem, study.hardware)
-                chosen[slot] = tuned.decomposition if tuned is not None else Decomposition.baseline()
-            if chosen["grad_weight"].method == "baseline":
-                chosen["grad_weight"] = DEFAULT_GRAD_WEIGHT
+                found = tuned.decomposition if tuned is not None else None
+                chosen[slot] = weight_gradient(found) if slot == "grad_weight" else found or Decomposition.baseline()
             configs[role] = OpConfigs(**chosen)
         return configs
 

@@ -22,7 +22,7 @@ from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import Measurement, Protocol, Status, StepMeasurement, StepVariant, TrialKind, TrialTask
+from collective_matmul.wire import GroupMessage, Measurement, Protocol, Status, StepMeasurement, TrialKind, TrialTask
 
 
 class Runner(TypingProtocol):
@@ -87,20 +87,13 @@ class LocalRunner:
     def _run_step(self, task: TrialTask) -> StepMeasurement:
         """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement."""
         from cmtune.tuner.measure import _message, classify_failure
-        from cmtune.tuner.step import run_step
-        from collective_matmul.problem import Hardware
+        from cmtune.tuner.step import failed_step, run_step
 
         self._sessions.clear()  # a step needs the memory more than a problem's cached inputs
         try:
             return run_step(task)
         except Exception as exc:  # noqa: BLE001 - the block could not be set up here: a result
-            message = _message(exc)
-            status = classify_failure(exc)
-            step = task.step
-            return StepMeasurement(
-                block=step.block, mesh=step.mesh, tensor_axis=step.tensor_axis, hardware=Hardware.detect(),
-                protocol=task.protocol, variants=[StepVariant(name=name, status=status, message=message)
-                                                  for name in ("as-written", "tuned")])
+            return failed_step(task, classify_failure(exc), _message(exc))
 
 
 class Watchdog:
@@ -152,14 +145,14 @@ def follow(group, runner: Runner) -> int:
     """
     done = 0
     while True:
-        message = group.receive()
-        if message["kind"] == "stop":
+        message = group.receive(GroupMessage)
+        if message.kind == "stop":
             return done
-        if message["kind"] == "trial":
+        if message.kind == "trial":
             try:
-                runner.run(TrialTask.model_validate(message["task"]))
+                runner.run(message.task)
             except Exception:  # noqa: BLE001 - see above
-                log.exception("this process's record of trial %s failed", message["task"].get("id"))
+                log.exception("this process's record of trial %s failed", message.task.id)
             done += 1
 
 
@@ -207,7 +200,7 @@ class LocalTuner:
                 break
             task = task_for(current, trial)
             if self.group is not None:
-                self.group.send({"kind": "trial", "task": task.model_dump(mode="json")})
+                self.group.send(GroupMessage(kind="trial", task=task))
             what = f"{problem.key}: trial {trial.number} ({', '.join(d.id for d in task.decompositions)})"
             with Watchdog(Watchdog.deadline(task, self.grace_s), what):
                 results = self.runner.run(task)
@@ -223,4 +216,4 @@ class LocalTuner:
     def stop(self) -> None:
         """Release the other processes of the group (call once, after the last study)."""
         if self.group is not None:
-            self.group.send({"kind": "stop"})
+            self.group.send(GroupMessage(kind="stop"))

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware
-from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVariant, Timing, quartiles
+from collective_matmul.wire import ChosenVariant, Protocol, Status, StepMeasurement, StepVariant, Timing, quartiles
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -138,6 +138,17 @@ def run_step(task) -> StepMeasurement:
     return confirm(session, measured, variants, step.configs)
 
 
+def failed_step(task, status: Status, message: str) -> StepMeasurement:
+    """The record of a step trial that could not be measured at all (the block did not fit, the worker
+    failed around it): the reference and the tuned step, each with ``status`` and ``message``."""
+    from collective_matmul.text import as_message
+
+    step, message = task.step, as_message(message, 2000)  # an error's text may hold anything
+    return StepMeasurement(block=step.block, mesh=step.mesh, tensor_axis=step.tensor_axis, hardware=Hardware.detect(),
+                           protocol=task.protocol, variants=[StepVariant(name=name, status=status, message=message)
+                                                             for name in (REFERENCE, "tuned")])
+
+
 def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, tuned: Mapping[str, OpConfigs],
             ) -> StepMeasurement:
     """``measured`` with a confirmation: the reference, the all-baseline step and the variant that
@@ -153,8 +164,8 @@ def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, 
     group, message = Group(), None
     if group.leader:
         decision = step_decision(measured, tuned)
-        message = {"variant": decision.variant if decision.ok else None}
-    chosen = group.share(message)["variant"]
+        message = ChosenVariant(variant=decision.variant if decision.ok else None)
+    chosen = group.share(message, ChosenVariant).variant
     if chosen is None:
         return measured
     names = dict.fromkeys([measured.reference, "baseline", chosen])

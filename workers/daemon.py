@@ -34,9 +34,9 @@ from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponenti
 from cmtune.tuner.cluster import EXIT_HUNG, Group
 from cmtune.tuner.local import LocalRunner, Watchdog, follow
 from collective_matmul.problem import Hardware
-from collective_matmul.text import as_message
 from collective_matmul.wire import (
     WORKER_HEADER,
+    GroupMessage,
     HardwareIn,
     LeaseGranted,
     Measurement,
@@ -44,7 +44,6 @@ from collective_matmul.wire import (
     ResultOut,
     Status,
     StepMeasurement,
-    StepVariant,
     TrialKind,
     TrialTask,
     WorkerCreate,
@@ -139,7 +138,7 @@ class WorkerDaemon:
                 if grant is None:
                     if self.exit_when_idle and time.monotonic() - idle_since > max(self.poll_s * 3, 5.0):
                         break
-                    self._group.send({"kind": "idle"})
+                    self._group.send(GroupMessage(kind="idle"))
                     self.state.stop.wait(self.poll_s)
                     continue
                 idle_since = time.monotonic()
@@ -154,7 +153,7 @@ class WorkerDaemon:
             logging.shutdown()
             os._exit(EXIT_CRASHED)
         finally:
-            self._group.send({"kind": "stop"})
+            self._group.send(GroupMessage(kind="stop"))
             self.unregister()
         return self.state.trials_done
 
@@ -209,7 +208,7 @@ class WorkerDaemon:
         unless the daemon is leaving or has done its ``max_trials``."""
         task = grant.trial
         self.state.lease_id = grant.lease.id
-        self._group.send({"kind": "trial", "task": task.model_dump(mode="json")})
+        self._group.send(GroupMessage(kind="trial", task=task))
         what = f"trial {task.id} ({describe(task)})"
         with Watchdog(Watchdog.deadline(task, self.grace_s), what, on_overrun=self.state.abort.set):
             try:
@@ -248,13 +247,10 @@ def describe(task: TrialTask) -> str:
 
 def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | StepMeasurement:
     from cmtune.tuner.measure import failure
+    from cmtune.tuner.step import failed_step
 
-    message = as_message(message, 2000)  # an error's text may hold anything
     if task.kind == TrialKind.STEP:
-        return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
-                               hardware=Hardware.detect(), protocol=task.protocol,
-                               variants=[StepVariant(name=n, status=status, message=message)
-                                         for n in ("as-written", "tuned")])
+        return failed_step(task, status, message)
     return [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
 
 
