@@ -367,9 +367,9 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     from cmtune.tuner.cluster import Group
     from cmtune.tuner.report import roles_table
     from cmtune.tuner.step import StepSession, standard_variants, step_layout
-    from collective_matmul.block import OpConfigs, configs_per_role
+    from collective_matmul.block import configs_per_role
     from collective_matmul.client import Tuned
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import BlockConfigs, Protocol, Resolved
 
     started = time.monotonic()
     try:
@@ -384,19 +384,19 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
         tuned = Tuned(server, token=token, bundle=bundle, model=block.name)
         configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
                                    batch_axis=layout.batch_axis)
-        resolved = {role: {slot: {"problem": problem.key, "decomposition": found.decomposition.id,
-                                  "match": found.match, "source": found.source}
+        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=found.decomposition.id,
+                                          match=found.match, source=found.source)
                            for slot, (problem, found) in slots.items()}
                     for role, slots in tuned.resolved_by_role.items()}
-        message = {"configs": {role: c.model_dump(mode="json") for role, c in configs.items()}, "resolved": resolved}
-    message = group.share(message)
-    configs = {role: OpConfigs.model_validate(c) for role, c in message["configs"].items()}
+        message = BlockConfigs(configs=configs, resolved=resolved)
+    message = group.share(message, BlockConfigs)
+    configs = message.configs
     mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
     submitted = ",".join(f"{name}={size}" for name, size in spec.axes.items())
     say(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch {layout.block.global_batch} "
         f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
         f"{jax.process_count()} process(es)")
-    say(roles_table(message["resolved"], title="configs per role"))
+    say(roles_table(message.resolved, title="configs per role"))
     variants = standard_variants(configs, ablation=ablation)
     protocol = Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,

@@ -8,7 +8,6 @@ decision can depend on one process's timings.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)  # a message: one of collective_matmul.wire's group types
 ENV_COORDINATOR = "CMTUNE_COORDINATOR"
 ENV_NUM_PROCESSES = "CMTUNE_NUM_PROCESSES"
 ENV_PROCESS_ID = "CMTUNE_PROCESS_ID"
@@ -253,19 +256,21 @@ class Group:
         self.size = jax.process_count()
         self.leader = jax.process_index() == 0
 
-    def send(self, message: dict) -> None:
+    def send(self, message: BaseModel) -> None:
+        """Process 0: ``message`` (a `collective_matmul.wire` type) to the others."""
         if self.size > 1:
-            self._broadcast(json.dumps(message).encode())
+            self._broadcast(message.model_dump_json().encode())
 
-    def receive(self) -> dict:
-        return json.loads(self._broadcast(b"").decode())
+    def receive(self, kind: type[M]) -> M:
+        """The others: process 0's next message, a ``kind``."""
+        return kind.model_validate_json(self._broadcast(b""))
 
-    def share(self, message: dict | None) -> dict:
+    def share(self, message: M | None, kind: type[M]) -> M:
         """Process 0's ``message`` on every process (the others pass None)."""
         if self.leader:
             self.send(message)
             return message
-        return self.receive()
+        return self.receive(kind)
 
     def _broadcast(self, payload: bytes) -> bytes:
         import numpy as np

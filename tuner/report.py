@@ -97,7 +97,7 @@ def step_table(measurement, *, title: str) -> Table:
 def roles_table(resolved: dict, *, title: str) -> Table:
     """Per role and slot: the problem, the config used, and where it came from.
 
-    ``resolved``: role -> slot -> ``{"problem", "decomposition", "match", "source"}`` (strings).
+    ``resolved``: role -> slot -> `collective_matmul.wire.Resolved`.
     """
     table = Table(title=title)
     for name in ("role", "problem", "config", "from"):
@@ -105,7 +105,7 @@ def roles_table(resolved: dict, *, title: str) -> Table:
     for role, slots in resolved.items():
         for slot, found in slots.items():
             name = role if slot == "forward" else f"{role}.{slot}"
-            table.add_row(name, found["problem"], found["decomposition"], f"{found['match']} ({found['source']})")
+            table.add_row(name, found.problem, found.decomposition, f"{found.match} ({found.source})")
     return table
 
 

@@ -145,8 +145,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     from cmtune.tuner.report import sites_table
     from cmtune.tuner.userstep import Built, UserStepSession, step_variants
     from collective_matmul.client import Tuned
-    from collective_matmul.decomposition import OpConfigs
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import Protocol, StepCalls
 
     if decide and bundle is None:
         raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
@@ -170,15 +169,14 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     if group.leader:
         traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
         sites = tuned.report()
-        message = {"pins": tuned.pins(),
-                   "per_role": {r: [c.model_dump(mode="json") for c in cs] for r, cs in tuned.per_role().items()},
-                   "axis": next((s.axis for s in sites.applied), None)}
+        message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
+                            axis=next((s.axis for s in sites.applied), None))
         console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
                                                f"applied, {len(sites.fell_back)} fell back)"))
-    message = group.share(message)
+    message = group.share(message, StepCalls)
     if not group.leader:
-        tuned.pin(message["pins"])
-    per_role = {role: [OpConfigs.model_validate(c) for c in configs] for role, configs in message["per_role"].items()}
+        tuned.pin(message.pins)
+    per_role = message.per_role
     if not per_role:
         say(f"[red]{ref}: no call of the step went through the drop-in: give the Flax layers "
             "collective_matmul.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
@@ -189,7 +187,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     import jax
 
     say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
-    result = session.measure(variants, axis=message["axis"], on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if decide:
         result = _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision)
     if not group.leader:
@@ -207,9 +205,12 @@ def _decide(group, session, result, variants, per_role, tuned, model, bundle, sa
     several problems gets an override only where its configs fit every one of them (the baseline,
     the fixed ring): one override serves all of the role's calls.
     """
+    from collective_matmul.wire import ChosenVariant
+
     first = {role: configs[0] for role, configs in per_role.items()}
     decision = step_decision(result, first) if group.leader else None
-    chosen = group.share({"variant": decision.variant if decision is not None and decision.ok else None})["variant"]
+    chosen = group.share(ChosenVariant(variant=decision.variant if decision is not None and decision.ok else None),
+                         ChosenVariant).variant
     if chosen is None:
         say(f"[red]no decision: {decision.summary if decision is not None else ''}[/red]")
         return result
