@@ -119,17 +119,25 @@ def submit(
                               device_count=ring.device_count, process_count=process_count or ring.process_count)
         bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force)]
         return _post(server, token, token_file, bodies)
-    targets = problems_from_options(problem, model, mesh, tensor_axis)
-    hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
-                          device_count=targets[0].axis_size, process_count=process_count or 1)
-    common = dict(hardware=hardware, budget=Budget(trials=trials), force=force)
-    if model:
-        spec = MeshSpec.parse(mesh, tensor_axis)
-        # a file is read here, on the client: the API takes a preset name or an inline shape
-        shape = model if model in _presets() else TransformerBlock.load(model)
-        bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis), **common)]
+    def on(device_count: int) -> dict:
+        hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
+                              device_count=device_count, process_count=process_count or 1)
+        return dict(hardware=hardware, budget=Budget(trials=trials), force=force)
+
+    if model and not problem:  # the service derives the model's problems (and says what does not fit)
+        if not mesh:
+            raise typer.BadParameter("--model needs --mesh, e.g. --mesh data=1,model=8")
+        try:
+            spec = MeshSpec.parse(mesh, tensor_axis)
+            # a file is read here, on the client: the API takes a preset name or an inline shape
+            shape = model if model in _presets() else TransformerBlock.load(model)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis),
+                              **on(spec.axes[spec.tensor_axis]))]
     else:
-        bodies = [StudyCreate(problem=p, **common) for p in targets]
+        bodies = [StudyCreate(problem=p, **on(p.axis_size))
+                  for p in problems_from_options(problem, model, mesh, tensor_axis)]
     _post(server, token, token_file, bodies)
 
 
@@ -144,7 +152,10 @@ def _post(server: str, token: str | None, token_file: Path | None, bodies) -> No
                 console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials)")
             for skip in created.skipped:
                 console.print(f"skipped {skip.problem}: {skip.reason} (study {skip.study_id})")
-            if created.submission_id:
+            if created.joined:
+                console.print(f"joined submission {created.submission_id}: the same model, mesh and hardware is "
+                              "being measured already")
+            elif created.submission_id:
                 console.print(f"submission {created.submission_id}")
 
 

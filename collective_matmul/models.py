@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from collective_matmul.problem import DType, Problem
 from collective_matmul.text import label
@@ -198,8 +198,9 @@ def role_problems(model: TransformerBlock, mesh: MeshSpec) -> dict[str, dict[str
         try:
             found[role] = slot_problems(collective, m=tokens, k=k, n=n, dtype=model.dtype,
                                         axis_size=mesh.tensor_size)
-        except ValueError as exc:
-            raise ValueError(f"{model.name} {role}: {exc}") from None
+        except ValueError as exc:  # a Problem's own reason, without pydantic's frame around it
+            reason = exc.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(exc, ValidationError) else exc
+            raise ValueError(f"{model.name} {role}: {reason}") from None
     return found
 
 
