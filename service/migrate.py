@@ -17,7 +17,8 @@ from cmtune.service.models import Base
 def alembic_config(engine: Engine) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # the config file format interpolates "%": a URL's own (an encoded password, a socket path) is doubled
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     cfg.attributes["target_metadata"] = Base.metadata  # for autogenerate; migrations import nothing of ours
     return cfg
 

@@ -1,9 +1,29 @@
-"""Test-wide setup: 8 virtual CPU devices, set before any JAX backend starts."""
+"""Test-wide setup: 8 virtual CPU devices, set before any JAX backend starts; the PostgreSQL server."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+from tests import pg  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """The PostgreSQL URL of this test session: CMTUNE_TEST_DATABASE_URL's server (CI's) when set, else an
+    embedded one started on first use and removed at the end (tests/pg.py); a skip saying what to install
+    only where neither can be had."""
+    if url := os.environ.get(pg.ENV):
+        yield url
+        return
+    try:
+        server = pg.EmbeddedPostgres.start()
+    except pg.Unavailable as reason:
+        pytest.skip(str(reason))
+    yield server.url
+    server.stop()

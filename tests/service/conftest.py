@@ -1,9 +1,8 @@
-"""The API contract suite runs against every backend: SQLite always, PostgreSQL when
-CMTUNE_TEST_DATABASE_URL points at a server (CI sets it)."""
+"""The API contract suite runs against every backend: SQLite, and PostgreSQL (the session's `pg_url`:
+CMTUNE_TEST_DATABASE_URL's server where set, as in CI, else an embedded one, tests/pg.py)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +18,6 @@ from cmtune.service.store import SqlStore
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.wire import Measurement, Timing
 
-PG_URL = os.environ.get("CMTUNE_TEST_DATABASE_URL")
 HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process_count": 1}
 PROBLEM = {"collective": "allgather_matmul", "m": 256, "k": 64, "n": 128, "dtype": "float32", "axis_size": 8}
 
@@ -36,12 +34,10 @@ def reset_postgres(url: str) -> None:
 def database_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'cmtune.sqlite'}"
-    if not PG_URL:
-        pytest.skip("PostgreSQL contract run needs CMTUNE_TEST_DATABASE_URL (e.g. "
-                    "postgresql+psycopg://user:pw@127.0.0.1:5432/cmtune_test)")
-    reset_postgres(PG_URL)
-    migrate.upgrade(create_engine(PG_URL))
-    return PG_URL
+    url = request.getfixturevalue("pg_url")  # only the PostgreSQL runs start a server
+    reset_postgres(url)
+    migrate.upgrade(create_engine(url))
+    return url
 
 
 @dataclass

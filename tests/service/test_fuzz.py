@@ -39,7 +39,6 @@ from collective_matmul.models import PRESETS, ROLES, SLOTS, MeshSpec, role_probl
 from collective_matmul.wire import Speedup, Status, StepMeasurement, Timing, TrialTask, quartiles
 from tests.service.conftest import (
     HARDWARE,
-    PG_URL,
     PROBLEM,
     create_tokens,
     register,
@@ -57,11 +56,8 @@ def fuzzed_server(request, tmp_path_factory):
     database: (server, tokens by role, worker)."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fuzz.sqlite'}"
-    elif not PG_URL:
-        pytest.skip("the PostgreSQL fuzz needs CMTUNE_TEST_DATABASE_URL (e.g. "
-                    "postgresql+psycopg://user:pw@127.0.0.1:5432/cmtune_test)")
     else:
-        url = PG_URL
+        url = request.getfixturevalue("pg_url")
         reset_postgres(url)
         engine = create_engine(url)
         migrate.upgrade(engine)

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from cmtune.service.main import create_app
 from cmtune.service.settings import Settings
 from collective_matmul import Decomposition
-from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, make_api, measurement, register, run_trial
+from tests.service.conftest import HARDWARE, PROBLEM, make_api, measurement, register, run_trial
 
 
 def create(client, **body):
@@ -301,9 +301,8 @@ def test_the_openapi_document_declares_auth_and_errors(api):
     assert refs <= set(spec["components"]["schemas"]), refs - set(spec["components"]["schemas"])
 
 
-@pytest.mark.skipif(not PG_URL, reason="needs CMTUNE_TEST_DATABASE_URL (PostgreSQL: SQLite has no server "
-                    "connection to lose)")
-def test_connections_the_database_dropped_are_replaced_before_use(monkeypatch):
+# PostgreSQL only: SQLite has no server connection to lose
+def test_connections_the_database_dropped_are_replaced_before_use(monkeypatch, pg_url):
     """A busy pool skips the per-transaction ping; a connection that idled is checked first, so a
     database restart (here: every session of ours killed) costs no request once it has idled."""
     from sqlalchemy import text
@@ -311,10 +310,10 @@ def test_connections_the_database_dropped_are_replaced_before_use(monkeypatch):
     from cmtune.service import db as db_module
     from cmtune.service.db import Database
 
-    database = Database(PG_URL)
+    database = Database(pg_url)
     with database.transaction() as connection:
         ours = connection.scalar(text("SELECT pg_backend_pid()"))
-    killer = Database(PG_URL)
+    killer = Database(pg_url)
     with killer.transaction() as connection:
         assert connection.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": ours})
     killer.dispose()

@@ -14,7 +14,7 @@ from cmtune.service.errors import UnavailableError
 from cmtune.service.models import HardwareRow, Lease, Study, Trial, Worker
 from cmtune.service.prepared import Prepared
 from collective_matmul.wire import StudyState, TrialKind, TrialState
-from tests.service.conftest import PG_URL, reset_postgres
+from tests.service.conftest import reset_postgres
 
 studies, trials, hardware, workers, leases = (Study.__table__, Trial.__table__, HardwareRow.__table__,
                                               Worker.__table__, Lease.__table__)
@@ -103,12 +103,10 @@ def test_missing_parameters_are_refused_before_the_database_sees_them(db):
         Prepared(select(studies.c.id).where(studies.c.id == bindparam("study_id"))).rows(c, {})
 
 
-@pytest.mark.skipif(not PG_URL, reason="needs CMTUNE_TEST_DATABASE_URL (PostgreSQL: SQLite has no server "
-                    "connection to lose)")
-def test_a_dropped_connection_is_invalidated():
-    reset_postgres(PG_URL)
-    migrate.upgrade(create_engine(PG_URL))
-    db = Database(PG_URL)
+def test_a_dropped_connection_is_invalidated(pg_url):  # PostgreSQL: SQLite has no server connection to lose
+    reset_postgres(pg_url)
+    migrate.upgrade(create_engine(pg_url))
+    db = Database(pg_url)
     read = Prepared(select(studies.c.id).where(studies.c.id == bindparam("id")))
     with pytest.raises(UnavailableError), db.transaction() as c:  # the driver's error, as SQLAlchemy's
         pid = c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()

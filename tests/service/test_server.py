@@ -23,7 +23,7 @@ from cmtune.service.store import SqlStore
 from cmtune.tuner.measure import Session
 from collective_matmul import Decomposition, Problem
 from collective_matmul.wire import Protocol
-from tests.service.conftest import HARDWARE, PG_URL, PROBLEM, create_tokens, register, reset_postgres, run_trial
+from tests.service.conftest import HARDWARE, PROBLEM, create_tokens, register, reset_postgres, run_trial
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,19 +110,18 @@ def test_migrations_upgrade_and_downgrade_on_an_empty_database(database_url):
     engine.dispose()
 
 
-@pytest.mark.skipif(not PG_URL, reason="needs CMTUNE_TEST_DATABASE_URL (PostgreSQL)")
-def test_serve_refuses_an_out_of_date_postgres_schema():
-    reset_postgres(PG_URL)
+def test_serve_refuses_an_out_of_date_postgres_schema(pg_url):
+    reset_postgres(pg_url)
     with pytest.raises(SchemaOutOfDate, match="run 'cmtune db upgrade'"):
-        create_app(Settings(database_url=PG_URL))
+        create_app(Settings(database_url=pg_url))
     run = subprocess.run([sys.executable, "-m", "cmtune", "serve", "--port", "1"], cwd=ROOT,
-                         env={"CMTUNE_DATABASE_URL": PG_URL, "PATH": "/usr/bin:/bin"} | _python_env(),
+                         env={"CMTUNE_DATABASE_URL": pg_url, "PATH": "/usr/bin:/bin"} | _python_env(),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "cmtune db upgrade" in run.stdout
     up = subprocess.run([sys.executable, "-m", "cmtune", "db", "upgrade"], cwd=ROOT,
-                        env={"CMTUNE_DATABASE_URL": PG_URL} | _python_env(), capture_output=True, text=True)
+                        env={"CMTUNE_DATABASE_URL": pg_url} | _python_env(), capture_output=True, text=True)
     assert up.returncode == 0, up.stderr
-    create_app(Settings(database_url=PG_URL)).state.cmtune.store.db.dispose()
+    create_app(Settings(database_url=pg_url)).state.cmtune.store.db.dispose()
 
 
 def test_sqlite_file_is_upgraded_by_serve_and_auth_off_stays_on_loopback(tmp_path):
@@ -243,3 +242,35 @@ def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):
     roles = {role for entry in sub["entries"] for role in entry["roles"]}
     assert {"Model/layer0/up", "Model/layer1/down.grad_input", "Model/layer0/up.grad_weight"} <= roles
     assert len(sub["entries"]) == 3 and "study" in run.stdout and "submission" in run.stdout
+
+
+def test_submit_a_model_twice_joins_and_the_service_says_what_does_not_fit(tmp_path):
+    """The model's problems are derived once, by the service: the command sends the shape and the mesh, and
+    prints what the service answered (a second submission joins the first; a shape that does not shard gets
+    the service's reason)."""
+    url = f"sqlite:///{tmp_path / 'twice.sqlite'}"
+    token = admin_token(url)
+    with running_server(database_url=url) as server:
+        env = os.environ | {"CMTUNE_TOKEN": token, "COLUMNS": "250"}
+
+        def submit(*args):
+            return subprocess.run([sys.executable, "-m", "cmtune", "submit", "--server", server.url, "--trials", "2",
+                                   "--model", "tiny", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                  env=env)
+
+        first, second = submit("--mesh", "data=1,model=8"), submit("--mesh", "data=1,model=8")
+        unfit = submit("--mesh", "data=1,model=7")
+    assert first.returncode == 0 and "submission 1" in first.stdout and "step:tiny" in first.stdout, first.stdout
+    assert second.returncode == 0 and "joined submission 1" in second.stdout, second.stdout
+    assert unfit.returncode != 0 and "tiny qkv: allgather_matmul: m=512 is not divisible by axis_size=7" in (
+        unfit.stdout + unfit.stderr) and "pydantic" not in unfit.stdout + unfit.stderr
+
+
+def test_migrations_take_a_url_with_a_percent_sign(tmp_path):
+    """Alembic's config interpolates "%": an encoded password or socket path in the URL must survive it."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'fifty%25.sqlite'}")
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) is not None and (tmp_path / "fifty%.sqlite").exists()
+    engine.dispose()

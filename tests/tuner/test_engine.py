@@ -21,7 +21,7 @@ from cmtune.tuner.search import SearchSettings, default_budget
 from cmtune.tuner.store import InMemoryStore
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.wire import Measurement, Protocol, Status, StudyState, Timing, TrialKind, TrialState
-from tests.service.conftest import PG_URL, reset_postgres
+from tests.service.conftest import reset_postgres
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")  # 49 candidates
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
@@ -36,11 +36,10 @@ def store(request, tmp_path):
     if request.param == "sqlite":
         db = Database(f"sqlite:///{tmp_path / 'engine.sqlite'}")
     else:
-        if not PG_URL:
-            pytest.skip("PostgreSQL contract run needs CMTUNE_TEST_DATABASE_URL")
-        reset_postgres(PG_URL)
-        migrate.upgrade(create_engine(PG_URL))
-        db = Database(PG_URL)
+        url = request.getfixturevalue("pg_url")
+        reset_postgres(url)
+        migrate.upgrade(create_engine(url))
+        db = Database(url)
     migrate.upgrade(db.engine)
     yield SqlStore(db)
     db.dispose()
