@@ -10,10 +10,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow bench lint clean
 
+# PYTHONWARNINGS: setuptools' one notice on every editable install of a mapped layout (cmtune.tuner is
+# tuner/), that folders named like a package in the working directory may shadow it: here they are its sources
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[all,dev]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[all,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

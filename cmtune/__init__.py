@@ -6,4 +6,6 @@ tuning), `cmtune.workers` (the worker daemon), `cmtune.service` (the REST servic
 holds only the `cmtune` command line (`cmtune.cli`), the one place that knows every part.
 """
 
-__version__ = "0.3.0"  # as pyproject.toml says
+from importlib.metadata import version
+
+__version__ = version("cmtune")  # pyproject.toml's, as installed: its one source

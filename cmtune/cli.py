@@ -1,33 +1,28 @@
 """The `cmtune` command: every part's subcommands under one root, plus the API clients and the demo.
 
 Each part keeps its commands beside its code: `cmtune.tuner.cli` (tune, bench, problems),
-`cmtune.workers.cli` (worker), `cmtune.service.cli` (serve, token, db).  `submit` and `status`
+`cmtune.workers.cli` (worker), `cmtune.service.cli` (serve, token, db), and what they share in
+`cmtune.tuner.cli_common` (the console, the server and token options).  `submit` and `status`
 are clients of the REST API and need neither the service nor JAX.  This module is the only one
 that imports every part.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from cmtune.service.cli import app as service_app
 from cmtune.tuner.cli import app as tuner_app
-from cmtune.tuner.cli import problems_from_options
+from cmtune.tuner.cli_common import SERVER, TOKEN_FILE, console, problems_from_options, read_token_file
 from cmtune.workers.cli import app as workers_app
 
 app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True)
 app.add_typer(tuner_app)
 app.add_typer(workers_app)
 app.add_typer(service_app)
-console = Console(width=None if sys.stdout.isatty() else 150)
-
-SERVER = typer.Option(envvar="CMTUNE_SERVER", help="service URL")
-TOKEN_FILE = typer.Option(help="read the token from this file (CMTUNE_TOKEN works too; both keep it out of ps)")
 
 
 def main() -> None:
@@ -57,8 +52,6 @@ def demo(
 
 def _api(server: str, token: str | None, token_file: Path | None = None):
     import httpx
-
-    from cmtune.workers.cli import read_token_file
 
     token = token or read_token_file(token_file)
     return httpx.Client(base_url=server.rstrip("/"), timeout=30,

@@ -89,7 +89,9 @@ class Decomposition(BaseModel):
 
     @property
     def id(self) -> str:
-        """Short stable id for display, e.g. ``ring-bi-c4-u2-f32`` or ``baseline-fuse``."""
+        """The decomposition's key, e.g. ``ring-bi-c4-u2-f32`` or ``baseline-fuse``: one id per decomposition,
+        read back by `from_id`.  A search trial is stored under it (``trials.decomposition_id``), and the
+        API and the tables show it: a change of its format needs a migration of the stored ids."""
         suffix = "-fuse" if self.fuse else ""
         if self.method == "baseline":
             return "baseline" + suffix

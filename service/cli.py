@@ -1,23 +1,22 @@
 """`cmtune serve | token | db`: the service's commands.
 
-Module-level imports stay light (Typer only) so that `cmtune --help` works on a worker host
-that does not have the service's dependencies.
+Module-level imports stay light (Typer and the command lines' shared console) so that `cmtune --help`
+works on a worker host that does not have the service's dependencies.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from cmtune.tuner.cli_common import console
 
 app = typer.Typer(no_args_is_help=True)
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
-console = Console(width=None if sys.stdout.isatty() else 150)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ROLES = ("admin", "worker", "reader")

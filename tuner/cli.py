@@ -6,77 +6,15 @@ JAX is imported only inside a command, and no device is touched before the devic
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from cmtune.tuner.cluster import DEVICES_HELP, DeviceSpec
+from cmtune.tuner.cli_common import console, devices_option, problems_from_options, relaunch_as_group, show_step
+from cmtune.tuner.cluster import DEVICES_HELP
 
 app = typer.Typer(no_args_is_help=True)
-# A pipe gets rich's 80 columns by default; tables of decompositions need more.
-console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-def devices_option(text: str) -> DeviceSpec:
-    try:
-        return DeviceSpec.parse(text)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--devices") from None
-
-
-def relaunch_as_group(count: int, local_devices: int) -> None:
-    """Re-run this very command as ``count`` processes of a gloo cluster; process 0's output shows as it comes.
-
-    Every process runs what it is handed by process 0; if one fails or hangs (its watchdog ends
-    it), the others are killed and this command exits non-zero with the failure's output.
-    """
-    from cmtune.tuner.cluster import launch
-
-    try:
-        results = launch(count, without_token(sys.orig_argv[1:]), local_devices=local_devices, timeout_s=24 * 3600,
-                         echo_first=True)
-    except RuntimeError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    sys.stderr.write(results[0].stderr)
-
-
-def without_token(argv: list[str]) -> list[str]:
-    """``argv`` without ``--token T`` (the children read CMTUNE_TOKEN): no token in any argv we build."""
-    import os
-
-    out, skip = [], False
-    for i, word in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if word == "--token":
-            os.environ["CMTUNE_TOKEN"] = argv[i + 1] if i + 1 < len(argv) else ""
-            skip = True
-        elif word.startswith("--token="):
-            os.environ["CMTUNE_TOKEN"] = word.split("=", 1)[1]
-        else:
-            out.append(word)
-    return out
-
-
-def problems_from_options(problem: list[str] | None, model: str | None, mesh: str | None, tensor_axis: str | None):
-    """The problems named by ``--problem`` (repeatable) or ``--model`` with ``--mesh``."""
-    from collective_matmul import MeshSpec, Problem, TransformerBlock, model_problems
-
-    if bool(problem) == bool(model):
-        raise typer.BadParameter("give either --problem (one or more) or --model with --mesh")
-    try:
-        if problem:
-            return [Problem.parse(spec) for spec in problem]
-        if not mesh:
-            raise typer.BadParameter("--model needs --mesh, e.g. --mesh data=1,model=8")
-        return [mp.problem for mp in model_problems(TransformerBlock.load(model), MeshSpec.parse(mesh, tensor_axis))]
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
 
 
 @app.command()
@@ -406,24 +344,3 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
         return
     show_step(result, title=f"training step of {block.name} on {mesh_text}, {result.hardware.key} "
                             f"(jax {result.hardware.jax_version})", started=started, json_out=json_out)
-
-
-def show_step(result, *, title: str, started: float, json_out: Path | None) -> None:
-    """Print a step measurement (and its fresh rounds), write it as JSON; exit 1 if a variant failed."""
-    import time
-
-    from cmtune.tuner.report import step_table
-
-    console.print(step_table(result, title=title))
-    if result.confirmation:
-        again = result.model_copy(update={"variants": result.confirmation, "confirmation": []})
-        console.print(step_table(again, title="the decision timed again in fresh rounds (what the speedups report)"))
-    console.print(f"verify took {time.monotonic() - started:.1f}s")
-    if json_out is not None:
-        json_out.write_text(result.model_dump_json(indent=2) + "\n")
-        console.print(f"wrote the step measurement to {json_out}")
-    failed = [v for v in result.variants if not v.ok]
-    for v in failed:
-        console.print(f"[red]{v.name}: {v.status}: {v.message}[/red]")
-    if failed:
-        raise typer.Exit(1)

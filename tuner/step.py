@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 REFERENCE = "as-written"  # the step as a user writes it without cmtune (GSPMD): every step's reference
 AUTO = "auto"
 
-# ---- variants and layout -----------------------------------------------------------------
+# ---- the variants ------------------------------------------------------------------------
 
 
 # One ring for every slot: what a user who switches collective matmuls on everywhere gets (XLA's
@@ -122,6 +122,9 @@ def standard_variants(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) 
             for name, configs in variant_configs(tuned, ablation=ablation).items()}
 
 
+# ---- a step trial, as a worker or the local runner runs it -------------------------------
+
+
 def run_step(task) -> StepMeasurement:
     """A step trial, as a worker runs it: the submitted block on one ring of its mesh, every variant.
 
@@ -172,6 +175,9 @@ def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, 
     again = session.measure({name: variants[name] for name in names if name in variants},
                             reference=measured.reference)
     return measured.model_copy(update={"confirmation": again.variants})
+
+
+# ---- the layout: where a step is measured ------------------------------------------------
 
 
 @dataclass(frozen=True)

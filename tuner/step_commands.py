@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from cmtune.tuner.cli import console, devices_option, relaunch_as_group, show_step
+from cmtune.tuner.cli_common import console, devices_option, relaunch_as_group, show_step
 from cmtune.tuner.cluster import DeviceSpec
 from cmtune.tuner.userstep import REFERENCE, SpecError, SpecRef
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from cmtune.tuner.cli_common import SERVER, TOKEN_FILE, devices_option, read_token_file, without_token
 from cmtune.tuner.cluster import DEVICES_HELP
 
 app = typer.Typer(no_args_is_help=True)
@@ -15,10 +16,10 @@ app = typer.Typer(no_args_is_help=True)
 
 @app.command()
 def worker(
-    server: Annotated[str, typer.Option(envvar="CMTUNE_SERVER", help="service URL")] = "http://127.0.0.1:8470",
+    server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
     token: Annotated[str | None, typer.Option(
         envvar="CMTUNE_TOKEN", help="a worker token (CMTUNE_TOKEN or --token-file keep it out of ps)")] = None,
-    token_file: Annotated[Path | None, typer.Option(help="read the worker token from this file")] = None,
+    token_file: Annotated[Path | None, TOKEN_FILE] = None,
     devices: Annotated[str, typer.Option(help=DEVICES_HELP + "; auto = the devices JAX finds")] = "auto",
     name: Annotated[str | None, typer.Option(help="default: the host name")] = None,
     coordinator: Annotated[str | None, typer.Option(help="HOST:PORT of process 0 (multi-host)")] = None,
@@ -38,18 +39,14 @@ def worker(
     import logging
     import os
 
-    from cmtune.tuner.cli import without_token
-    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure, join, launch
+    from cmtune.tuner.cluster import ClusterSpec, configure, join, launch
     from cmtune.workers.daemon import WorkerDaemon, supervise
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = token or read_token_file(token_file)
     if token:
         os.environ["CMTUNE_TOKEN"] = token  # children read it from there, never from an argv we build
-    try:
-        spec = DeviceSpec.parse(devices)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    spec = devices_option(devices)
     if restart and "CMTUNE_SUPERVISED" not in os.environ:
         raise typer.Exit(supervise(without_token([w for w in sys.orig_argv[1:] if w != "--restart"])))
     if spec.needs_group:
@@ -66,13 +63,3 @@ def worker(
                           max_trials=max_trials, exit_when_idle=exit_when_idle, grace_s=trial_grace_seconds)
     daemon.install_signal_handlers()
     daemon.run()
-
-
-def read_token_file(path: Path | None) -> str | None:
-    """The token in ``path`` (stripped), or None without a path."""
-    if path is None:
-        return None
-    try:
-        return path.read_text().strip() or None
-    except OSError as exc:
-        raise typer.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--token-file") from None

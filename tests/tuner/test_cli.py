@@ -75,3 +75,14 @@ def test_bundle_rejects_a_foreign_file(tmp_path):
     path.write_text('{"format": "something-else", "configs": []}')
     with pytest.raises(ValueError, match="not a cmtune bundle"):
         Bundle.load(path)
+
+
+def test_a_table_in_a_log_cuts_no_key():
+    """Piped (not a terminal), a table is as wide as its cells: no role, axis or problem key ends in '…'."""
+    from tests.steps.long_names import AXIS, PROBLEM, ROLE
+
+    run = cmtune("problems", "--step", "tests/steps/long_names.py:long_names_step", timeout=120)
+    assert run.returncode == 0, run.stderr
+    row = next(line for line in run.stdout.splitlines() if "forward" in line)
+    assert [cell.strip() for cell in row.strip("│ ").split("│")][:5] == [ROLE, "forward", PROBLEM, "1", AXIS]
+    assert "…" not in run.stdout
