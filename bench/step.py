@@ -91,7 +91,8 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
     import jax
 
     from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.step import StepSession, ring_everywhere, standard_variants, step_layout
+    from cmtune.tuner.step import StepSession, standard_variants, step_layout
+    from cmtune.tuner.variants import ring_everywhere
     from collective_matmul import AS_WRITTEN, Bundle, FixedConfigs, Tuned, configs_per_role, ring_hardware
     from collective_matmul.models import MeshSpec, TransformerBlock
     from collective_matmul.wire import Protocol

@@ -58,8 +58,8 @@ from cmtune.tuner.search import (
     stop_reason,
     tuned_config,
 )
-from cmtune.tuner.step import variant_configs
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
+from cmtune.tuner.variants import variant_configs
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import Decomposition, OpConfigs

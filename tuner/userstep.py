@@ -38,10 +38,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cmtune.tuner.variants import REFERENCE
 from collective_matmul.decomposition import OpConfigs
 from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVariant
 
-REFERENCE = "as-written"
 # The share of an updated leaf's elements that may miss the reference's update.  An optimizer that
 # normalises the gradient (Adam: g / (|g| + eps)) turns float rounding in a gradient near eps into a
 # large part of that element's step: on the GPT example at the demo's size, up to 0.05% of a
@@ -198,10 +198,10 @@ def step_variants(tuned, per_role: Mapping[str, list[OpConfigs]], *, decide: boo
 
     ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline),
     ``tuned`` (``tuned`` itself); with ``decide``, the whole-step alternatives and the per-role
-    ablation of `cmtune.tuner.step.variant_configs` over the roles the tuned step traced (a role
+    ablation of `cmtune.tuner.variants.variant_configs` over the roles the tuned step traced (a role
     seen with several problems is decided as a whole: set back, or the fixed ring everywhere).
     """
-    from cmtune.tuner.step import FIXED_RING, variant_configs
+    from cmtune.tuner.variants import FIXED_RING, variant_configs
 
     uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
     everywhere = OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING, grad_weight=FIXED_RING)

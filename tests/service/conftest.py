@@ -180,7 +180,7 @@ def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: in
                 confirmation: dict[str, float] | None = None) -> dict:
     """A worker's synthetic step measurement for a step trial (the service is under test, not the step);
     ``confirmation``: the seconds of the variants timed again after the decision."""
-    from cmtune.tuner.step import variant_configs
+    from cmtune.tuner.variants import variant_configs
     from collective_matmul.wire import StepMeasurement, StepVariant, TrialTask
 
     task = TrialTask.model_validate(trial)

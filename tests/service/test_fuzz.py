@@ -288,7 +288,7 @@ class StepTrial:
         while (grant := self.worker.post(f"/v1/workers/{self.worker}/lease").json())["trial"]["kind"] != "step":
             report(self.worker, grant)
         self.grant, self.task = grant, TrialTask.model_validate(grant["trial"])
-        from cmtune.tuner.step import variant_configs
+        from cmtune.tuner.variants import variant_configs
 
         self.asked = variant_configs(self.task.step.configs, ablation=self.task.step.ablation)
         seconds = dict.fromkeys(self.asked, 0.85) | {"as-written": 1.0, "baseline": 0.95, "tuned": 0.8}

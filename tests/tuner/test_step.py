@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul.ring as ring
-from cmtune.tuner.step import FIXED_RING, StepMeasurement, StepSession, standard_variants, step_layout
+from cmtune.tuner.step import StepMeasurement, StepSession, standard_variants, step_layout
+from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import (
     Bundle,
     Decomposition,
@@ -107,7 +108,8 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
 
     # the worker then times the reference, the all-baseline step and the chosen variant again
     from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.step import confirm, variant_configs
+    from cmtune.tuner.step import confirm
+    from cmtune.tuner.variants import variant_configs
 
     tuned = variant_configs(TUNED)["tuned"]
     chosen = step_decision(result, tuned).variant
@@ -239,7 +241,7 @@ def test_verify_on_two_processes(files, tmp_path):
 
 def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
     """A step measurement with these samples per variant (configs as the worker would record them)."""
-    from cmtune.tuner.step import variant_configs
+    from cmtune.tuner.variants import variant_configs
     from collective_matmul.wire import StepVariant, Timing, quartiles
 
     configs = variant_configs(TUNED)
@@ -256,7 +258,7 @@ def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
 
 def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread():
     from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.step import variant_configs
+    from cmtune.tuner.variants import variant_configs
 
     tuned = variant_configs(TUNED)["tuned"]
     wins = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
@@ -279,7 +281,7 @@ def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread
 
 def test_the_step_decision_reports_from_the_fresh_rounds():
     from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.step import variant_configs
+    from cmtune.tuner.variants import variant_configs
 
     tuned = variant_configs(TUNED)["tuned"]
     deciding = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
