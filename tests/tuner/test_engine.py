@@ -106,7 +106,7 @@ class Driver:
         with self.store.transaction() as tx:
             if isinstance(tx, InMemoryStore):
                 return tx.tuned.get((PROBLEM.key, HW.key))
-            found = tx.tuned(PROBLEM, HW)
+            found = tx.catalog.tuned(PROBLEM, HW)
             return found.config if found else None
 
 
