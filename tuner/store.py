@@ -160,17 +160,34 @@ class StoreTx(TypingProtocol):
         """
         ...
 
-    def update_study(self, study_id: int, **changes) -> None: ...
+    def update_study(self, study_id: int, **changes) -> None:
+        """Change a study's progress (``trials_done``, ``best_ratio``, ``best_trial_id``, ``stop_reason``), never
+        its state: `TypeError` for ``state`` (see `apply_study_move`)."""
+        ...
 
-    def update_trial(self, trial_id: int, **changes) -> None: ...
+    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
+        """The study's state becomes ``to``, with ``changes``.  Called by `Engine._move_study` alone, once
+        `STUDY_MOVES` allows the move (tests/tuner/test_engine.py checks that nothing else calls it)."""
+        ...
 
-    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
-        """`update_trial` and `update_study` together (one statement where the store can)."""
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
+                         **changes) -> None:
+        """The trial's state becomes ``to``, with ``changes``; ``study_changes`` (progress, as `update_study`)
+        update its study ``study_id`` in the same write (one statement where the store can).  Called by
+        `Engine._move_trial` alone, once `TRIAL_MOVES` allows the move."""
         ...
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         """Store (or replace) the tuned config of ``config``'s (problem, hardware)."""
         ...
+
+
+def refuse_state(changes: dict) -> dict:
+    """``changes`` of a study's or a trial's columns, refused with `TypeError` if they set a state: states change
+    only through the engine's guard (`apply_study_move`, `apply_trial_move`)."""
+    if "state" in changes:
+        raise TypeError("a state changes only through the engine's guard (Engine._move_study, Engine._move_trial)")
+    return changes
 
 
 class Store(TypingProtocol):
@@ -253,20 +270,29 @@ class InMemoryStore:
         for study in studies:
             pending = [t for t in self.trials(study.id) if t.state == TrialState.PENDING]
             if pending:
-                self.update_trial(pending[0].id, state=TrialState.LEASED, attempts=pending[0].attempts + 1,
-                                  worker_id=worker_id)
+                self._set_trial(pending[0].id, state=TrialState.LEASED, attempts=pending[0].attempts + 1,
+                                worker_id=worker_id)
                 return self.trial(pending[0].id)
         return None
 
     def update_study(self, study_id: int, **changes) -> None:
+        self._set_study(study_id, **refuse_state(changes))
+
+    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
+        self._set_study(study_id, state=to, **refuse_state(changes))
+
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
+                         **changes) -> None:
+        refuse_state(study_changes or {})  # before anything changes: this store has no rollback
+        self._set_trial(trial_id, state=to, **refuse_state(changes))
+        if study_changes:
+            self._set_study(study_id, **study_changes)
+
+    def _set_study(self, study_id: int, **changes) -> None:
         self.studies[study_id] = dataclasses.replace(self.study(study_id), **changes)
 
-    def update_trial(self, trial_id: int, **changes) -> None:
+    def _set_trial(self, trial_id: int, **changes) -> None:
         self._trials[trial_id] = dataclasses.replace(self.trial(trial_id), **changes)
-
-    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
-        self.update_trial(trial_id, **trial_changes)
-        self.update_study(study_id, **study_changes)
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         self.tuned[config.key] = config

@@ -1,9 +1,10 @@
 """Leases: the claim of a pending trial, a worker's time-limited hold on it, its end and expiry.
 
 The policy (when expiry runs, what a late result gets, who may report) is `cmtune.service.leasing`'s;
-this room holds its SQL.  A lease that expires or is given back moves its trial through the engine
-(`Engine.release`, `Engine.abandon`).  Claims use ``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite's
-write transaction is exclusive.
+this room holds its SQL.  A claim is a trial's move from pending to leased, checked against the
+engine's `TRIAL_MOVES` where it is made (`Leases.claim`); a lease that expires or is given back moves
+its trial through the engine (`Engine.release`, `Engine.abandon`).  Claims use ``FOR UPDATE SKIP
+LOCKED`` on PostgreSQL; SQLite's write transaction is exclusive.
 
 On PostgreSQL a result's lease ends, its worker's trial counts, and the next trial is claimed and
 leased in one statement (`_claim_leased`); SQLite, which has no writes inside ``WITH``, runs them one
@@ -35,6 +36,7 @@ from cmtune.service.store.base import (
     workers,
 )
 from cmtune.service.store.prepared import Prepared
+from cmtune.tuner.engine import check_trial_move
 from cmtune.tuner.store import TrialRecord
 from collective_matmul.problem import Hardware
 from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyState, TrialState
@@ -132,6 +134,7 @@ class Leases:
               worker_id: int | None = None) -> TrialRecord | None:
         """The oldest pending trial (of ``study_ids``, else of the active studies on ``hardware``), moved to
         leased by ``worker_id`` (attempts + 1) in one statement, or None (`StoreTx.claim`)."""
+        check_trial_move(None, TrialState.PENDING, TrialState.LEASED)
         parameters = {"claimer": worker_id}
         if study_ids is not None:
             parameters["study_ids"] = list(study_ids)
@@ -163,6 +166,7 @@ class Leases:
             lease = dataclasses.replace(lease, trial_id=trial.id)
             tx.rows(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
             return trial, lease
+        check_trial_move(None, TrialState.PENDING, TrialState.LEASED)
         parameters = {"claimer": worker_id, "hardware_key": hardware.identity().key, "lease_id": lease_id,
                       "now": now, "until": expires_at}
         if ending is not None:

@@ -1,7 +1,8 @@
 """Studies and trials: the engine's store interface (`cmtune.tuner.store.StoreTx`) on SQL, and nothing else.
 
 The hot paths (a claim, a result, a study's history, a new study) are single Core statements, built once at
-import and run through `Prepared`.
+import and run through `Prepared`.  States change only in `apply_study_move` / `apply_trial_move`, which
+the engine's guard calls (`Engine._move_study` / `_move_trial`); `update_study` refuses a state.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from cmtune.service.store.base import (
 from cmtune.service.store.leases import Leases
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
-from cmtune.tuner.store import StudyRecord, TrialRecord
+from cmtune.tuner.store import StudyRecord, TrialRecord, refuse_state
 from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyKind, StudyState, TrialKind, TrialState
@@ -173,20 +174,28 @@ class Studies:
         return self.leases.claim(study_ids=study_ids, hardware=hardware, worker_id=worker_id)
 
     def update_study(self, study_id: int, **changes) -> None:
+        self._update_study(study_id, refuse_state(changes))
+
+    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
+        self._update_study(study_id, {"state": to, **refuse_state(changes)})
+
+    def _update_study(self, study_id: int, columns: dict) -> None:
         self._tx.studies.pop(study_id, None)
-        self._tx.rows(_UPDATE_STUDY, {"_study_id": study_id, **changes})
+        self._tx.rows(_UPDATE_STUDY, {"_study_id": study_id, **columns})
 
-    def update_trial(self, trial_id: int, **changes) -> None:
-        self._tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **_trial_columns(changes)})
-
-    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
+                         **changes) -> None:
         tx = self._tx
+        trial_changes = _trial_columns({"state": to, **refuse_state(changes)})
+        if not study_changes:
+            tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **trial_changes})
+            return
+        study_changes = refuse_state(study_changes)
         if not tx.is_postgres:  # SQLite: no writes inside WITH
-            self.update_trial(trial_id, **trial_changes)
-            self.update_study(study_id, **study_changes)
+            tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **trial_changes})
+            self._update_study(study_id, study_changes)
             return
         tx.studies.pop(study_id, None)
-        trial_changes = _trial_columns(trial_changes)
         tx.rows(_update_trial_and_study(tuple(trial_changes), tuple(study_changes)),
                 {"_trial_id": trial_id, **{f"trial_{k}": v for k, v in trial_changes.items()},
                  "_study_id": study_id, **{f"study_{k}": v for k, v in study_changes.items()}})
