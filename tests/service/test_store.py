@@ -62,3 +62,15 @@ def test_submissions_are_frozen_records(store):
     with pytest.raises(dataclasses.FrozenInstanceError):
         found.id = 0
 
+
+def test_both_stores_answer_exactly_the_engines_interface():
+    """The SQL transaction's methods are `StoreTx`'s and no more (the other rooms are attributes), and so are
+    the in-memory store's (with its `transaction`)."""
+    from cmtune.service.store import Studies
+    from cmtune.tuner.store import InMemoryStore, StoreTx
+
+    def public(cls):
+        return {name for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+
+    assert public(Studies) == public(StoreTx)
+    assert public(InMemoryStore) == public(StoreTx) | {"transaction"}

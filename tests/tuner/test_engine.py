@@ -108,10 +108,7 @@ class Driver:
 
     def tuned(self, study_id: int):
         with self.store.transaction() as tx:
-            if isinstance(tx, InMemoryStore):
-                return tx.tuned.get((PROBLEM.key, HW.key))
-            found = tx.catalog.tuned(PROBLEM, HW)
-            return found.config if found else None
+            return tx.tuned_config(PROBLEM, HW)
 
 
 def settings(**changes) -> SearchSettings:
