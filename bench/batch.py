@@ -42,7 +42,7 @@ def prepare(url: str) -> str:
     db = Database(url)
     migrate.upgrade(db.engine)
     with SqlStore(db).write() as tx:
-        _, token = tx.add_token(name="bench", role=Role.READER)
+        _, token = tx.tokens.add(name="bench", role=Role.READER)
         tx.save_tuned(TunedConfig(problem=Problem(**TUNED), hardware=Hardware(**HARDWARE), time_s=1e-3,
                                   baseline_s=1.2e-3, speedup=1.2,
                                   decomposition=Decomposition(direction="bidirectional", chunks=2)), study_id=None)

@@ -52,7 +52,7 @@ def prepare(url: str) -> str:
     migrate.downgrade(db.engine, "base") if migrate.current_revision(db.engine) else None
     migrate.upgrade(db.engine)
     with SqlStore(db).write() as tx:
-        _, token = tx.add_token(name="bench", role=Role.ADMIN)
+        _, token = tx.tokens.add(name="bench", role=Role.ADMIN)
         for m in (256, 512, 1024, 2048, 4096, 8192):
             for collective in ("allgather_matmul", "matmul_reduce_scatter"):
                 problem = Problem(collective=collective, m=m, k=1024, n=1024, dtype="bfloat16", axis_size=8)

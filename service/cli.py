@@ -137,10 +137,10 @@ def token_create(
     if value is not None and len(value) < 24:
         raise typer.BadParameter("a token must have at least 24 characters", param_hint="--value")
     with _store().write() as tx:
-        if value is not None and tx.token(value) is not None:
+        if value is not None and tx.tokens.find(value) is not None:
             console.print(f"token {name!r} already exists", style="dim")
             return
-        _, plain = tx.add_token(name=name, role=Role(role), value=value)
+        _, plain = tx.tokens.add(name=name, role=Role(role), value=value)
     print(plain)
 
 
@@ -150,7 +150,7 @@ def token_list() -> None:
     from rich.table import Table
 
     with _store().read() as tx:
-        found = tx.tokens()
+        found = tx.tokens.all()
     table = Table(title=f"{len(found)} tokens")
     for column in ("id", "name", "role", "created", "revoked"):
         table.add_column(column)
@@ -167,7 +167,7 @@ def token_revoke(token_id: Annotated[int, typer.Argument(help="the id from 'cmtu
 
     try:
         with _store().write() as tx:
-            revoked = tx.revoke_token(token_id)
+            revoked = tx.tokens.revoke(token_id)
     except NotFoundError as exc:
         console.print(f"[red]{exc.message}[/red]")
         raise typer.Exit(1) from None

@@ -89,7 +89,7 @@ async def token_info(state: AppState, token: str) -> TokenInfo | None:
 
 def _read_token(store: SqlStore, token: str) -> TokenInfo | None:
     with store.read() as tx:
-        return tx.token(token)
+        return tx.tokens.find(token)
 
 
 async def authenticate(state: AppState, header: str) -> TokenInfo:
@@ -178,7 +178,7 @@ async def worker_of(request: Request) -> int:
 
 def _read_credential(store: SqlStore, credential: str) -> int | None:
     with store.read() as tx:
-        return tx.worker_of_credential(credential)
+        return tx.workers.of_credential(credential)
 
 
 WorkerDep = Annotated[int, Depends(calling_worker)]

@@ -111,7 +111,7 @@ class ConfigCache:
         if entry is not None and now - entry[0] < self.ttl_s:
             return entry[1]
         with self.store.read() as tx:
-            configs = {config.problem.key: config for config in tx.list_tuned(hardware=key)}
+            configs = {config.problem.key: config for config in tx.catalog.list_tuned(hardware=key)}
         with self._lock:
             self._entries.pop(key, None)
             self._entries[key] = (now, configs)

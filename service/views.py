@@ -64,10 +64,10 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
     """Public bodies for a page of studies: three queries whatever the page size (none for studies still
     pending: nothing of theirs was leased yet, and only a finished study writes a tuned config)."""
     ids = [s.id for s in records if s.state != StudyState.PENDING]
-    leased = tx.leased_counts(ids)
-    best = tx.trial_decompositions([s.best_trial_id for s in records
+    leased = tx.catalog.leased_counts(ids)
+    best = tx.catalog.trial_decompositions([s.best_trial_id for s in records
                                     if s.best_trial_id is not None and s.kind == StudyKind.SEARCH])
-    tuned = tx.tuned_of_studies(ids)
+    tuned = tx.catalog.tuned_of_studies(ids)
     out = []
     for s in records:
         config = tuned.get(s.id)

@@ -35,7 +35,9 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
    study records the measured speedup of what will run.
 
 Every state change goes through `_move_study` / `_move_trial`, which refuse transitions that are
-not in `STUDY_MOVES` / `TRIAL_MOVES` (the database's CHECK constraints hold the same states).
+not in `STUDY_MOVES` / `TRIAL_MOVES` (`check_study_move`, `check_trial_move`; the database's CHECK
+constraints hold the same states) and are the only callers of the store's `apply_study_move` /
+`apply_trial_move`.  A store's claim (pending to leased, in one statement) checks the same table.
 """
 
 from __future__ import annotations
@@ -241,6 +243,7 @@ class Engine:
 
         The store moves it to ``leased`` atomically (attempts + 1); the first claim starts its study.
         """
+        check_trial_move(None, T.PENDING, T.LEASED)
         trial = tx.claim(study_ids=study_ids, hardware=hardware, worker_id=worker_id, now=now)
         if trial is not None:
             self.claimed(tx, trial, now=now)
@@ -445,21 +448,29 @@ class Engine:
 
     @staticmethod
     def _move_study(tx: StoreTx, study: StudyRecord, to: StudyState, **changes) -> None:
-        if to not in STUDY_MOVES.get(study.state, ()):
-            raise ConflictError(f"study {study.id} is {study.state}; it cannot become {to}")
-        tx.update_study(study.id, state=to, **changes)
+        check_study_move(study.id, study.state, to)
+        tx.apply_study_move(study.id, to, **changes)
 
     @staticmethod
     def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState | None = None, *,
                     study_changes: dict | None = None, **changes) -> None:
         """Move a trial along `TRIAL_MOVES`; ``study_changes`` update its study in the same write."""
         to = changes.pop("state", to)
-        if to not in TRIAL_MOVES.get(trial.state, ()):
-            raise ConflictError(f"trial {trial.id} is {trial.state}; it cannot become {to}")
-        if study_changes:
-            tx.update_trial_and_study(trial.id, {"state": to, **changes}, trial.study_id, study_changes)
-        else:
-            tx.update_trial(trial.id, state=to, **changes)
+        check_trial_move(trial.id, trial.state, to)
+        tx.apply_trial_move(trial.id, to, study_id=trial.study_id, study_changes=study_changes, **changes)
+
+
+def check_study_move(study_id: int, state: StudyState, to: StudyState) -> None:
+    """`ConflictError` unless `STUDY_MOVES` lets a study in ``state`` become ``to``."""
+    if to not in STUDY_MOVES.get(state, ()):
+        raise ConflictError(f"study {study_id} is {state}; it cannot become {to}")
+
+
+def check_trial_move(trial_id: int | None, state: TrialState, to: TrialState) -> None:
+    """`ConflictError` unless `TRIAL_MOVES` lets a trial in ``state`` become ``to`` (``trial_id`` None: the
+    move of a claim, whichever trial it takes)."""
+    if to not in TRIAL_MOVES.get(state, ()):
+        raise ConflictError(f"trial {'' if trial_id is None else f'{trial_id} '}is {state}; it cannot become {to}")
 
 
 @functools.lru_cache(maxsize=1024)

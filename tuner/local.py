@@ -210,8 +210,7 @@ class LocalTuner:
                 self.on_trial(finished)
         with self.store.transaction() as tx:
             study = tx.study(study.id)
-            return Outcome(study, tx.trials(study.id, measurements=True),
-                           self.store.tuned.get((problem.key, study.hardware.key)))
+            return Outcome(study, tx.trials(study.id, measurements=True), tx.tuned_config(problem, study.hardware))
 
     def stop(self) -> None:
         """Release the other processes of the group (call once, after the last study)."""

@@ -160,17 +160,34 @@ class StoreTx(TypingProtocol):
         """
         ...
 
-    def update_study(self, study_id: int, **changes) -> None: ...
+    def update_study(self, study_id: int, **changes) -> None:
+        """Change a study's progress (``trials_done``, ``best_ratio``, ``best_trial_id``, ``stop_reason``), never
+        its state: `TypeError` for ``state`` (see `apply_study_move`)."""
+        ...
 
-    def update_trial(self, trial_id: int, **changes) -> None: ...
+    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
+        """The study's state becomes ``to``, with ``changes``.  Called by `Engine._move_study` alone, once
+        `STUDY_MOVES` allows the move (tests/tuner/test_engine.py checks that nothing else calls it)."""
+        ...
 
-    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
-        """`update_trial` and `update_study` together (one statement where the store can)."""
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
+                         **changes) -> None:
+        """The trial's state becomes ``to``, with ``changes``; ``study_changes`` (progress, as `update_study`)
+        update its study ``study_id`` in the same write (one statement where the store can).  Called by
+        `Engine._move_trial` alone, once `TRIAL_MOVES` allows the move."""
         ...
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
         """Store (or replace) the tuned config of ``config``'s (problem, hardware)."""
         ...
+
+
+def refuse_state(changes: dict) -> dict:
+    """``changes`` of a study's or a trial's columns, refused with `TypeError` if they set a state: states change
+    only through the engine's guard (`apply_study_move`, `apply_trial_move`)."""
+    if "state" in changes:
+        raise TypeError("a state changes only through the engine's guard (Engine._move_study, Engine._move_trial)")
+    return changes
 
 
 class Store(TypingProtocol):
@@ -186,10 +203,10 @@ class InMemoryStore:
 
     def __init__(self):
         self._lock = threading.RLock()
-        self.studies: dict[int, StudyRecord] = {}
+        self._studies: dict[int, StudyRecord] = {}
         self._trials: dict[int, TrialRecord] = {}
-        self.tuned: dict[tuple[str, str], TunedConfig] = {}
-        self.overrides: dict[tuple[str, str, str], RoleOverride] = {}
+        self._tuned: dict[tuple[str, str], TunedConfig] = {}
+        self._overrides: dict[tuple[str, str, str], RoleOverride] = {}
 
     @contextmanager
     def transaction(self, *, write: bool = False) -> Iterator[InMemoryStore]:
@@ -198,30 +215,30 @@ class InMemoryStore:
 
     def add_study(self, *, problem, hardware, settings, protocol, space_size, now, kind=StudyKind.SEARCH, step=None,
                   submission_id=None) -> StudyRecord:
-        study = StudyRecord(id=len(self.studies) + 1, problem=problem, hardware=hardware, settings=settings,
+        study = StudyRecord(id=len(self._studies) + 1, problem=problem, hardware=hardware, settings=settings,
                             protocol=protocol, space_size=space_size, state=StudyState.PENDING, created_at=now,
                             kind=kind, step=step, submission_id=submission_id)
-        self.studies[study.id] = study
+        self._studies[study.id] = study
         return study
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
         return [s for s in self.active_step_studies(hardware) if s.state == StudyState.PENDING]
 
     def active_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
-        return [s for s in self.studies.values() if s.kind == StudyKind.STEP and s.state.active
+        return [s for s in self._studies.values() if s.kind == StudyKind.STEP and s.state.active
                 and s.hardware.key == hardware.identity().key]
 
     def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
-        return self.tuned.get((problem.key, hardware.identity().key))
+        return self._tuned.get((problem.key, hardware.identity().key))
 
     def save_overrides(self, model: str, hardware: Hardware, overrides) -> None:
         key = hardware.identity().key
-        self.overrides = {k: v for k, v in self.overrides.items() if (k[0], k[2]) != (model, key)}
-        self.overrides.update({o.key: o for o in overrides})
+        self._overrides = {k: v for k, v in self._overrides.items() if (k[0], k[2]) != (model, key)}
+        self._overrides.update({o.key: o for o in overrides})
 
     def study(self, study_id: int, *, lock: bool = False) -> StudyRecord:
         try:
-            return self.studies[study_id]
+            return self._studies[study_id]
         except KeyError:
             raise NotFoundError(f"study {study_id} does not exist") from None
 
@@ -247,26 +264,35 @@ class InMemoryStore:
         return added
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
-        studies = [s for s in sorted(self.studies.values(), key=lambda s: s.id) if s.state.active
+        studies = [s for s in sorted(self._studies.values(), key=lambda s: s.id) if s.state.active
                    and (study_ids is None or s.id in study_ids)
                    and (hardware is None or s.hardware.key == hardware.identity().key)]
         for study in studies:
             pending = [t for t in self.trials(study.id) if t.state == TrialState.PENDING]
             if pending:
-                self.update_trial(pending[0].id, state=TrialState.LEASED, attempts=pending[0].attempts + 1,
-                                  worker_id=worker_id)
+                self._set_trial(pending[0].id, state=TrialState.LEASED, attempts=pending[0].attempts + 1,
+                                worker_id=worker_id)
                 return self.trial(pending[0].id)
         return None
 
     def update_study(self, study_id: int, **changes) -> None:
-        self.studies[study_id] = dataclasses.replace(self.study(study_id), **changes)
+        self._set_study(study_id, **refuse_state(changes))
 
-    def update_trial(self, trial_id: int, **changes) -> None:
+    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
+        self._set_study(study_id, state=to, **refuse_state(changes))
+
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
+                         **changes) -> None:
+        refuse_state(study_changes or {})  # before anything changes: this store has no rollback
+        self._set_trial(trial_id, state=to, **refuse_state(changes))
+        if study_changes:
+            self._set_study(study_id, **study_changes)
+
+    def _set_study(self, study_id: int, **changes) -> None:
+        self._studies[study_id] = dataclasses.replace(self.study(study_id), **changes)
+
+    def _set_trial(self, trial_id: int, **changes) -> None:
         self._trials[trial_id] = dataclasses.replace(self.trial(trial_id), **changes)
 
-    def update_trial_and_study(self, trial_id: int, trial_changes: dict, study_id: int, study_changes: dict) -> None:
-        self.update_trial(trial_id, **trial_changes)
-        self.update_study(study_id, **study_changes)
-
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
-        self.tuned[config.key] = config
+        self._tuned[config.key] = config

@@ -68,7 +68,7 @@ def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[Platform | Non
     """Every tuned config (filtered by hardware), with keys, ids and the study that tuned it."""
     with store.read() as tx:
         return [TunedPublic.of(row.config, row.study_id)
-                for row in tx.tuned_rows(platform=platform, device_kind=device_kind)]
+                for row in tx.catalog.tuned_rows(platform=platform, device_kind=device_kind)]
 
 
 @router.get("/v1/overrides", response_model=list[RoleOverride])
@@ -82,7 +82,7 @@ def list_overrides(
     hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count,
                           process_count=process_count)
     with store.read() as tx:
-        return tx.overrides(model=model, hardware=hardware)
+        return tx.catalog.overrides(model=model, hardware=hardware)
 
 
 @router.get("/v1/bundles", response_model=Bundle)
@@ -90,8 +90,8 @@ def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[Platform | 
                   device_kind: Annotated[DeviceKind | None, Query()] = None) -> Bundle:
     """Every tuned config and role override (filtered by hardware) as a bundle file for offline use."""
     with store.read() as tx:
-        return Bundle(configs=tx.list_tuned(platform=platform, device_kind=device_kind),
-                      overrides=tx.overrides(platform=platform, device_kind=device_kind))
+        return Bundle(configs=tx.catalog.list_tuned(platform=platform, device_kind=device_kind),
+                      overrides=tx.catalog.overrides(platform=platform, device_kind=device_kind))
 
 
 @router.post("/v1/bundles", status_code=201)

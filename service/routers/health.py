@@ -20,7 +20,7 @@ router = APIRouter(tags=["health"])
 def healthz(state: StateDep) -> dict:
     """200 when the service can reach its database (anonymous: it says no more than that)."""
     with state.store.read() as tx:
-        tx.execute(text("SELECT 1"))
+        tx.connection.execute(text("SELECT 1"))
     return {"status": "ok", "database": state.store.db.engine.dialect.name}
 
 
@@ -39,13 +39,13 @@ class StoreCollector:
         studies = GaugeMetricFamily("cmtune_studies", "Studies by state", labels=["state"])
         trials = GaugeMetricFamily("cmtune_trials", "Trials by state", labels=["state"])
         with self.state.store.read() as tx:
-            for name, count in sorted(tx.count_studies_by_state().items()):
+            for name, count in sorted(tx.catalog.count_studies_by_state().items()):
                 studies.add_metric([name], count)
-            for name, count in sorted(tx.count_trials_by_state().items()):
+            for name, count in sorted(tx.catalog.count_trials_by_state().items()):
                 trials.add_metric([name], count)
-            leases = tx.count_active_leases()
+            leases = tx.leases.count_active()
             since = utcnow() - dt.timedelta(seconds=self.state.settings.worker_offline_seconds)
-            online = tx.count_workers_online(since=since)
+            online = tx.workers.count_online(since=since)
         yield studies
         yield trials
         yield GaugeMetricFamily("cmtune_leases_active", "Active leases", value=leases)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from cmtune.service import queue
+from cmtune.service import leasing
 from cmtune.service.deps import AdminDep, Id, ReaderDep, StateDep, StoreDep
 from cmtune.service.errors import InvalidError, responses
 from cmtune.service.models import utcnow
@@ -87,12 +87,13 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
     created, skipped, depends_on = [], [], []
     with state.store.write() as tx:
         if model is not None and body.step.measure and not body.force:
-            tx.lock_hardware(hardware)  # two identical submissions at once: the second sees the first's study
+            # two identical submissions at once: the second sees the first's study
+            tx.submissions.lock_hardware(hardware)
             joined = state.engine.step_study_of(tx, block=model, mesh=mesh, hardware=hardware)
             if joined is not None:
                 return StudyCreated(studies=[], submission_id=joined.submission_id, joined=True, skipped=[
                     Skipped(problem=f"step:{model.name}", study_id=joined.id, reason="under study")])
-        memory = tx.hardware_memory(hardware)
+        memory = tx.workers.memory(hardware)
         for problem, _roles, _count in targets:
             if memory is not None and problem.device_bytes > memory:
                 raise InvalidError(
@@ -101,11 +102,11 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
                     "batch)")
         submission_id = None
         if submitted is not None:
-            submission_id = tx.add_submission(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
+            submission_id = tx.submissions.add(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
                                               now=now)
         for problem, roles, count in targets:
-            existing = None if body.force else tx.find_study(problem, hardware)
-            tuned = None if body.force or existing is not None else tx.tuned(problem, hardware)
+            existing = None if body.force else tx.catalog.find_study(problem, hardware)
+            tuned = None if body.force or existing is not None else tx.catalog.tuned(problem, hardware)
             if not has_ring(problem):
                 skipped.append(Skipped(problem=problem.key, study_id=None, reason="nothing to tune"))
                 study_id = None
@@ -124,7 +125,7 @@ def create_studies(body: StudyCreate, state: StateDep, _: AdminDep) -> StudyCrea
                 created.append(study)
                 study_id = study.id
             if submission_id is not None:
-                tx.link_submission(submission_id=submission_id, study_id=study_id, problem=problem, roles=roles,
+                tx.submissions.link(submission_id=submission_id, study_id=study_id, problem=problem, roles=roles,
                                    count=count)
                 if study_id is not None:
                     depends_on.append(study_id)
@@ -145,7 +146,7 @@ def list_studies(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> StudyPage:
     with store.read() as tx:
-        records, total = tx.list_studies(state=state, hardware=hardware, offset=offset, limit=limit)
+        records, total = tx.catalog.list_studies(state=state, hardware=hardware, offset=offset, limit=limit)
         return StudyPage(items=studies_public(tx, records), total=total, offset=offset, limit=limit)
 
 
@@ -165,5 +166,5 @@ def list_trials(study_id: Id, store: StoreDep, _: ReaderDep) -> list[TrialPublic
 @router.post("/{study_id}/cancel", response_model=StudyPublic, responses=responses(404, 409))
 def cancel_study(study_id: Id, state: StateDep, _: AdminDep) -> StudyPublic:
     with state.store.write() as tx:
-        queue.cancel(tx, state.engine, study_id, utcnow())
+        leasing.cancel(tx, state.engine, study_id, utcnow())
         return study_public(tx, tx.study(study_id))

@@ -22,43 +22,40 @@ router = APIRouter(prefix="/v1/submissions", tags=["submissions"], responses=res
 def list_submissions(store: StoreDep, _: ReaderDep) -> list[SubmissionSummary]:
     """The newest submitted models (100 at most)."""
     with store.read() as tx:
-        return [SubmissionSummary(id=s["id"], name=s["model"].get("name", "model"), mesh=s["mesh"],
-                                  hardware=s["hardware"], hardware_key=s["hardware"].key,
-                                  problems=len(s["entries"]), created_at=s["created_at"])
-                for s in tx.submissions()]
+        return [SubmissionSummary(id=s.id, name=s.name, mesh=s.mesh, hardware=s.hardware, hardware_key=s.hardware.key,
+                                  problems=len(s.entries), created_at=s.created_at)
+                for s in tx.submissions.newest()]
 
 
 @router.get("/{submission_id}", response_model=SubmissionPublic, responses=responses(404))
 def get_submission(submission_id: Id, store: StoreDep, _: ReaderDep) -> SubmissionPublic:
     """Each role's problem, study and tuned config, and the estimated time saved per step."""
     with store.read() as tx:
-        found = tx.submissions(submission_id=submission_id, limit=1)
-        if not found:
+        sub = tx.submissions.get(submission_id)
+        if sub is None:
             raise NotFoundError(f"submission {submission_id} does not exist")
-        sub = found[0]
-        states = {s.id: s.state for s in (tx.study(e["study_id"]) for e in sub["entries"] if e["study_id"])}
-        layers = int(sub["model"].get("layers", 1))
+        states = {s.id: s.state for s in (tx.study(e.study_id) for e in sub.entries if e.study_id)}
+        layers = int(sub.model.get("layers", 1))
         entries = []
-        for e in sub["entries"]:
-            tuned = tx.tuned(e["problem"], sub["hardware"])
-            config = tuned.config if tuned else None
+        for e in sub.entries:
+            config = tx.tuned_config(e.problem, sub.hardware)
             entries.append(SubmissionEntry(
-                role=e["roles"][0], roles=e["roles"], count=e["count"], problem=e["problem"],
-                problem_key=e["problem"].key, study_id=e["study_id"], study_state=states.get(e["study_id"]),
+                role=e.roles[0], roles=list(e.roles), count=e.count, problem=e.problem,
+                problem_key=e.problem.key, study_id=e.study_id, study_state=states.get(e.study_id),
                 decomposition=config.decomposition if config else None,
                 decomposition_id=config.decomposition.id if config else None,
                 speedup=config.speedup if config else None, speedup_iqr=config.speedup_iqr if config else None,
                 time_s=config.time_s if config else None, baseline_s=config.baseline_s if config else None,
                 trials=config.trials if config else None, space_size=config.space_size if config else None,
-                saved_s_per_layer=e["count"] * (config.baseline_s - config.time_s) if config else None,
-                saved_s_per_step=e["count"] * layers * (config.baseline_s - config.time_s) if config else None,
+                saved_s_per_layer=e.count * (config.baseline_s - config.time_s) if config else None,
+                saved_s_per_step=e.count * layers * (config.baseline_s - config.time_s) if config else None,
             ))
-        step = step_public(tx, tx.step_study_of(sub["id"]), layers)
-        overrides = tx.overrides(model=sub["model"].get("name", "model"), hardware=sub["hardware"])
+        step = step_public(tx, tx.catalog.step_study_of(sub.id), layers)
+        overrides = tx.catalog.overrides(model=sub.name, hardware=sub.hardware)
     complete = bool(entries) and all(e.saved_s_per_layer is not None for e in entries)
     return SubmissionPublic(
-        id=sub["id"], name=sub["model"].get("name", "model"), model=sub["model"], mesh=sub["mesh"],
-        hardware=sub["hardware"], hardware_key=sub["hardware"].key, created_at=sub["created_at"], entries=entries,
+        id=sub.id, name=sub.name, model=sub.model, mesh=sub.mesh, hardware=sub.hardware,
+        hardware_key=sub.hardware.key, created_at=sub.created_at, entries=entries,
         layers=layers, complete=complete,
         saved_s_per_step=sum(e.saved_s_per_step for e in entries) if complete else None,
         step=step, overrides=overrides,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from cmtune.service import queue
+from cmtune.service import leasing
 from cmtune.service.deps import WORKER_SECURITY, AppState, Id, worker_of
 from cmtune.service.errors import ConflictError, responses
 from cmtune.service.models import utcnow
@@ -31,7 +31,7 @@ async def post_result(trial_id: Id, request: Request) -> Response:
 def _store_result(state: AppState, trial_id: int, body: ResultIn, worker_id: int) -> Response:
     now = utcnow()  # when the result arrived, not when the write lock was granted (SQLite)
     with state.store.write() as tx:
-        outcome = queue.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
+        outcome = leasing.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
                                results=body.results, kind=body.kind, now=now, worker_id=worker_id,
                                lease_next=body.lease_next)
     if outcome.expired:  # the expiry is committed; the result is not

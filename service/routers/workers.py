@@ -6,7 +6,7 @@ import datetime as dt
 
 from fastapi import APIRouter, Response
 
-from cmtune.service import queue
+from cmtune.service import leasing
 from cmtune.service.deps import Id, ReaderDep, StateDep, WorkerDep, WorkerRoleDep
 from cmtune.service.errors import responses
 from cmtune.service.models import utcnow
@@ -29,26 +29,26 @@ def register(body: WorkerCreate, state: StateDep, _: WorkerRoleDep) -> WorkerReg
     """Register a worker; the answer holds its own ``credential`` (shown once), which every later call of
     this worker sends in the ``X-Cmtune-Worker`` header."""
     with state.store.write() as tx:
-        worker_id, credential = tx.add_worker(name=body.name, hardware=body.hardware.to_hardware(),
+        worker_id, credential = tx.workers.add(name=body.name, hardware=body.hardware.to_hardware(),
                                               software=body.software, memory_bytes=body.memory_bytes, now=utcnow())
-        public = worker_public(tx.worker(worker_id), current_trial_id=None, online_after=_online_after(state))
+        public = worker_public(tx.workers.get(worker_id), current_trial_id=None, online_after=_online_after(state))
         return WorkerRegistered(**dict(public), credential=credential)
 
 
 @router.get("", response_model=list[WorkerPublic])
 def list_workers(state: StateDep, _: ReaderDep, include_inactive: bool = False) -> list[WorkerPublic]:
     with state.store.read() as tx:
-        current = tx.current_trials()
+        current = tx.leases.current_trials()
         return [worker_public(w, current_trial_id=current.get(w.id), online_after=_online_after(state))
-                for w in tx.workers(include_inactive=include_inactive)]
+                for w in tx.workers.all(include_inactive=include_inactive)]
 
 
 @router.post("/{worker_id}/heartbeat", response_model=HeartbeatOut, responses=responses(404))
 def heartbeat(worker_id: Id, state: StateDep, _: WorkerDep, body: HeartbeatIn | None = None) -> HeartbeatOut:
     """Mark the worker alive; with ``lease_id``, extend that lease by the lease duration (if still live)."""
     with state.store.write() as tx:
-        worker = tx.worker(worker_id)
-        extended = queue.heartbeat(tx, worker, body.lease_id if body else None, state.settings, utcnow())
+        worker = tx.workers.get(worker_id)
+        extended = leasing.heartbeat(tx, worker, body.lease_id if body else None, state.settings, utcnow())
         return HeartbeatOut(worker_id=worker.id, lease=LeasePublic(id=extended.id, expires_at=extended.expires_at)
                             if extended else None)
 
@@ -58,7 +58,7 @@ def heartbeat(worker_id: Id, state: StateDep, _: WorkerDep, body: HeartbeatIn | 
 def lease(worker_id: Id, state: StateDep, _: WorkerDep):
     """Claim a trial whose hardware matches the worker's (204 when there is none)."""
     with state.store.write() as tx:
-        granted = queue.grant(tx, state.engine, state.settings, worker_id, utcnow())
+        granted = leasing.grant(tx, state.engine, state.settings, worker_id, utcnow())
     return json_response(granted) if granted is not None else Response(status_code=204)
 
 
@@ -66,9 +66,9 @@ def lease(worker_id: Id, state: StateDep, _: WorkerDep):
 def unregister(worker_id: Id, state: StateDep, _: WorkerDep) -> Response:
     """The worker leaves: its leased trials go back to the queue."""
     with state.store.write() as tx:
-        worker = tx.worker(worker_id)
-        queue.release_worker(tx, state.engine, worker.id)
-        tx.update_worker(worker.id, active=False)
+        worker = tx.workers.get(worker_id)
+        leasing.release_worker(tx, state.engine, worker.id)
+        tx.workers.leave(worker.id)
     return Response(status_code=204)
 
 

@@ -62,7 +62,7 @@ def create_tokens(url: str, roles=("admin", "worker", "reader")) -> dict[str, st
     if db.engine.dialect.name == "sqlite":
         migrate.upgrade(db.engine)
     with SqlStore(db).write() as tx:
-        found = {role: tx.add_token(name=f"test-{role}", role=Role(role))[1] for role in roles}
+        found = {role: tx.tokens.add(name=f"test-{role}", role=Role(role))[1] for role in roles}
     db.dispose()
     return found
 
@@ -74,7 +74,7 @@ def make_api(url: str, **overrides) -> Api:
     clients = {}
     for role in ("admin", "worker", "reader"):
         with store.write() as tx:
-            _, token = tx.add_token(name=f"test-{role}", role=Role(role))
+            _, token = tx.tokens.add(name=f"test-{role}", role=Role(role))
         clients[role] = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     return Api(**clients, anonymous=TestClient(app), store=store, settings=settings)
 

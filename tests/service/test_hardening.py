@@ -195,8 +195,8 @@ def test_revoked_tokens_stop_working(database_url):
     try:
         assert api.reader.get("/v1/studies").status_code == 200  # checked and cached
         with api.store.write() as tx:
-            reader = next(t for t in tx.tokens() if t.role == "reader")
-            tx.revoke_token(reader.id)
+            reader = next(t for t in tx.tokens.all() if t.role == "reader")
+            tx.tokens.revoke(reader.id)
         time.sleep(0.6)
         response = api.reader.get("/v1/studies")
         assert response.status_code == 401 and "revoked" in response.json()["detail"]
@@ -494,12 +494,12 @@ def test_a_value_the_database_refuses_is_a_422_not_a_500(api, monkeypatch):
     column, an integer out of range) is the request's 422, with the database's reason and nothing stored."""
     from sqlalchemy.exc import DataError
 
-    from cmtune.service.store import SqlTx
+    from cmtune.service.store import Catalog
 
     def refuse(*_args, **_kwargs):
         raise DataError("SELECT ...", {"key_1": "secret"}, ValueError("integer out of range\nCONTEXT: unnamed portal"))
 
-    monkeypatch.setattr(SqlTx, "list_studies", refuse)
+    monkeypatch.setattr(Catalog, "list_studies", refuse)
     response = api.reader.get("/v1/studies")
     assert response.status_code == 422, response.text
     assert isinstance(response.json()["detail"], list) and "integer out of range" in response.text

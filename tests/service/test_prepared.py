@@ -12,7 +12,7 @@ from cmtune.service import migrate
 from cmtune.service.db import Database
 from cmtune.service.errors import UnavailableError
 from cmtune.service.models import HardwareRow, Lease, Study, Trial, Worker
-from cmtune.service.prepared import Prepared
+from cmtune.service.store.prepared import Prepared
 from collective_matmul.wire import StudyState, TrialKind, TrialState
 from tests.service.conftest import reset_postgres
 
@@ -124,7 +124,7 @@ def test_the_hot_writes_set_only_their_own_columns():
     the ended lease but ``active``, nor of its worker but ``trials_done``."""
     from sqlalchemy.dialects import postgresql
 
-    from cmtune.service.store import _claim_leased
+    from cmtune.service.store.leases import _claim_leased
 
     keys = ["claimer", "hardware_key", "lease_id", "now", "until", "_lease_id"]
     sql = " ".join(str(_claim_leased(True).statement.compile(dialect=postgresql.dialect(), column_keys=keys)).split())

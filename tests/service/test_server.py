@@ -144,8 +144,8 @@ def test_token_cli_stores_only_a_hash(tmp_path):
     assert run.returncode == 0 and token.startswith("cmt_")
     db = Database(url)
     with SqlStore(db).read() as tx:
-        assert tx.token(token).role == "reader"
-        stored = tx.scalar(select(Token.hash))
+        assert tx.tokens.find(token).role == "reader"
+        stored = tx.connection.scalar(select(Token.hash))
         assert stored != token and token not in stored
     db.dispose()
 
@@ -170,8 +170,8 @@ def test_token_value_from_a_secret_is_idempotent(tmp_path):
     assert short.returncode != 0 and "at least 24 characters" in short.stderr.replace("│", " ")
     db = Database(url)
     with SqlStore(db).read() as tx:
-        assert tx.token(secret).role == "worker"
-        assert tx.scalar(select(func.count()).select_from(Token)) == 1
+        assert tx.tokens.find(secret).role == "worker"
+        assert tx.connection.scalar(select(func.count()).select_from(Token)) == 1
     db.dispose()
 
 

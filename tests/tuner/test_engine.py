@@ -7,7 +7,9 @@ checks that every store drives the same study to the same decisions.
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine
@@ -15,6 +17,7 @@ from sqlalchemy import create_engine
 from cmtune.service import migrate
 from cmtune.service.db import Database
 from cmtune.service.store import SqlStore
+from cmtune.tuner import engine as engine_module
 from cmtune.tuner.engine import Engine, profile_name_for, study_settings
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.search import SearchSettings, default_budget
@@ -26,6 +29,7 @@ from tests.service.conftest import reset_postgres
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")  # 49 candidates
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
 START = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])
@@ -103,10 +107,7 @@ class Driver:
 
     def tuned(self, study_id: int):
         with self.store.transaction() as tx:
-            if isinstance(tx, InMemoryStore):
-                return tx.tuned.get((PROBLEM.key, HW.key))
-            found = tx.tuned(PROBLEM, HW)
-            return found.config if found else None
+            return tx.tuned_config(PROBLEM, HW)
 
 
 def settings(**changes) -> SearchSettings:
@@ -277,3 +278,45 @@ def test_a_small_space_is_enumerated_to_exhaustion(store):
                                  now=driver.tick())
     study, _ = driver.study(study_id)
     assert study.stop_reason == "exhausted" and len(timed) == len(candidates(small)) + 1
+
+
+def test_states_change_only_through_the_engines_guard(store, monkeypatch):
+    """No caller of a store sets a state around `TRIAL_MOVES` / `STUDY_MOVES`: `update_study` and the study
+    changes of a trial's move refuse one, and a claim is a move the table must allow."""
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=3))
+    with driver.store.transaction(write=True) as tx:
+        trial = tx.trials(study_id)[0]
+        with pytest.raises(TypeError, match="engine's guard"):
+            tx.update_study(study_id, state=StudyState.COMPLETED)
+        with pytest.raises(TypeError, match="engine's guard"):
+            tx.apply_trial_move(trial.id, TrialState.CANCELLED, study_id=study_id,
+                                study_changes={"state": StudyState.CANCELLED})
+        with pytest.raises(TypeError, match="engine's guard"):
+            tx.apply_study_move(study_id, StudyState.RUNNING, state=StudyState.COMPLETED)
+    assert driver.study(study_id)[0].state == StudyState.PENDING
+    monkeypatch.setitem(engine_module.TRIAL_MOVES, TrialState.PENDING,
+                        frozenset({TrialState.FAILED, TrialState.CANCELLED}))
+    with pytest.raises(ConflictError, match="is pending; it cannot become leased"):
+        driver.claim(study_id)
+    with driver.store.transaction() as tx:
+        assert [t.state for t in tx.trials(study_id)] == [TrialState.PENDING]
+
+
+def test_only_the_guard_applies_a_move():
+    """`apply_study_move` / `apply_trial_move` are called from `Engine._move_study` / `_move_trial` alone (the
+    stores define them; nothing else in the installed packages calls them)."""
+    callers = set()
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        if path.parts[len(ROOT.parts)] in ("tests", "docs", "bench", ".venv"):
+            continue
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Attribute) and node.attr in ("apply_study_move", "apply_trial_move") \
+                        and isinstance(node.ctx, ast.Load):
+                    callers.add((path.relative_to(ROOT).as_posix(), function.name, node.attr))
+    assert callers == {("tuner/engine.py", "_move_study", "apply_study_move"),
+                       ("tuner/engine.py", "_move_trial", "apply_trial_move")}, callers

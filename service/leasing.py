@@ -1,12 +1,14 @@
 """Leasing: how workers claim the engine's trials, keep them alive, give them back and report.
 
-The engine (`cmtune.tuner.engine`) owns the study lifecycle; this module only adds leases:
+The engine (`cmtune.tuner.engine`) owns the study lifecycle; this module adds the leasing policy over
+the store's leases (``tx.leases``, `cmtune.service.store.leases`, which holds every statement):
 
 1. A lease request claims the oldest pending trial of the active studies on the worker's
-   hardware (`Engine.claim`: one ``FOR UPDATE SKIP LOCKED`` statement on PostgreSQL; SQLite's
-   write transaction is exclusive).  The engine queues proposals in advance, so a lease is a
-   claim, never an ask.  Only a study with nothing in flight at all (e.g. one created by an
-   older version) is refilled on the spot.
+   hardware and leases it (`Leases.claim_leased`: one ``FOR UPDATE SKIP LOCKED`` statement on
+   PostgreSQL; SQLite's write transaction is exclusive); the first claim starts its study
+   (`Engine.claimed`).  The engine queues proposals in advance, so a lease is a claim, never an
+   ask.  Only a study with nothing in flight at all (e.g. one created by an older version) is
+   refilled on the spot.
 2. Expired leases give their trials back (the attempt counts; a trial whose leases expired
    ``max_attempts`` times is abandoned with that reason and its study goes on).  Expiry is
    checked at most every `expiry_interval` on the lease path, and always for the lease a result
@@ -23,10 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import exists, select
-
 from cmtune.service.settings import Settings
-from cmtune.service.store import LeaseInfo, SqlTx, WorkerInfo, hardware_t, studies, trials
+from cmtune.service.store import LeaseInfo, SqlTx, WorkerInfo
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError
 from cmtune.tuner.store import TrialRecord
@@ -35,7 +35,6 @@ from collective_matmul.wire import (
     LeasePublic,
     Measurement,
     Status,
-    StudyState,
     TrialKind,
     TrialState,
     TrialTask,
@@ -58,14 +57,14 @@ def expire(tx: SqlTx, engine: Engine, settings: Settings, now: dt.datetime, *, f
         if not force and time.monotonic() - _last_expiry < expiry_interval(settings):
             return 0
         _last_expiry = time.monotonic()
-    expired = tx.active_leases(expired_before=now)
+    expired = tx.leases.active(expired_before=now)
     for lease in expired:
         _expire_one(tx, engine, settings, lease, now)
     return len(expired)
 
 
 def _expire_one(tx: SqlTx, engine: Engine, settings: Settings, lease: LeaseInfo, now: dt.datetime) -> None:
-    tx.update_lease(lease.id, active=False)
+    tx.leases.close(lease.id)
     trial = tx.trial(lease.trial_id, lock=True)
     if trial.state != TrialState.LEASED:
         return
@@ -79,9 +78,9 @@ def _expire_one(tx: SqlTx, engine: Engine, settings: Settings, lease: LeaseInfo,
 def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
           now: dt.datetime, *, ending: str | None = None) -> tuple[LeaseInfo, TrialTask] | None:
     """Claim one trial for ``worker``, or None if no study on its hardware has one to give; ``ending``: the
-    worker's lease whose result was just stored ends first (`SqlTx.claim_leased`)."""
+    worker's lease whose result was just stored ends first (`Leases.claim_leased`)."""
     expire(tx, engine, settings, now)
-    claim = functools.partial(tx.claim_leased, hardware=worker.hardware, worker_id=worker.id, now=now,
+    claim = functools.partial(tx.leases.claim_leased, hardware=worker.hardware, worker_id=worker.id, now=now,
                               seconds=settings.lease_seconds)
     claimed = claim(ending=ending)
     if claimed is None and _refill_starving(tx, engine, worker, now):
@@ -105,8 +104,8 @@ def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt
     Raises:
         NotFoundError: the worker is not registered (or left).
     """
-    worker = tx.touch_worker(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
-    held = [h for h in tx.active_leases(worker_id=worker_id) if h.expires_at > now] if reuse_held else []
+    worker = tx.workers.touch(worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS)
+    held = [h for h in tx.leases.active(worker_id=worker_id) if h.expires_at > now] if reuse_held else []
     if held:
         granted = held[-1]
         trial = tx.trial(granted.trial_id)
@@ -121,28 +120,16 @@ def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt
 
 def _refill_starving(tx: SqlTx, engine: Engine, worker: WorkerInfo, now: dt.datetime) -> bool:
     """Refill the searching studies on the worker's hardware that have no trial in flight at all."""
-    in_flight = exists().where(trials.c.study_id == studies.c.id,
-                               trials.c.state.in_([TrialState.PENDING.value, TrialState.LEASED.value]))
-    starving = tx.execute(
-        select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
-        .where(hardware_t.c.key == worker.hardware.identity().key,
-               studies.c.state.in_([StudyState.PENDING.value, StudyState.RUNNING.value]), ~in_flight)
-        .order_by(studies.c.id)).scalars().all()
-    return any([engine.refill(tx, study_id, now=now) for study_id in starving])
+    return any([engine.refill(tx, study_id, now=now) for study_id in tx.leases.starving_studies(worker.hardware)])
 
 
 def heartbeat(tx: SqlTx, worker: WorkerInfo, lease_id: str | None, settings: Settings,
               now: dt.datetime) -> LeaseInfo | None:
     """Mark the worker alive; extend its lease ``lease_id`` if that lease is still live."""
-    tx.update_worker(worker.id, last_heartbeat=now)
+    tx.workers.beat(worker.id, now)
     if not lease_id:
         return None
-    held = tx.lease(lease_id, lock=True)
-    if held is None or held.worker_id != worker.id or not held.active or held.expires_at < now:
-        return None
-    expires_at = now + dt.timedelta(seconds=settings.lease_seconds)
-    tx.update_lease(held.id, expires_at=expires_at)
-    return LeaseInfo(id=held.id, trial_id=held.trial_id, worker_id=held.worker_id, expires_at=expires_at, active=True)
+    return tx.leases.extend(lease_id, worker_id=worker.id, now=now, seconds=settings.lease_seconds)
 
 
 @dataclass(frozen=True)
@@ -167,7 +154,8 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
         InvalidError: the results are not of this trial's problem and candidates.
         NotFoundError: with ``lease_next``, the worker is not registered (or left).
     """
-    held, trial = tx.lease_and_trial(lease_id, trial_id)
+    found = tx.leases.with_trial(lease_id, trial_id)  # one statement when the lease holds the trial
+    held, trial = found if found is not None else (tx.leases.get(lease_id, lock=True), tx.trial(trial_id, lock=True))
     if held is None or held.trial_id != trial.id:
         raise ConflictError(f"lease {lease_id} does not hold trial {trial_id}")
     if worker_id is not None and held.worker_id != worker_id:
@@ -188,15 +176,15 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
     stored = engine.record(tx, trial, results, now=now, lease_id=held.id, kind=kind)
     if lease_next:
         return Reported(stored, next=grant(tx, engine, settings, held.worker_id, now, ending=held.id))
-    tx.end_lease(held.id)
+    tx.leases.end(held.id)
     return Reported(stored)
 
 
 def release_worker(tx: SqlTx, engine: Engine, worker_id: int) -> int:
     """A worker leaving on purpose gives its trials back (the attempt does not count)."""
-    held = tx.active_leases(worker_id=worker_id)
+    held = tx.leases.active(worker_id=worker_id)
     for lease_row in held:
-        tx.update_lease(lease_row.id, active=False)
+        tx.leases.close(lease_row.id)
         trial = tx.trial(lease_row.trial_id, lock=True)
         if trial.state == TrialState.LEASED:
             engine.release(tx, trial, count_attempt=False)
@@ -205,7 +193,7 @@ def release_worker(tx: SqlTx, engine: Engine, worker_id: int) -> int:
 
 def cancel(tx: SqlTx, engine: Engine, study_id: int, now: dt.datetime) -> None:
     """Cancel a study: the engine cancels its trials; their leases end."""
-    for lease_row in tx.active_leases(study_id=study_id):
-        tx.update_lease(lease_row.id, active=False)
+    for lease_row in tx.leases.active(study_id=study_id):
+        tx.leases.close(lease_row.id)
     engine.cancel(tx, study_id, now=now)
 
