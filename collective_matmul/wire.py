@@ -512,6 +512,7 @@ class StudyPublic(BaseModel):
     created_at: dt.datetime
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
+    decision: StepChoice | None = Field(default=None, description="a completed step study's decision")
 
 
 class Skipped(BaseModel):
@@ -850,12 +851,35 @@ class Speedup(BaseModel):
         return f"{self.median:.2f}x (IQR {self.low:.2f}-{self.high:.2f})"
 
 
+class StepChoice(BaseModel):
+    """What a step measurement decided (`cmtune.tuner.engine.step_decision`), stored with its step study and
+    served as stored: the variant that runs, graded in the fresh rounds after the decision where the
+    worker ran them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    variant: VariantName = Field(description="the configuration that runs: tuned, or one change of it")
+    ratio: float = Field(gt=0, allow_inf_nan=False, description="its step time over the step as written "
+                                                                "(median of paired rounds)")
+    vs_reference: Speedup | None = Field(description="against the step as written (GSPMD)")
+    vs_baseline: Speedup | None = Field(default=None, description="against the all-baseline custom VJP")
+    saved_s: float | None = Field(default=None, allow_inf_nan=False,
+                                  description="the all-baseline step's median minus the chosen one's (one layer)")
+    fresh_rounds: bool = Field(description="graded in fresh rounds after the decision (else in the rounds that "
+                                           "decided)")
+    overrides: dict[Role, Message] = Field(default_factory=dict, max_length=MAX_ROLES,
+                                           description="the roles it runs otherwise than their tuned configs, "
+                                                       "each with the reason")
+    summary: Message = Field(description="the decision in one line")
+
+
 class StepPublic(BaseModel):
     """A submitted model's step, measured: what runs, and how much faster it is."""
 
     study_id: int
     state: StudyState
     message: str | None
+    decision: StepChoice | None = Field(default=None, description="what the measurement decided, as stored")
     variant: str | None = Field(description="the configuration that runs: tuned, or one change of it")
     vs_reference: Speedup | None = Field(description="against the step as written (GSPMD): what a user has "
                                                     "without cmtune")

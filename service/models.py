@@ -125,6 +125,8 @@ class Study(Base):
                                             server_default="search")
     # a step study: the block, the mesh and the search studies it waits for (cmtune.tuner.store.StepSpec)
     step: Mapped[dict[str, Any] | None]
+    # a completed step study: what its measurement decided (collective_matmul.wire.StepChoice)
+    decision: Mapped[dict[str, Any] | None]
     submission_id: Mapped[int | None] = mapped_column(ForeignKey("submissions.id", ondelete="SET NULL"))
     # the transitions: cmtune.tuner.engine.STUDY_MOVES
     state: Mapped[StudyState] = mapped_column(enum_column(StudyState, "study_state"), index=True,

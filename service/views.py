@@ -84,7 +84,7 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             if winner and s.best_ratio and s.kind == StudyKind.SEARCH else None,
             tuned=config, tuned_decomposition_id=config.decomposition.id if config else None,
             stop_reason=s.stop_reason, message=s.message, created_at=s.created_at, started_at=s.started_at,
-            finished_at=s.finished_at,
+            finished_at=s.finished_at, decision=s.decision,
         ))
     return out
 

@@ -74,6 +74,7 @@ from collective_matmul.wire import (
     Protocol,
     Speedup,
     Status,
+    StepChoice,
     StepMeasurement,
     StepTask,
     StepVariant,
@@ -404,7 +405,7 @@ class Engine:
                 tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems))
                 tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=1)
                 self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
-                                 stop_reason=decision.variant)
+                                 stop_reason="measured", decision=decision.record)
             else:
                 self._move_study(tx, study, S.FAILED, finished_at=now, message=decision.summary[:2000])
         return dataclasses.replace(trial, **done)
@@ -564,6 +565,7 @@ class StepDecision:
     overrides: dict[str, OpConfigs]
     reasons: dict[str, str]
     summary: str
+    record: StepChoice | None = None  # what is stored and served (None: no decision could be made)
 
     def role_overrides(self, model: str, hardware: Hardware,
                        problems: dict[str, dict[str, Problem]] | None = None) -> list[RoleOverride]:
@@ -615,13 +617,20 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
                          + ("is set back to the baseline" if configs.is_baseline else f"runs {configs.ids}")
                          + f" for {measurement.name}" for role, configs in changes.items()}
     graded = measurement.graded(chosen)  # report from fresh rounds where the worker ran them
-    vs_reference = graded.paired(chosen, graded.reference)
-    parts = [f"{chosen}: {_fmt(vs_reference)} against the step as written"]
+    vs_reference = Speedup.of(graded.paired(chosen, graded.reference))
+    vs_baseline = saved = None
+    parts = [f"{chosen}: {vs_reference} against the step as written"]
     if any(v.name == "baseline" and v.ok for v in graded.variants):
-        parts.append(f"{_fmt(graded.paired(chosen, 'baseline'))} against the all-baseline step")
+        vs_baseline = Speedup.of(graded.paired(chosen, "baseline"))
+        saved = graded.variant("baseline").timing.median_s - graded.variant(chosen).timing.median_s
+        parts.append(f"{vs_baseline} against the all-baseline step")
     rounds = "fresh rounds after the decision" if graded is not measurement else "the rounds that decided"
     summary = "; ".join(parts) + f" ({rounds})" + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
-    return StepDecision(True, chosen, graded.variant(chosen).ratio, overrides, reasons, summary)
+    ratio = graded.variant(chosen).ratio
+    record = StepChoice(variant=chosen, ratio=ratio, vs_reference=vs_reference, vs_baseline=vs_baseline,
+                        saved_s=saved, fresh_rounds=graded is not measurement, overrides=reasons,
+                        summary=summary[:2000])
+    return StepDecision(True, chosen, ratio, overrides, reasons, summary, record)
 
 
 def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs]:

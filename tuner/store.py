@@ -27,6 +27,7 @@ from collective_matmul.wire import (
     Measurement,
     Protocol,
     Status,
+    StepChoice,
     StepMeasurement,
     StudyKind,
     StudyState,
@@ -80,6 +81,7 @@ class StudyRecord:
     kind: StudyKind = StudyKind.SEARCH
     step: StepSpec | None = None
     submission_id: int | None = None
+    decision: StepChoice | None = None  # a completed step study's (`cmtune.tuner.engine.step_decision`)
 
 
 @dataclass(frozen=True)

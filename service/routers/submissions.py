@@ -6,8 +6,8 @@ from fastapi import APIRouter
 
 from cmtune.service.deps import Id, ReaderDep, StoreDep
 from cmtune.service.errors import NotFoundError, responses
+from cmtune.tuner.engine import step_decision, step_task_configs
 from collective_matmul.wire import (
-    Speedup,
     StepPublic,
     StudyState,
     SubmissionEntry,
@@ -68,17 +68,16 @@ def step_public(tx, study, layers: int) -> StepPublic | None:
         return None
     trial = next((t for t in tx.trials(study.id, measurements=True) if t.step is not None), None)
     measured = trial.step if trial is not None else None
-    variant = study.stop_reason if study.state == StudyState.COMPLETED else None
-    vs_reference = vs_baseline = saved = None
-    if measured is not None and variant is not None:
-        graded = measured.graded(variant)  # the fresh rounds after the decision, where the worker ran them
-        vs_reference = Speedup.of(graded.paired(variant, graded.reference))
-        if any(v.name == "baseline" and v.ok for v in graded.variants):
-            vs_baseline = Speedup.of(graded.paired(variant, "baseline"))
-            saved = (graded.variant("baseline").timing.median_s - graded.variant(variant).timing.median_s) * layers
+    decision = study.decision if study.state == StudyState.COMPLETED else None
+    if decision is None and measured is not None and study.state == StudyState.COMPLETED:
+        # completed before decisions were stored (migration 0006): decide again from the stored measurement
+        decision = step_decision(measured, step_task_configs(trial)).record
     return StepPublic(
-        study_id=study.id, state=study.state, message=study.message, variant=variant, vs_reference=vs_reference,
-        vs_baseline=vs_baseline, measured_saved_s_per_step=saved, reference=measured.reference if measured else None,
+        study_id=study.id, state=study.state, message=study.message, decision=decision,
+        variant=decision.variant if decision else None, vs_reference=decision.vs_reference if decision else None,
+        vs_baseline=decision.vs_baseline if decision else None,
+        measured_saved_s_per_step=decision.saved_s * layers if decision and decision.saved_s is not None else None,
+        reference=measured.reference if measured else None,
         mesh=measured.mesh if measured else None,
         batch=measured.block.global_batch if measured else None, variants=measured.variants if measured else [],
         confirmation=measured.confirmation if measured else [])

@@ -22,7 +22,16 @@ from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import Measurement, Protocol, StepMeasurement, StudyKind, StudyState, TrialKind, TrialState
+from collective_matmul.wire import (
+    Measurement,
+    Protocol,
+    StepChoice,
+    StepMeasurement,
+    StudyKind,
+    StudyState,
+    TrialKind,
+    TrialState,
+)
 
 studies, trials, leases, workers = Study.__table__, Trial.__table__, Lease.__table__, Worker.__table__
 problems, hardware_t, tuned_t = ProblemRow.__table__, HardwareRow.__table__, TunedConfigRow.__table__
@@ -31,7 +40,7 @@ P = bindparam  # the hot statements take their values as parameters (`Prepared`)
 # a study's mutable columns; created_at tells a cached study from a row that reused its id after a rollback
 MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_reason, studies.c.message,
            studies.c.started_at, studies.c.finished_at, studies.c.trials_done, studies.c.best_trial_id,
-           studies.c.best_ratio)
+           studies.c.best_ratio, studies.c.decision)
 OWNER = tuple(c.label(f"owner_{c.name}") for c in MUTABLE)  # a trial's study beside it, in one row
 # what `Fixed.of` reads (with `PROBLEM` and `HARDWARE`): a study's columns that never change
 FIXED = (studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c.created_at, studies.c.kind,
@@ -183,7 +192,8 @@ def study_record(fixed: Fixed, row, prefix: str = "") -> StudyRecord:
         created_at=fixed.created_at, stop_reason=get("stop_reason"), message=get("message"),
         started_at=get("started_at"), finished_at=get("finished_at"), trials_done=get("trials_done"),
         best_trial_id=get("best_trial_id"), best_ratio=get("best_ratio"), kind=fixed.kind, step=fixed.step,
-        submission_id=fixed.submission_id)
+        submission_id=fixed.submission_id,
+        decision=StepChoice.model_validate(get("decision")) if get("decision") is not None else None)
 
 
 def trial_record(row, with_measurements: bool) -> TrialRecord:

@@ -181,6 +181,8 @@ class Studies:
 
     def _update_study(self, study_id: int, columns: dict) -> None:
         self._tx.studies.pop(study_id, None)
+        if columns.get("decision") is not None:  # a typed record, stored as JSON
+            columns = columns | {"decision": columns["decision"].model_dump(mode="json")}
         self._tx.rows(_UPDATE_STUDY, {"_study_id": study_id, **columns})
 
     def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,

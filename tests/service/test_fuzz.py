@@ -315,7 +315,7 @@ def check_served(client: httpx.Client, trial: StepTrial, step: dict) -> list[str
     """What is wrong with what the server serves after ``step`` was accepted for ``trial`` (nothing: [])."""
     wrong = []
     study = client.get(f"/v1/studies/{trial.grant['trial']['study_id']}").json()
-    chosen = study["stop_reason"] if study["state"] == "completed" else None
+    chosen = study["decision"]["variant"] if study["state"] == "completed" and study["decision"] else None
     if chosen is not None and chosen not in trial.asked:
         wrong.append(f"chose {chosen!r}, which the trial did not ask for ({sorted(trial.asked)})")
     for override in client.get("/v1/overrides", params=OVERRIDES).json():

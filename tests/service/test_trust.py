@@ -257,3 +257,36 @@ def test_every_answer_says_no_referrer(api):
                api.anonymous.get("/healthz")]
     assert [a.status_code for a in answers] == [200, 200, 404, 404, 200, 401, 200]
     assert all(a.headers.get("referrer-policy") == "no-referrer" for a in answers)
+
+
+def test_the_step_decision_is_stored_as_a_typed_record_and_served_as_stored(api):
+    """The decision is written once, by the engine (studies.decision), and served as stored; a study
+    completed before decisions were stored is decided again from its measurement, the same way."""
+    from sqlalchemy import update
+
+    from cmtune.service.models import Study
+
+    worker, grant = lease_step_trial(api)
+    body = {"lease_id": grant["lease"]["id"], "step": step_result(grant["trial"], SECONDS)}
+    assert worker.post(f"/v1/trials/{grant['trial']['id']}/result", json=body).status_code == 200
+    study_id = grant["trial"]["study_id"]
+    study = api.reader.get(f"/v1/studies/{study_id}").json()
+    decision = study["decision"]
+    assert decision["variant"] == "tuned-minus-mlp_up" and decision["ratio"] == pytest.approx(0.7)
+    assert decision["vs_reference"]["median"] == pytest.approx(1 / 0.7) and not decision["fresh_rounds"]
+    assert decision["saved_s"] == pytest.approx(0.95 - 0.7) and set(decision["overrides"]) == {"mlp_up"}
+    (summary,) = api.reader.get("/v1/submissions").json()
+    served = api.reader.get(f"/v1/submissions/{summary['id']}").json()["step"]
+    assert served["decision"] == decision and served["variant"] == decision["variant"]
+    assert served["measured_saved_s_per_step"] == pytest.approx(decision["saved_s"] * 2)  # tiny has 2 layers
+    # a record is what is served: change it in the database and the answer follows
+    forged = decision | {"summary": "as stored"}
+    with api.db.engine.begin() as conn:
+        conn.execute(update(Study).where(Study.id == study_id).values(decision=forged))
+    again = api.reader.get(f"/v1/submissions/{summary['id']}").json()["step"]
+    assert again["decision"]["summary"] == "as stored"
+    # a step study completed before migration 0006 has none: decided again from its stored measurement
+    with api.db.engine.begin() as conn:
+        conn.execute(update(Study).where(Study.id == study_id).values(decision=None))
+    old = api.reader.get(f"/v1/submissions/{summary['id']}").json()["step"]
+    assert old["decision"] == decision
