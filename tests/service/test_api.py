@@ -402,7 +402,8 @@ def test_the_step_study_measures_the_model_once_its_studies_are_done(api):
     assert task["step"]["block"]["name"] == "tiny" and task["step"]["mesh"] == {"data": 1, "model": 8}
     study = api.reader.get(f"/v1/studies/{step_id}").json()
     assert study["state"] == "completed" and study["stop_reason"] == "measured"
-    assert study["decision"]["variant"] == "tuned" and study["decision"]["vs_reference"]["median"] == pytest.approx(1.25)
+    decision = study["decision"]
+    assert decision["variant"] == "tuned" and decision["vs_reference"]["median"] == pytest.approx(1.25)
     sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
     step = sub["step"]
     assert step["variant"] == "tuned" and step["vs_reference"]["median"] == pytest.approx(1.25)

@@ -1,0 +1,157 @@
+"""Submitting: what ``POST /v1/studies`` does with a problem, a model + mesh, or a user's discovered step.
+
+`Request.of` resolves the body (the targets, the mesh, what is refused and why) without the database;
+`submit` then creates, in one transaction, one study per unique problem (skipping what is tuned, under
+study, or has nothing to tune), the submission record, and a model's step study, or joins the identical
+submission whose step study is in progress.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cmtune.service.errors import InvalidError
+from cmtune.service.views import studies_public
+from cmtune.tuner.engine import Engine, study_settings
+from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.space import has_ring, no_ring_reason
+from collective_matmul.wire import Protocol, Skipped, StudyCreate, StudyCreated, StudyState
+
+if TYPE_CHECKING:
+    from cmtune.service.store import SqlTx
+
+MAX_COUNT = (1 << 31) - 1  # runs per step of one problem (an integer column)
+
+
+def _model(body: StudyCreate) -> TransformerBlock:
+    """The submitted block: a preset name or an inline shape (never a path on the server)."""
+    if isinstance(body.model, TransformerBlock):
+        return body.model
+    if body.model not in PRESETS:
+        raise InvalidError(f"unknown model {body.model!r}: not a preset {sorted(PRESETS)}; send a preset name or "
+                           "the block's shape inline (d_model, d_ff, heads, head_dim, seq_len, global_batch, ...)")
+    return PRESETS[body.model]
+
+
+def _discovered(body: StudyCreate) -> tuple[MeshSpec, list[tuple]]:
+    """A discovered step's mesh and its unique problems, each with its roles (``role`` or ``role.slot``)."""
+    found = body.discovered
+    axes = {p.axis for p in found.problems if p.axis is not None}
+    unknown = sorted(axes - set(found.mesh))
+    if unknown:
+        raise InvalidError(f"problems name mesh axes {unknown} that are not in the mesh {found.mesh}")
+    tensor_axis = axes.pop() if len(axes) == 1 else list(found.mesh)[-1]
+    targets: dict[str, list] = {}
+    for p in found.problems:
+        entry = targets.setdefault(p.problem.key, [p.problem, [], 0])
+        entry[1].append(p.role if p.slot == "forward" else f"{p.role}.{p.slot}")
+        entry[2] += p.count
+        if entry[2] > MAX_COUNT:
+            raise InvalidError(f"{p.problem.key} runs {entry[2]} times per step in all: at most {MAX_COUNT}")
+    return MeshSpec(axes=found.mesh, tensor_axis=tensor_axis), [tuple(t) for t in targets.values()]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A submission, resolved: the hardware, the targets (problem, roles, runs per step), and for a model or a
+    user's step its mesh and what the submission record keeps."""
+
+    body: StudyCreate
+    hardware: Hardware
+    targets: list[tuple[Problem, list[str], int]]
+    model: TransformerBlock | None = None
+    mesh: MeshSpec | None = None
+    submitted: dict | None = None
+
+    @classmethod
+    def of(cls, body: StudyCreate) -> Request:
+        """Resolve ``body`` (no database needed).
+
+        Raises:
+            InvalidError: what does not fit, and how to fix it.
+        """
+        hardware = body.hardware.to_hardware()
+        model = mesh = submitted = None
+        if body.problem is not None:
+            targets = [(body.problem, ["problem"], 1)]
+        elif body.discovered is not None:
+            mesh, targets = _discovered(body)
+            submitted = {"name": body.discovered.name, "discovered": True, "layers": 1}  # counts are per step
+        else:
+            model = _model(body)
+            try:
+                mesh = MeshSpec(axes=body.mesh.axes, tensor_axis=body.mesh.tensor_axis)
+                targets = [(mp.problem, list(mp.roles), mp.count) for mp in model_problems(model, mesh)]
+            except ValueError as exc:
+                raise InvalidError(str(exc)) from None
+            submitted = model.model_dump(mode="json")
+        for problem, _roles, _count in targets:
+            if problem.axis_size != hardware.device_count:
+                raise InvalidError(
+                    f"{problem.key} is a ring of {problem.axis_size} devices but the hardware has device_count="
+                    f"{hardware.device_count}; tune each ring on hardware of its size")
+        if body.problem is not None and not has_ring(body.problem):
+            raise InvalidError(f"{body.problem.key}: nothing to tune: {no_ring_reason(body.problem)}")
+        return cls(body, hardware, targets, model, mesh, submitted)
+
+
+def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> StudyCreated:
+    """One study per unique problem of ``request`` (problems already tuned or under study are skipped unless
+    ``force``), its submission record, and for a model its step study, or joined to the one in progress."""
+    body, hardware, model, mesh = request.body, request.hardware, request.model, request.mesh
+    targets, submitted = request.targets, request.submitted
+    created, skipped, depends_on = [], [], []
+    if model is not None and body.step.measure and not body.force:
+        # two identical submissions at once: the second sees the first's study
+        tx.submissions.lock_hardware(hardware)
+        joined = engine.step_study_of(tx, block=model, mesh=mesh, hardware=hardware)
+        if joined is not None:
+            return StudyCreated(studies=[], submission_id=joined.submission_id, joined=True, skipped=[
+                Skipped(problem=f"step:{model.name}", study_id=joined.id, reason="under study")])
+    memory = tx.workers.memory(hardware)
+    for problem, _roles, _count in targets:
+        if memory is not None and problem.device_bytes > memory:
+            raise InvalidError(
+                f"{problem.key}: its inputs need {problem.device_bytes / 2**30:.1f} GiB per device, but the "
+                f"workers of {hardware.key} report at most {memory / 2**30:.1f} GiB: shrink m, k or n (or the "
+                "batch)")
+    submission_id = None
+    if submitted is not None:
+        submission_id = tx.submissions.add(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
+                                           now=now)
+    for problem, roles, count in targets:
+        existing = None if body.force else tx.catalog.find_study(problem, hardware)
+        tuned = None if body.force or existing is not None else tx.catalog.tuned(problem, hardware)
+        if not has_ring(problem):
+            skipped.append(Skipped(problem=problem.key, study_id=None, reason="nothing to tune"))
+            study_id = None
+        elif existing is not None or tuned is not None:
+            study_id = existing.id if existing is not None else tuned.study_id
+            reason = "under study" if existing is not None and existing.state != StudyState.COMPLETED \
+                else "already tuned"
+            skipped.append(Skipped(problem=problem.key, study_id=study_id, reason=reason))
+        else:
+            settings = study_settings(problem, hardware, trials=body.budget.trials, minutes=body.budget.minutes,
+                                      patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
+                                      confirm_top=body.confirm_top)
+            protocol = Protocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
+            study = engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
+                                    protocol=protocol, now=now)
+            created.append(study)
+            study_id = study.id
+        if submission_id is not None:
+            tx.submissions.link(submission_id=submission_id, study_id=study_id, problem=problem, roles=roles,
+                                count=count)
+            if study_id is not None:
+                depends_on.append(study_id)
+    if model is not None and body.step.measure:  # a user's step is measured where it runs (cmtune verify)
+        created.append(engine.create_step_study(
+            tx, block=model, mesh=mesh, hardware=hardware, depends_on=depends_on, now=now,
+            protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
+            submission_id=submission_id, ablation=body.step.ablation))
+    return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)
+
+
