@@ -290,3 +290,15 @@ def test_the_step_decision_is_stored_as_a_typed_record_and_served_as_stored(api)
         conn.execute(update(Study).where(Study.id == study_id).values(decision=None))
     old = api.reader.get(f"/v1/submissions/{summary['id']}").json()["step"]
     assert old["decision"] == decision
+
+
+def test_the_bundle_example_in_the_docs_imports(api):
+    """docs/tuning.md's example is a bundle the service takes as it stands (its override carries its problems)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
+    example = text[text.index("```json", text.index("## Bundle format")) + len("```json"):]
+    response = api.admin.post("/v1/bundles", content=example[: example.index("```")],
+                              headers={"content-type": "application/json"})
+    assert response.status_code == 201, response.text
+    assert response.json() == {"imported": 1, "overrides": 1}
