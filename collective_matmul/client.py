@@ -25,11 +25,11 @@ import jax
 from jax.sharding import Mesh
 
 from collective_matmul import roles
-from collective_matmul.bundle import Bundle, RoleOverride
+from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import MATCHES, MEASURED, from_tuned, untuned, weight_gradient
 from collective_matmul.models import SLOTS, rings, slot_problems
-from collective_matmul.ops import BatchAxis, allgather_matmul, matmul_reduce_scatter, problem_of
+from collective_matmul.ops import OPS, BatchAxis, problem_of
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import ConfigAnswer, Pin
 
@@ -128,6 +128,7 @@ class Tuned:
         self.timeout_s = timeout_s
         self.name = "tuned"
         self._cache: dict[tuple[str, str], Lookup] = {}
+        self._bundle_configs: dict[str, dict[str, TunedConfig]] = {}  # hardware key -> problem key -> config
         self._overrides: dict[str, dict[str, RoleOverride]] = {}
         self._warned: set[str] = set()
         self._client = None
@@ -234,7 +235,11 @@ class Tuned:
     def _from_bundle(self, problem: Problem, hardware: Hardware) -> Lookup | None:
         if self.bundle is None:
             return None
-        found = from_tuned(problem, {c.problem.key: c for c in self.bundle.configs if c.hardware.key == hardware.key})
+        configs = self._bundle_configs.get(hardware.key)
+        if configs is None:  # indexed once per hardware, not once per look-up
+            configs = self._bundle_configs[hardware.key] = {c.problem.key: c for c in self.bundle.configs
+                                                            if c.hardware.key == hardware.key}
+        found = from_tuned(problem, configs)
         if found is None:
             return None
         match, config = found
@@ -352,9 +357,8 @@ class Tuned:
         label, source = roles.call_site()
         configs = self.configs(role or label, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
                                source=source)
-        op = allgather_matmul if collective == "allgather_matmul" else matmul_reduce_scatter
-        return op(x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
-                  grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+        return OPS[collective](x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
+                               grad_input=configs.grad_input, grad_weight=configs.grad_weight)
 
     def dot_general(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
                     kernel_axes: tuple | None = None, **options):

@@ -123,16 +123,10 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
         submission_id = tx.submissions.add(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
                                            now=now)
     for problem, roles, count in targets:
-        existing = None if body.force else tx.catalog.find_study(problem, hardware)
-        tuned = None if body.force or existing is not None else tx.catalog.tuned(problem, hardware)
-        if not has_ring(problem):
-            skipped.append(Skipped(problem=problem.key, study_id=None, reason="nothing to tune"))
-            study_id = None
-        elif existing is not None or tuned is not None:
-            study_id = existing.id if existing is not None else tuned.study_id
-            reason = "under study" if existing is not None and existing.state != StudyState.COMPLETED \
-                else "already tuned"
-            skipped.append(Skipped(problem=problem.key, study_id=study_id, reason=reason))
+        skip = _skip(tx, problem, hardware, force=body.force)
+        if skip is not None:
+            skipped.append(skip)
+            study_id = skip.study_id
         else:
             settings = study_settings(problem, hardware, trials=body.budget.trials, minutes=body.budget.minutes,
                                       patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
@@ -155,3 +149,16 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)
 
 
+def _skip(tx: SqlTx, problem: Problem, hardware: Hardware, *, force: bool) -> Skipped | None:
+    """Why ``problem`` needs no new study (None: it does): no ring fits it, or, unless ``force``, it is under
+    study or tuned already."""
+    if not has_ring(problem):
+        return Skipped(problem=problem.key, study_id=None, reason="nothing to tune")
+    if force:
+        return None
+    existing = tx.catalog.find_study(problem, hardware)
+    if existing is not None:
+        return Skipped(problem=problem.key, study_id=existing.id,
+                       reason="already tuned" if existing.state == StudyState.COMPLETED else "under study")
+    tuned = tx.catalog.tuned(problem, hardware)
+    return Skipped(problem=problem.key, study_id=tuned.study_id, reason="already tuned") if tuned else None

@@ -66,7 +66,7 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
     ids = [s.id for s in records if s.state != StudyState.PENDING]
     leased = tx.catalog.leased_counts(ids)
     best = tx.catalog.trial_decompositions([s.best_trial_id for s in records
-                                    if s.best_trial_id is not None and s.kind == StudyKind.SEARCH])
+                                            if s.best_trial_id is not None and s.kind == StudyKind.SEARCH])
     tuned = tx.catalog.tuned_of_studies(ids)
     out = []
     for s in records:

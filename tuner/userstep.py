@@ -209,6 +209,7 @@ def step_variants(tuned, per_role: Mapping[str, list[OpConfigs]], *, decide: boo
                      "tuned": tuned}
     if not decide:
         return sources
+
     def one_role(name: str, role: str, configs: OpConfigs):  # ``role`` runs ``configs``, the others as tuned
         return tuned.variant(name, lambda r, c: configs if r == role else c)
 

@@ -30,7 +30,7 @@ def register(body: WorkerCreate, state: StateDep, _: WorkerRoleDep) -> WorkerReg
     this worker sends in the ``X-Cmtune-Worker`` header."""
     with state.store.write() as tx:
         worker_id, credential = tx.workers.add(name=body.name, hardware=body.hardware.to_hardware(),
-                                              software=body.software, memory_bytes=body.memory_bytes, now=utcnow())
+                                               software=body.software, memory_bytes=body.memory_bytes, now=utcnow())
         public = worker_public(tx.workers.get(worker_id), current_trial_id=None, online_after=_online_after(state))
         return WorkerRegistered(**dict(public), credential=credential)
 

@@ -192,8 +192,11 @@ def study_record(fixed: Fixed, row, prefix: str = "") -> StudyRecord:
         created_at=fixed.created_at, stop_reason=get("stop_reason"), message=get("message"),
         started_at=get("started_at"), finished_at=get("finished_at"), trials_done=get("trials_done"),
         best_trial_id=get("best_trial_id"), best_ratio=get("best_ratio"), kind=fixed.kind, step=fixed.step,
-        submission_id=fixed.submission_id,
-        decision=StepChoice.model_validate(get("decision")) if get("decision") is not None else None)
+        submission_id=fixed.submission_id, decision=_decision(get("decision")))
+
+
+def _decision(stored: dict | None) -> StepChoice | None:
+    return StepChoice.model_validate(stored) if stored is not None else None
 
 
 def trial_record(row, with_measurements: bool) -> TrialRecord:

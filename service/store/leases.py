@@ -133,8 +133,8 @@ class Leases:
     def claim(self, *, study_ids: Sequence[int] | None = None, hardware: Hardware | None = None,
               worker_id: int | None = None) -> TrialRecord | None:
         """The oldest pending trial (of ``study_ids``, else of the active studies on ``hardware``), moved to
-        leased by ``worker_id`` (attempts + 1) in one statement, or None (`StoreTx.claim`)."""
-        check_trial_move(None, TrialState.PENDING, TrialState.LEASED)
+        leased by ``worker_id`` (attempts + 1) in one statement, or None (`StoreTx.claim`: the engine's
+        `Engine.claim` checks the move first)."""
         parameters = {"claimer": worker_id}
         if study_ids is not None:
             parameters["study_ids"] = list(study_ids)
@@ -154,6 +154,7 @@ class Leases:
         ``seconds`` (on PostgreSQL one statement), or None; ``ending``: a lease that ends first, as by
         `end` (in the same statement).  The caller's engine takes the claimed trial's study through its own
         moves (`Engine.claimed`)."""
+        check_trial_move(None, TrialState.PENDING, TrialState.LEASED)  # the engine's guard, once per claim
         tx = self._tx
         lease_id, expires_at = str(uuid.uuid4()), now + dt.timedelta(seconds=seconds)
         lease = LeaseInfo(id=lease_id, trial_id=0, worker_id=worker_id, expires_at=expires_at, active=True)
@@ -166,7 +167,6 @@ class Leases:
             lease = dataclasses.replace(lease, trial_id=trial.id)
             tx.rows(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
             return trial, lease
-        check_trial_move(None, TrialState.PENDING, TrialState.LEASED)
         parameters = {"claimer": worker_id, "hardware_key": hardware.identity().key, "lease_id": lease_id,
                       "now": now, "until": expires_at}
         if ending is not None:

@@ -179,11 +179,9 @@ class Studies:
     def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
         self._update_study(study_id, {"state": to, **refuse_state(changes)})
 
-    def _update_study(self, study_id: int, columns: dict) -> None:
+    def _update_study(self, study_id: int, changes: dict) -> None:
         self._tx.studies.pop(study_id, None)
-        if columns.get("decision") is not None:  # a typed record, stored as JSON
-            columns = columns | {"decision": columns["decision"].model_dump(mode="json")}
-        self._tx.rows(_UPDATE_STUDY, {"_study_id": study_id, **columns})
+        self._tx.rows(_UPDATE_STUDY, {"_study_id": study_id, **_study_columns(changes)})
 
     def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
                          **changes) -> None:
@@ -192,7 +190,7 @@ class Studies:
         if not study_changes:
             tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **trial_changes})
             return
-        study_changes = refuse_state(study_changes)
+        study_changes = _study_columns(refuse_state(study_changes))
         if not tx.is_postgres:  # SQLite: no writes inside WITH
             tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **trial_changes})
             self._update_study(study_id, study_changes)
@@ -235,6 +233,13 @@ class Studies:
                 model=model, role=o.role, hardware_id=hardware_id, configs=o.configs.model_dump(mode="json"),
                 problems=None if o.problems is None else {s: p.model_dump(mode="json") for s, p in o.problems.items()},
                 reason=o.reason, step_speedup=o.step_speedup, updated_at=dt.datetime.now(dt.UTC)))
+
+
+def _study_columns(changes: dict) -> dict:
+    """A study's changes as its columns hold them (a step study's decision as JSON)."""
+    if changes.get("decision") is not None:
+        return changes | {"decision": changes["decision"].model_dump(mode="json")}
+    return changes
 
 
 def _trial_columns(changes: dict) -> dict:
