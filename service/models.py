@@ -189,6 +189,10 @@ class Trial(Base):
     status: Mapped[Status | None] = mapped_column(enum_column(Status, "trial_status"))
     ratio: Mapped[float | None] = mapped_column(Float)
     measurements: Mapped[list[Any] | None]
+    # a confirmation's bounds rounds (collective_matmul.wire.BoundsMeasurement)
+    bounds: Mapped[dict[str, Any] | None]
+    # a step trial's variants: name -> role -> OpConfigs JSON (None: the standard menu of its configs)
+    variants: Mapped[dict[str, Any] | None]
     message: Mapped[str | None] = mapped_column(String(2000))
     worker_id: Mapped[int | None] = mapped_column(ForeignKey("workers.id", ondelete="SET NULL"))
     result_lease_id: Mapped[str | None] = mapped_column(String(36), doc="the lease whose report completed it")
@@ -244,6 +248,11 @@ class TunedConfigRow(Base):
     invalid: Mapped[int] = mapped_column(default=0)
     failed: Mapped[int] = mapped_column(default=0)
     space_size: Mapped[int] = mapped_column(default=0)
+    # the bounds (collective_matmul.bounds): the local matmul alone, the collective alone, and the
+    # baseline timed with them (None: not measured)
+    compute_s: Mapped[float | None] = mapped_column(Float)
+    communication_s: Mapped[float | None] = mapped_column(Float)
+    bounds_baseline_s: Mapped[float | None] = mapped_column(Float)
     software: Mapped[dict[str, Any]]
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
