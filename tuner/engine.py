@@ -72,6 +72,7 @@ from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     Measurement,
     Protocol,
+    Seed,
     Speedup,
     Status,
     StepChoice,
@@ -96,7 +97,7 @@ TRIAL_MOVES: dict[TrialState, frozenset[TrialState]] = {
     T.LEASED: frozenset({T.PENDING, T.COMPLETED, T.FAILED, T.CANCELLED}),
 }
 # stop reasons after which proposals nobody has claimed yet are dropped (the others count them)
-_DROP_PROPOSALS = ("time budget", "no improvement", "baseline failed")
+_DROP_PROPOSALS = ("time budget", "no improvement", "neighbours agree", "baseline failed")
 
 
 def profile_name_for(hardware: Hardware) -> str:
@@ -108,17 +109,18 @@ def profile_name_for(hardware: Hardware) -> str:
 
 def study_settings(problem: Problem, hardware: Hardware, *, trials: int | None = None, minutes: float | None = None,
                    patience: int | None = None, sampler: Sampler = "auto", seed: int = 0,
-                   confirm_top: int = 3) -> SearchSettings:
+                   confirm_top: int = 3, seeds: Sequence[Seed] = ()) -> SearchSettings:
     """A study's settings from what a user asks (command line or API), defaults filled in one place.
 
     The trial budget defaults to `default_budget` of the space; the cost-model profile that orders
     the candidates is the static profile of the hardware's platform (`profile_name_for`), never a
-    timing taken on one process, so every process and every replica orders them alike.
+    timing taken on one process, so every process and every replica orders them alike.  ``seeds``
+    (warm start: `cmtune.tuner.warm.seeds`) are timed right after the baseline.
     """
     return SearchSettings(
         sampler=sampler, seed=seed, max_trials=trials or default_budget(len(candidates(problem))),
         max_seconds=minutes * 60 if minutes else None, patience=patience, confirm_top=confirm_top,
-        profile=profile_name_for(hardware),
+        profile=profile_name_for(hardware), seeds=tuple(seeds),
     )
 
 
@@ -170,10 +172,16 @@ class Engine:
         """A new study with its first proposals queued.
 
         Raises:
-            InvalidError: no ring fits ``problem`` (nothing to search), or the settings' profile is unknown.
+            InvalidError: no ring fits ``problem`` (nothing to search), the settings' profile is unknown, or a
+                seed is not one of ``problem``'s candidates.
         """
         if not has_ring(problem):
             raise InvalidError(f"{problem.key}: nothing to tune: {no_ring_reason(problem)}")
+        space = set(candidates(problem))
+        misfits = [s.decomposition.id for s in settings.seeds if s.decomposition not in space]
+        if misfits:
+            raise InvalidError(f"{problem.key}: the seeds {misfits} are not candidates of this problem: leave them "
+                               "out (cmtune.tuner.warm.seeds keeps only those that fit)")
         if settings.profile is None:
             settings = settings.model_copy(update={"profile": profile_name_for(hardware)})
         if settings.profile not in PROFILES:
