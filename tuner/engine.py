@@ -7,11 +7,13 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
 
 1. `create_study`: the study starts ``pending`` with ``ready`` proposals (search trials) queued.
    Proposals come from a `Searcher` rebuilt from the history (finished trials and those in
-   flight, so parallel proposals differ: Optuna's constant liar).
+   flight, so parallel proposals differ: Optuna's constant liar); its settings carry the seeds
+   of a warm start (`cmtune.tuner.warm`), timed right after the baseline.
 2. `claim`: a worker (or the local runner) takes the oldest pending trial: a claim, never an
    ask.  The first claim starts the study (``running``; its time budget counts from here).
 3. `record`: a result is stored, then `refill` brings the study forward: while the stop rule
-   (trial budget, time budget, patience, exhaustion, a failed baseline) lets the search go on,
+   (trial budget, time budget, patience, seeds that agree with their neighbours, exhaustion, a
+   failed baseline) lets the search go on,
    it tops the proposals up to ``ready``; once it stops, unclaimed proposals are cancelled and,
    when nothing is in flight any more, the confirmation round is queued: the top
    ``confirm_top`` candidates and the baseline, re-timed together.  If only the baseline ran,
