@@ -13,11 +13,10 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
    ask.  The first claim starts the study (``running``; its time budget counts from here).
 3. `record`: a result is stored, then `refill` brings the study forward: while the stop rule
    (trial budget, time budget, patience, seeds that agree with their neighbours, exhaustion, a
-   failed baseline) lets the search go on,
-   it tops the proposals up to ``ready``; once it stops, unclaimed proposals are cancelled and,
-   when nothing is in flight any more, the confirmation round is queued: the top
-   ``confirm_top`` candidates and the baseline, re-timed together.  If only the baseline ran,
-   the study finishes at once.
+   failed baseline) lets the search go on, it tops the proposals up to ``ready``; once it stops,
+   unclaimed proposals are cancelled and, when nothing is in flight any more, the confirmation
+   round is queued: the top ``confirm_top`` candidates and the baseline, re-timed together.  If
+   only the baseline ran, the study finishes at once.
 4. `_finish`: the confirmation round's winner becomes the tuned config (``completed``).  When
    the round produced nothing usable, the search trials' own measurements decide and the
    study's message says so; when nothing ran at all, not even the baseline, the study
