@@ -1,11 +1,22 @@
 """Warm start through the API, on SQLite and PostgreSQL: a new study is seeded from the configs tuned on its
-hardware, shows where each seed came from, times them right after the baseline, and can be switched off."""
+hardware, shows where each seed came from (the API, `cmtune submit` and `cmtune status`), times them right after
+the baseline, and can be switched off."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from cmtune.service.launcher import running_server
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.bundle import TunedConfig
-from tests.service.conftest import HARDWARE, PROBLEM, cost, register, run_trial
+from tests.service.conftest import HARDWARE, PROBLEM, cost, create_tokens, register, run_trial
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NEIGHBOUR = PROBLEM | {"m": 512}  # allgather_matmul:512x64x128:float32:8, log 2 away
 
@@ -67,3 +78,30 @@ def test_warm_start_switched_off_and_a_submission_does_not_seed_from_itself(api)
     assert plain["seeds"] == [] and plain["settings"]["seeds"] == []
     other_dtype = submit(api.admin, PROBLEM | {"dtype": "bfloat16"})["studies"][0]
     assert other_dtype["seeds"] == []
+
+
+def test_cmtune_submit_and_status_show_where_the_seeds_came_from(tmp_path):
+    url = f"sqlite:///{tmp_path / 'warm.sqlite'}"
+    tok = create_tokens(url, ["admin", "worker"])
+    with running_server(database_url=url) as server:
+        admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        (neighbour,) = submit(admin, NEIGHBOUR)["studies"]
+        worker = register(httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['worker']}"},
+                                       timeout=30))
+        while run_trial(worker, slow_rings) is not None:
+            pass
+
+        def cmtune(*args):
+            env = os.environ | {"CMTUNE_TOKEN": tok["admin"], "COLUMNS": "250"}
+            run = subprocess.run([sys.executable, "-m", "cmtune", *args, "--server", server.url],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+            assert run.returncode == 0, run.stdout + run.stderr
+            return run.stdout
+
+        seeded = cmtune("submit", "--problem", "ag:256x64x128:float32:8", "--trials", "4")
+        plain = cmtune("submit", "--problem", "ag:256x64x128:float32:8", "--force", "--no-warm-start")
+        status = cmtune("status")
+    assert f"2 seeds from 512x64x128 (#{neighbour['id']})" in seeded
+    assert "seeds" not in plain
+    rows = [line for line in status.splitlines() if "allgather_matmul:256x64x128" in line]
+    assert len(rows) == 2 and sum(f"512x64x128 (#{neighbour['id']})" in row for row in rows) == 1
