@@ -52,7 +52,8 @@ def seeds(problem: Problem, hardware: Hardware, known: Iterable[Known], *, neigh
     """The seeds of a new study of ``problem`` on ``hardware``.
 
     Args:
-        known: tuned problems, of any hardware and collective (the others are left out).
+        known: tuned problems, of any hardware and collective (the others are left out); ``problem`` itself,
+            tuned before (a forced new study), is its own nearest neighbour.
         neighbours: how many of the nearest tuned problems seed it; one tuned on several sources or
             stacks counts once (the first in `neighbour_order`), and one none of whose configs fits
             ``problem`` does not count.

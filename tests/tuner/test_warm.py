@@ -16,7 +16,7 @@ from cmtune.tuner.warm import Known, seeds
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.costmodel import PROFILES
-from collective_matmul.wire import Protocol, Seed
+from collective_matmul.wire import Protocol, Seed, StudyState, TrialKind, TrialState
 from tests.tuner.test_engine import HW, START, Driver, store  # noqa: F401 - the contract suite's store fixture
 from tests.tuner.test_engine import PROBLEM as ENGINE_PROBLEM
 from tests.tuner.test_search import KnownCosts, random_costs, tune
@@ -196,3 +196,19 @@ def test_seeds_survive_the_store_and_every_store_proposes_them_alike(store):  # 
     reference = Driver(InMemoryStore())
     assert reference.run(reference.create(SearchSettings(profile="cpu", max_trials=6, seeds=warm),
                                           problem=ENGINE_PROBLEM)) == timed
+
+
+def test_seeds_that_agree_stop_the_study_and_drop_the_proposals_nobody_claimed(store):  # noqa: F811
+    from tests.tuner.test_engine import ratio_of
+
+    driver = Driver(store, Engine(ready=3))
+    agreeing = tuple(s.model_copy(update={"ratio": ratio_of(s.decomposition)}) for s in seeded(RING, OTHER))
+    study_id = driver.create(SearchSettings(profile="cpu", max_trials=20, seeds=agreeing), problem=ENGINE_PROBLEM)
+    timed = [driver.claim(study_id) for _ in range(3)]
+    assert [t.decomposition for t in timed] == [BASELINE, RING, OTHER]
+    for trial in timed:  # RING agrees and is the best; OTHER is the one trial after it without a new best
+        driver.report(trial)
+    study, trials = driver.study(study_id)
+    assert study.stop_reason == "neighbours agree" and study.state == StudyState.CONFIRMING
+    search = [t for t in trials if t.kind == TrialKind.SEARCH]
+    assert [t.state for t in search].count(TrialState.CANCELLED) == 3 and study.trials_done == 3
