@@ -88,6 +88,9 @@ def submit(
         min=1, help="processes one ring spans (default 1; with --step, the ring's)")] = None,
     trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
     force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
+    warm_start: Annotated[bool, typer.Option(
+        help="seed each new study with the winners and best rings of the nearest problems tuned on the "
+             "hardware")] = True,
     step: Annotated[str | None, typer.Option(
         help="a step spec, path/to/file.py:NAME or package.module:NAME: discover your step's problems here "
              "(needs JAX) and send them with their roles; the service never runs your code")] = None,
@@ -110,12 +113,13 @@ def submit(
             return
         hardware = HardwareIn(platform=platform or ring.platform, device_kind=device_kind or ring.device_kind,
                               device_count=ring.device_count, process_count=process_count or ring.process_count)
-        bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force)]
+        bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force,
+                              warm_start=warm_start)]
         return _post(server, token, token_file, bodies)
     def on(device_count: int) -> dict:
         hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
                               device_count=device_count, process_count=process_count or 1)
-        return dict(hardware=hardware, budget=Budget(trials=trials), force=force)
+        return dict(hardware=hardware, budget=Budget(trials=trials), force=force, warm_start=warm_start)
 
     if model and not problem:  # the service derives the model's problems (and says what does not fit)
         if not mesh:
@@ -142,7 +146,8 @@ def _post(server: str, token: str | None, token_file: Path | None, bodies) -> No
             created = StudyCreated.model_validate(_check(client.post(
                 "/v1/studies", json=body.model_dump(mode="json", exclude_none=True))))
             for study in created.studies:
-                console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials)")
+                seeded = f", {len(study.seeds)} seeds from {_neighbours(study)}" if study.seeds else ""
+                console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials{seeded})")
             for skip in created.skipped:
                 console.print(f"skipped {skip.problem}: {skip.reason} (study {skip.study_id})")
             if created.joined:
@@ -177,17 +182,27 @@ def status(
         summaries = [SubmissionSummary.model_validate(s) for s in _check(client.get("/v1/submissions"))][:10]
         models = [SubmissionPublic.model_validate(_check(client.get(f"/v1/submissions/{s.id}"))) for s in summaries]
     table = Table(title=f"studies on {server} ({studies.total})")
-    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned"):
+    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned", "seeded from"):
         table.add_column(col)
     for s in studies.items:
         best = f"{s.best.speedup:.2f}x" if s.best else "-"
         tuned = f"{s.tuned_decomposition_id} {s.tuned.speedup:.2f}x" if s.tuned else "-"
         table.add_row(str(s.id), s.state, s.problem_key, s.hardware_key,
-                      f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned)
+                      f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned,
+                      _neighbours(s) or "-")
     console.print(table)
     if models:
         console.print(_models_table(models))
     console.print(f"workers online: {sum(w.online for w in workers)} of {len(workers)} registered")
+
+
+def _neighbours(study) -> str:
+    """Where a study's seeds came from: each neighbour's shape, with its study where it has one."""
+    found = {}
+    for seed in study.seeds:
+        where = f"#{seed.study_id}" if seed.study_id is not None else seed.source
+        found.setdefault(seed.neighbour, f"{seed.neighbour.split(':')[1]} ({where})")
+    return ", ".join(found.values())
 
 
 def _models_table(models):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal
@@ -12,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
-from collective_matmul.problem import Hardware, Problem, Version
+from collective_matmul.problem import Hardware, Problem, Version, log_distance
 from collective_matmul.text import label, message
 
 BUNDLE_FORMAT = "cmtune.bundle"
@@ -71,8 +70,7 @@ def nearest(problem: Problem, configs: Iterable[TunedConfig]) -> TunedConfig | N
             == (problem.collective, problem.dtype, problem.axis_size) and problem.accepts(c.decomposition)]
     if not same:
         return None
-    return min(same, key=lambda c: (sum(abs(math.log(getattr(problem, f) / getattr(c.problem, f)))
-                                        for f in ("m", "k", "n")), c.problem.key))
+    return min(same, key=lambda c: (log_distance(problem, c.problem), c.problem.key))
 
 
 class RoleOverride(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Literal
 
@@ -148,6 +149,11 @@ class Problem(BaseModel):
 
     def __str__(self) -> str:
         return self.key
+
+
+def log_distance(a: Problem, b: Problem) -> float:
+    """How far apart two shapes are: the sum of ``|log(a/b)|`` over m, k and n (0 for the same shape)."""
+    return sum(abs(math.log(getattr(a, f) / getattr(b, f))) for f in ("m", "k", "n"))
 
 
 def ring_hops(direction: str, axis_size: int) -> tuple[int, int]:

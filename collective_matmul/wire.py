@@ -390,6 +390,34 @@ class HardwareIn(BaseModel):
                                                              "process_count"}))
 
 
+ProblemKey = label(200)  # problems.key
+
+
+class Seed(BaseModel):
+    """A candidate a new study times right after the baseline (warm start): the winner or the best ring of a
+    tuned neighbour, a problem of the same collective, dtype and ring size on the same hardware."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decomposition: Decomposition
+    kind: Literal["winner", "best ring"] = Field(description="the neighbour's tuned config, or the fastest ring "
+                                                             "among its search trials")
+    neighbour: ProblemKey = Field(description="the neighbour's problem key")
+    source: Literal["study", "bundle", "local"] = Field(
+        description="study: a config this service tuned (study_id); bundle: an imported or bundled config; "
+                    "local: an earlier study of the same `cmtune tune`")
+    study_id: int | None = Field(default=None, ge=1, description="the neighbour's study (source 'study')")
+    ratio: float = Field(gt=0, allow_inf_nan=False, description="its time over the baseline's on the neighbour "
+                                                                "(a winner: 1 / speedup)")
+    distance: float = Field(ge=0, allow_inf_nan=False, description="log-distance of the shapes over (m, k, n)")
+
+
+class SeedPublic(Seed):
+    """A study's seed as the API shows it."""
+
+    decomposition_id: str
+
+
 class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -469,6 +497,8 @@ class StudyCreate(BaseModel):
                              description="timing budget of one candidate; a trial twice over it counts as hung")
     confirm_top: int = Field(default=3, ge=0, le=20)
     force: bool = Field(default=False, description="tune again even if tuned or under study")
+    warm_start: bool = Field(default=True, description="seed each new study with the winners and best rings of "
+                                                       "the nearest problems tuned on this hardware")
     step: StepOptions = Field(default_factory=lambda: StepOptions(),
                               description="a model's step measurement, once its studies are done")
 
@@ -513,6 +543,8 @@ class StudyPublic(BaseModel):
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     decision: StepChoice | None = Field(default=None, description="a completed step study's decision")
+    seeds: list[SeedPublic] = Field(default_factory=list, description="what the search times first, after the "
+                                                                      "baseline, and where each came from (warm start)")
 
 
 class Skipped(BaseModel):

@@ -3,7 +3,9 @@
 `Request.of` resolves the body (the targets, the mesh, what is refused and why) without the database;
 `submit` then creates, in one transaction, one study per unique problem (skipping what is tuned, under
 study, or has nothing to tune), the submission record, and a model's step study, or joins the identical
-submission whose step study is in progress.
+submission whose step study is in progress.  Unless the body says ``warm_start: false``, each new study is
+seeded from the configs already tuned on its hardware (`cmtune.tuner.warm`): those of finished studies, not
+of the studies this submission creates.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import TYPE_CHECKING
 from cmtune.service.errors import InvalidError
 from cmtune.service.views import studies_public
 from cmtune.tuner.engine import Engine, study_settings
+from cmtune.tuner.warm import Known, seeds
 from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import has_ring, no_ring_reason
-from collective_matmul.wire import Protocol, Skipped, StudyCreate, StudyCreated, StudyState
+from collective_matmul.wire import Protocol, Seed, Skipped, StudyCreate, StudyCreated, StudyState
 
 if TYPE_CHECKING:
     from cmtune.service.store import SqlTx
@@ -122,6 +125,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     if submitted is not None:
         submission_id = tx.submissions.add(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
                                            now=now)
+    neighbours: dict[tuple, list[Known]] = {}  # per family: nothing this transaction creates adds to them
     for problem, roles, count in targets:
         skip = _skip(tx, problem, hardware, force=body.force)
         if skip is not None:
@@ -130,7 +134,8 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
         else:
             settings = study_settings(problem, hardware, trials=body.budget.trials, minutes=body.budget.minutes,
                                       patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
-                                      confirm_top=body.confirm_top)
+                                      confirm_top=body.confirm_top,
+                                      seeds=_seeds(tx, problem, hardware, neighbours) if body.warm_start else ())
             protocol = Protocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
             study = engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
                                     protocol=protocol, now=now)
@@ -147,6 +152,15 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
             protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
             submission_id=submission_id, ablation=body.step.ablation))
     return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)
+
+
+def _seeds(tx: SqlTx, problem: Problem, hardware: Hardware, neighbours: dict[tuple, list[Known]]) -> tuple[Seed, ...]:
+    """A new study's warm start, from the configs tuned on ``hardware`` for ``problem``'s collective, dtype and
+    ring size, read once per family into ``neighbours``."""
+    family = (problem.collective, problem.dtype, problem.axis_size)
+    if family not in neighbours:
+        neighbours[family] = tx.catalog.neighbours(problem, hardware)
+    return seeds(problem, hardware, neighbours[family])
 
 
 def _skip(tx: SqlTx, problem: Problem, hardware: Hardware, *, force: bool) -> Skipped | None:

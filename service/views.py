@@ -13,6 +13,7 @@ from cmtune.service.store import SqlTx, WorkerInfo
 from cmtune.tuner.store import StudyRecord, TrialRecord
 from collective_matmul.wire import (
     BestSoFar,
+    SeedPublic,
     StudyKind,
     StudyPublic,
     StudyState,
@@ -85,6 +86,8 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             tuned=config, tuned_decomposition_id=config.decomposition.id if config else None,
             stop_reason=s.stop_reason, message=s.message, created_at=s.created_at, started_at=s.started_at,
             finished_at=s.finished_at, decision=s.decision,
+            seeds=[SeedPublic(**seed.model_dump(), decomposition_id=seed.decomposition.id)
+                   for seed in s.settings.seeds],
         ))
     return out
 

@@ -89,12 +89,25 @@ def tune(
     step: Annotated[str | None, typer.Option(
         help="a step spec, path/to/file.py:NAME or package.module:NAME: tune the problems of your own step "
              "(devices: virtual:N or processes:PxD, default virtual:8)")] = None,
+    warm_start: Annotated[bool, typer.Option(
+        help="time the winners and best rings of the nearest problems tuned before (in this run, and in the "
+             "--out bundle if it exists) right after the baseline; a study whose seeds run as their "
+             "neighbours did stops early")] = True,
 ) -> None:
     """Tune the decompositions of one or more problems, a model's or your own step's, on local devices."""
     if sampler not in ("auto", "enumerate", "tpe", "random"):
         raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
+    bundled = []
+    if warm_start and out is not None and out.exists():  # read before any device is touched: a bad file says so
+        from collective_matmul.bundle import Bundle
+
+        try:
+            bundled = Bundle.load(out).configs
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--out") from None
     options = dict(trials=trials, minutes=minutes, patience=patience, sampler=sampler, seed=seed,
-                   protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out)
+                   protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out,
+                   warm_start=warm_start, bundled=bundled)
     if step is not None:
         from cmtune.tuner import step_commands
 
@@ -118,9 +131,13 @@ def tune(
     _tune(problems, ring=ring, **options)
 
 
-def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out,
-          ring_devices=None) -> None:
-    """Tune ``problems`` on a ring of ``ring`` devices: all of them, or ``ring_devices`` (this process's view)."""
+def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out, warm_start=True,
+          bundled=(), ring_devices=None) -> None:
+    """Tune ``problems`` on a ring of ``ring`` devices: all of them, or ``ring_devices`` (this process's view).
+
+    With ``warm_start``, each study is seeded (`cmtune.tuner.warm.seeds`) from the studies of this run
+    before it and from the configs of ``bundled`` (the --out bundle's).
+    """
     import jax
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -128,6 +145,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     from cmtune.tuner.engine import study_settings
     from cmtune.tuner.local import LocalRunner, LocalTuner, follow
     from cmtune.tuner.report import tune_table
+    from cmtune.tuner.warm import Known, seeds
     from collective_matmul import Hardware
     from collective_matmul.bundle import Bundle
     from collective_matmul.wire import Protocol
@@ -154,8 +172,10 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
         tuner = LocalTuner(runner, group=group, grace_s=grace_s)
         try:
             for problem in problems:
+                known = [*(o.known() for o in outcomes), *(Known(c, source="bundle") for c in bundled)]
+                warm = seeds(problem, hardware, [k for k in known if k is not None]) if warm_start else ()
                 settings = study_settings(problem, hardware, trials=trials, minutes=minutes, patience=patience,
-                                          sampler=sampler, seed=seed)
+                                          sampler=sampler, seed=seed, seeds=warm)
                 bar = progress.add_task(problem.key, total=min(settings.max_trials, len(candidates_of(problem))) + 1)
                 tuner.on_trial = lambda _trial, bar=bar: progress.advance(bar)
                 outcomes.append(tuner.tune(problem, hardware, settings, Protocol(**protocol)))

@@ -7,15 +7,16 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
 
 1. `create_study`: the study starts ``pending`` with ``ready`` proposals (search trials) queued.
    Proposals come from a `Searcher` rebuilt from the history (finished trials and those in
-   flight, so parallel proposals differ: Optuna's constant liar).
+   flight, so parallel proposals differ: Optuna's constant liar); its settings carry the seeds
+   of a warm start (`cmtune.tuner.warm`), timed right after the baseline.
 2. `claim`: a worker (or the local runner) takes the oldest pending trial: a claim, never an
    ask.  The first claim starts the study (``running``; its time budget counts from here).
 3. `record`: a result is stored, then `refill` brings the study forward: while the stop rule
-   (trial budget, time budget, patience, exhaustion, a failed baseline) lets the search go on,
-   it tops the proposals up to ``ready``; once it stops, unclaimed proposals are cancelled and,
-   when nothing is in flight any more, the confirmation round is queued: the top
-   ``confirm_top`` candidates and the baseline, re-timed together.  If only the baseline ran,
-   the study finishes at once.
+   (trial budget, time budget, patience, seeds that agree with their neighbours, exhaustion, a
+   failed baseline) lets the search go on, it tops the proposals up to ``ready``; once it stops,
+   unclaimed proposals are cancelled and, when nothing is in flight any more, the confirmation
+   round is queued: the top ``confirm_top`` candidates and the baseline, re-timed together.  If
+   only the baseline ran, the study finishes at once.
 4. `_finish`: the confirmation round's winner becomes the tuned config (``completed``).  When
    the round produced nothing usable, the search trials' own measurements decide and the
    study's message says so; when nothing ran at all, not even the baseline, the study
@@ -72,6 +73,7 @@ from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     Measurement,
     Protocol,
+    Seed,
     Speedup,
     Status,
     StepChoice,
@@ -96,7 +98,7 @@ TRIAL_MOVES: dict[TrialState, frozenset[TrialState]] = {
     T.LEASED: frozenset({T.PENDING, T.COMPLETED, T.FAILED, T.CANCELLED}),
 }
 # stop reasons after which proposals nobody has claimed yet are dropped (the others count them)
-_DROP_PROPOSALS = ("time budget", "no improvement", "baseline failed")
+_DROP_PROPOSALS = ("time budget", "no improvement", "neighbours agree", "baseline failed")
 
 
 def profile_name_for(hardware: Hardware) -> str:
@@ -108,17 +110,18 @@ def profile_name_for(hardware: Hardware) -> str:
 
 def study_settings(problem: Problem, hardware: Hardware, *, trials: int | None = None, minutes: float | None = None,
                    patience: int | None = None, sampler: Sampler = "auto", seed: int = 0,
-                   confirm_top: int = 3) -> SearchSettings:
+                   confirm_top: int = 3, seeds: Sequence[Seed] = ()) -> SearchSettings:
     """A study's settings from what a user asks (command line or API), defaults filled in one place.
 
     The trial budget defaults to `default_budget` of the space; the cost-model profile that orders
     the candidates is the static profile of the hardware's platform (`profile_name_for`), never a
-    timing taken on one process, so every process and every replica orders them alike.
+    timing taken on one process, so every process and every replica orders them alike.  ``seeds``
+    (warm start: `cmtune.tuner.warm.seeds`) are timed right after the baseline.
     """
     return SearchSettings(
         sampler=sampler, seed=seed, max_trials=trials or default_budget(len(candidates(problem))),
         max_seconds=minutes * 60 if minutes else None, patience=patience, confirm_top=confirm_top,
-        profile=profile_name_for(hardware),
+        profile=profile_name_for(hardware), seeds=tuple(seeds),
     )
 
 
@@ -170,10 +173,16 @@ class Engine:
         """A new study with its first proposals queued.
 
         Raises:
-            InvalidError: no ring fits ``problem`` (nothing to search), or the settings' profile is unknown.
+            InvalidError: no ring fits ``problem`` (nothing to search), the settings' profile is unknown, or a
+                seed is not one of ``problem``'s candidates.
         """
         if not has_ring(problem):
             raise InvalidError(f"{problem.key}: nothing to tune: {no_ring_reason(problem)}")
+        space = set(candidates(problem))
+        misfits = [s.decomposition.id for s in settings.seeds if s.decomposition not in space]
+        if misfits:
+            raise InvalidError(f"{problem.key}: the seeds {misfits} are not candidates of this problem: leave them "
+                               "out (cmtune.tuner.warm.seeds keeps only those that fit)")
         if settings.profile is None:
             settings = settings.model_copy(update={"profile": profile_name_for(hardware)})
         if settings.profile not in PROFILES:

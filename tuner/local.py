@@ -20,6 +20,7 @@ from cmtune.tuner.cluster import EXIT_HUNG
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
+from cmtune.tuner.warm import Known, best_ring
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import GroupMessage, Measurement, Protocol, Status, StepMeasurement, TrialKind, TrialTask
@@ -167,6 +168,13 @@ class Outcome:
     @property
     def search(self) -> list[TrialRecord]:
         return [t for t in self.trials if t.kind == TrialKind.SEARCH and t.finished_at is not None]
+
+    def known(self) -> Known | None:
+        """This study as the warm start of a later one (`cmtune.tuner.warm`); None if it tuned nothing."""
+        if self.tuned is None:
+            return None
+        ring, ratio = best_ring(self.trials) or (None, None)
+        return Known(self.tuned, ring, ratio, source="local")
 
 
 class LocalTuner:

@@ -52,16 +52,19 @@ def tune_table(outcomes, *, title: str) -> Table:
     for name, justify in [
         ("problem", "left"), ("best decomposition", "left"), ("time", "right"), ("baseline", "right"),
         ("speedup (IQR)", "right"), ("trials", "right"), ("invalid/failed", "right"), ("stopped by", "left"),
+        ("seeded from", "left"),
     ]:
         table.add_column(name, justify=justify)
     for o in outcomes:
         t = o.tuned
+        neighbours = list(dict.fromkeys(s.neighbour.split(":")[1] for s in o.study.settings.seeds))
         table.add_row(
             o.study.problem.key, t.decomposition.id if t else f"[red]{o.study.state}[/red]",
             fmt_seconds(t.time_s if t else None), fmt_seconds(t.baseline_s if t else None),
             f"{t.speedup:.2f}x ±{t.speedup_iqr / 2:.2f}" if t else "-",
             f"{len(o.search)} of {o.study.space_size}",
             f"{t.invalid}/{t.failed}" if t else "-", o.study.stop_reason or "-",
+            ", ".join(neighbours) or "-",
         )
     return table
 

@@ -6,12 +6,15 @@ in `cmtune tune` and in any replica of the service alike.
 
 Order of asks:
 1. the baseline (every study measures it; it wins if nothing beats it);
-2. small spaces (``enumerate_below``) are enumerated in cost-model order;
-3. larger ones: the ``startup`` cost-model favourites, then Optuna's TPE (multivariate, constant
+2. the seeds (warm start, ``SearchSettings.seeds``; `cmtune.tuner.warm`): the winners and best
+   rings of the nearest problems tuned on the same hardware, nearest first;
+3. small spaces (``enumerate_below``) are enumerated in cost-model order;
+4. larger ones: the ``startup`` cost-model favourites, then Optuna's TPE (multivariate, constant
    liar for parallel asks) over the factorised space; a TPE proposal that repeats a finished or
    in-flight candidate is told the known value (or skipped) and asked again, up to
    `MAX_REPEATS` times, then the cost model's next choice is taken, so no candidate is ever
-   timed twice.
+   timed twice.  The seeds are not taken from the ``startup``: a seeded study asks what the
+   unseeded one would, with the seeds already known (TPE is told them like any finished trial).
 At the end, the top ``confirm_top`` candidates and the baseline are re-timed together with more
 runs; the winner of that round is the tuned config.
 """
@@ -37,7 +40,7 @@ from collective_matmul.costmodel import PROFILES, HardwareProfile, rank
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Problem
 from collective_matmul.space import candidates
-from collective_matmul.wire import Measurement, TunedConfig
+from collective_matmul.wire import Measurement, Seed, TunedConfig
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
 MAX_REPEATS = 8  # TPE proposals of already-seen candidates before the cost model's next choice is taken
@@ -68,6 +71,12 @@ class SearchSettings(BaseModel):
     confirm_repeats: int = Field(default=15, ge=1)
     profile: str | None = Field(default=None, description="cost-model profile that orders the candidates "
                                 "(a name in collective_matmul.costmodel.PROFILES); None: by platform")
+    seeds: tuple[Seed, ...] = Field(default=(), max_length=64, description="timed right after the baseline, in "
+                                    "order (warm start: cmtune.tuner.warm.seeds)")
+    warm_agreement: float = Field(default=0.1, gt=0, allow_inf_nan=False, description="a ring seed agrees with its "
+                                  "neighbour when its ratio is within this fraction of the neighbour's")
+    warm_patience: int | None = Field(default=1, ge=0, description="once a seed agreed, stop after this many "
+                                      "further trials without a new best (None: seeds only reorder the search)")
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,8 @@ class Searcher:
         self.by_model = rank(problem, self.space, PROFILES[profile] if isinstance(profile, str) else profile)
         self._dists = _space_distributions(self.space)
         self._valid = set(self.space)
+        self.seeds = [c for c in dict.fromkeys(s.decomposition for s in settings.seeds)
+                      if c.method == "ring" and c in self._valid]  # the baseline goes first anyway
         self._templates: dict[tuple, FrozenTrial] = {}  # `_trial`'s answers: each ask rebuilds a study from them
         self._samplers: dict[str, _TPE | _Random] = {}
         self._sampler_lock = threading.Lock()
@@ -172,8 +183,12 @@ class Searcher:
         baseline = Decomposition.baseline()
         if baseline not in seen:
             return baseline
+        seed = next((c for c in self.seeds if c not in seen), None)
+        if seed is not None:
+            return seed
         sampler = self.sampler
-        seeding = sampler == "tpe" and self.settings.seed_with_model and len(seen) < 1 + self.settings.startup
+        startup = 1 + len(self.seeds) + self.settings.startup  # every seed is seen by now
+        seeding = sampler == "tpe" and self.settings.seed_with_model and len(seen) < startup
         if sampler == "enumerate" or seeding:
             return unmeasured[0]
         return self._ask_optuna(sampler, finished, pending, seen) or unmeasured[0]
@@ -259,7 +274,8 @@ def stop_reason(
 ) -> str | None:
     """Why a study should ask for no more candidates, or None to go on.
 
-    Trials in flight count against the trial budget: they will finish.
+    Trials in flight count against the trial budget: they will finish.  A seeded study also stops when
+    its neighbours agree (`neighbours_agree`).
     """
     if exhausted:
         return "exhausted"
@@ -276,7 +292,42 @@ def stop_reason(
                 since += 1
         if since >= settings.patience:
             return "no improvement"
+    if neighbours_agree(settings, finished):
+        return "neighbours agree"
     return None
+
+
+def neighbours_agree(settings: SearchSettings, finished: Sequence[Finished]) -> bool:
+    """Whether a seeded study has learnt what its neighbours predicted, and may stop before its budget.
+
+    1. A ring seed *agrees* when its ratio here is within ``warm_agreement`` (relative) of the ratio its
+       neighbour measured: this problem ranks the neighbour's best candidates as the neighbour did, and the
+       neighbour's own search already covered the space around them.
+    2. From the first agreeing seed on, the study stops after ``warm_patience`` further trials (the other
+       seeds, then the cost model's next choices) without a new best; a new best starts the count again.
+
+    Where the neighbours do not predict (no seed agrees: their rings run otherwise here, or fail) this
+    never fires and the study spends the budget an unseeded one would, its seeds in place of its last
+    trials: seeding saves trials only where it has been shown to predict, and costs none elsewhere.  The
+    baseline (the winner on many a machine) carries no information here: its ratio is 1 on every problem.
+    Finished trials are read in trial order, so every process and replica decides alike.
+    """
+    if settings.warm_patience is None:
+        return False
+    expected: dict[Decomposition, float] = {}  # a seed's ratio on its neighbour (the nearest, if two propose it)
+    for seed in settings.seeds:
+        if seed.decomposition.method == "ring":
+            expected.setdefault(seed.decomposition, seed.ratio)
+    best, since, agreed = float("inf"), 0, False
+    for f in finished:
+        improved = f.ratio is not None and f.ratio < best
+        if improved:
+            best = f.ratio
+        if agreed:
+            since = 0 if improved else since + 1
+        elif f.ratio is not None and f.config in expected:
+            agreed = abs(f.ratio / expected[f.config] - 1) <= settings.warm_agreement
+    return agreed and since >= settings.warm_patience
 
 
 def failure_counts(statuses: Iterable[str | None]) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
-from sqlalchemy import func, or_, select
+from sqlalchemy import and_, func, or_, select
 
 from cmtune.service.store.base import (
     FIXED,
@@ -32,10 +32,11 @@ from cmtune.service.store.base import (
 from cmtune.service.store.prepared import Prepared
 from cmtune.service.store.studies import Studies, overrides_t
 from cmtune.tuner.store import StudyRecord
+from cmtune.tuner.warm import Known
 from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyKind, StudyState, TrialState
+from collective_matmul.wire import ACTIVE_STUDY_STATES, Status, StudyKind, StudyState, TrialKind, TrialState
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,27 @@ class Catalog:
             return None
         found = self._tuned(problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key)
         return found[0] if found else None
+
+    def neighbours(self, problem: Problem, hardware: Hardware) -> list[Known]:
+        """The tuned configs on ``hardware`` of ``problem``'s collective, dtype and ring size, each with the
+        fastest ring its study's search ran (the lowest ratio, the first trial of equals): the neighbours a warm
+        start chooses from (`cmtune.tuner.warm.seeds`), in one statement.  A config without a study was
+        imported (a bundle)."""
+        family = (hardware_t.c.key == hardware.identity().key, problems.c.collective == problem.collective,
+                  problems.c.dtype == problem.dtype, problems.c.axis_size == problem.axis_size)
+        studies_of_family = select(tuned_t.c.study_id).join(problems, problems.c.id == tuned_t.c.problem_id) \
+            .join(hardware_t, hardware_t.c.id == tuned_t.c.hardware_id).where(*family)
+        rank = func.row_number().over(partition_by=trials.c.study_id, order_by=(trials.c.ratio, trials.c.number))
+        rings = select(trials.c.study_id, trials.c.decomposition_id.label("ring_id"),
+                       trials.c.ratio.label("ring_ratio"), rank.label("ring_rank")).where(
+            trials.c.study_id.in_(studies_of_family), trials.c.kind == TrialKind.SEARCH,
+            trials.c.state == TrialState.COMPLETED, trials.c.status == Status.OK, trials.c.ratio.is_not(None),
+            trials.c.decomposition_id != Decomposition.baseline().id).subquery()
+        query = tuned_select(*family).add_columns(rings.c.ring_id, rings.c.ring_ratio).outerjoin(
+            rings, and_(rings.c.study_id == tuned_t.c.study_id, rings.c.ring_rank == 1))
+        return [Known(tuned_config_of(row), decomposition_of(row.ring_id) if row.ring_id else None, row.ring_ratio,
+                      source="study" if row.study_id is not None else "bundle", study_id=row.study_id)
+                for row in self._tx.execute(query)]
 
     def tuned_of_studies(self, study_ids: Sequence[int]) -> dict[int, TunedConfig]:
         """The tuned configs written by these studies."""

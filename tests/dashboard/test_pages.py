@@ -349,3 +349,27 @@ def test_the_model_page_shows_the_step_measured_against_the_estimate(browser, me
     assert "set back to the baseline" in page.locator("#overrides").inner_text()
     shot(page, "model-measured")
     context.close()
+
+
+def test_a_seeded_study_shows_its_seeds_and_where_they_came_from(browser, measured_site):
+    """A problem submitted after the model's studies finished is seeded from the nearest of them."""
+    admin = httpx.Client(base_url=measured_site["url"], timeout=30,
+                         headers={"Authorization": f"Bearer {measured_site['tokens']['admin']}"})
+    tuned = next(s for s in admin.get("/v1/studies").json()["items"] if s["tuned"] is not None)
+    problem = tuned["problem"] | {"m": tuned["problem"]["m"] * 2}
+    (study,) = admin.post("/v1/studies", json={"problem": problem, "hardware": HARDWARE}).json()["studies"]
+    assert study["seeds"]
+    context = browser.new_context(viewport={"width": 1366, "height": 800})
+    page = context.new_page()
+    page.goto(link(measured_site["url"], f"/ui/studies/{study['id']}", measured_site["tokens"]["reader"]))
+    page.wait_for_selector("#study-seeds li")
+    items = page.locator("#study-seeds li").all_inner_texts()
+    assert len(items) == len(study["seeds"])
+    for text, seed in zip(items, study["seeds"], strict=True):
+        assert text.startswith(f"{seed['decomposition_id']}: the {seed['kind']} of {seed['neighbour']}")
+        assert text.endswith(f"from study #{seed['study_id']}")
+    source = page.locator("#study-seeds a").first.get_attribute("href")
+    assert source == f"/ui/studies/{study['seeds'][0]['study_id']}"
+    shot(page, "study-seeded")
+    context.close()
+    admin.close()

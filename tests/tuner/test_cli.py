@@ -54,6 +54,28 @@ def test_tune_model_on_two_processes(tmp_path):
     assert entry.hardware.process_count == 2 and entry.hardware.device_count == 8
 
 
+def test_tune_seeds_each_problem_from_the_bundle_and_the_problems_before_it(tmp_path):
+    bundle_path = tmp_path / "tuned.json"
+    common = ("--trials", "3", "--repeats", "2", "--out", str(bundle_path))
+    first = cmtune("tune", "--problem", "ag:256x64x128:float32:8", *common)
+    assert first.returncode == 0, first.stderr
+    second = cmtune("tune", "--problem", "ag:512x64x128:float32:8", "--problem", "ag:512x64x256:float32:8", *common)
+    assert second.returncode == 0, second.stderr
+    rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in second.stdout.splitlines()
+            if line.startswith("│ allgather_matmul")}
+    assert rows["allgather_matmul:512x64x128:float32:8"] == "256x64x128"  # the bundle's
+    assert rows["allgather_matmul:512x64x256:float32:8"].startswith("512x64x128")  # this run's, nearest first
+    plain = cmtune("tune", "--problem", "ag:1024x64x128:float32:8", "--no-warm-start", *common)
+    assert plain.returncode == 0, plain.stderr
+    (row,) = [line for line in plain.stdout.splitlines() if line.startswith("│ allgather_matmul")]
+    assert row.split("│")[-2].strip() == "-"
+    assert len(Bundle.load(bundle_path).configs) == 4
+    foreign = tmp_path / "other.json"
+    foreign.write_text('{"format": "something-else", "configs": []}')
+    refused = cmtune("tune", "--problem", "ag:256x64x128:float32:8", "--out", str(foreign), timeout=120)
+    assert refused.returncode != 0 and "not a cmtune bundle" in refused.stdout + refused.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
