@@ -67,7 +67,7 @@ from cmtune.tuner.search import (
 )
 from cmtune.tuner.stepsearch import SearchSpace, StepDecision, StepSearch, replay, step_decision
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
-from cmtune.tuner.variants import cost_model_configs, slot_candidates, variant_configs
+from cmtune.tuner.variants import variant_configs
 from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import weight_gradient
@@ -395,16 +395,9 @@ class Engine:
         """What a step study's search chooses from: each role's tuned configs, and per slot the candidates of
         `cmtune.tuner.variants.slot_candidates` (the problem's best ring search trials as runners-up), the
         cost model's whole-step choice beside them."""
-        winners = winners or self.step_configs(tx, study)
-        problems = role_problems(study.step.block, study.step.mesh)
-        options = {}
-        for role, slots in problems.items():
-            options[role] = {}
-            for slot, problem in slots.items():
-                measured = tx.best_search_trials(problem, study.hardware, limit=STEP_CANDIDATES)
-                options[role][slot] = slot_candidates(problem, slot, winner=getattr(winners[role], slot),
-                                                      measured=measured, hardware=study.hardware)
-        return SearchSpace(winners=winners, candidates=options, costmodel=cost_model_configs(problems, study.hardware))
+        return SearchSpace.of(winners or self.step_configs(tx, study), role_problems(study.step.block, study.step.mesh),
+                              study.hardware, measured=lambda problem: tx.best_search_trials(
+                                  problem, study.hardware, limit=STEP_CANDIDATES))
 
     def _step_search(self, tx: StoreTx, study: StudyRecord, rounds: Sequence[TrialRecord], *,
                      winners: dict[str, OpConfigs]) -> StepSearch:

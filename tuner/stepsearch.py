@@ -39,11 +39,11 @@ it timed without this module.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cmtune.tuner.variants import REFERENCE, ring_everywhere, ring_fill
+from cmtune.tuner.variants import REFERENCE, cost_model_configs, ring_everywhere, ring_fill, slot_candidates
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem
@@ -212,6 +212,21 @@ class SearchSpace:
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(self.winners)
+
+    @classmethod
+    def of(cls, winners: Mapping[str, OpConfigs], problems: Mapping[str, Mapping[str, Problem]], hardware: Hardware,
+           *, measured: Callable[[Problem], Sequence[Decomposition]] = lambda _problem: (),
+           others: Mapping[str, bool] | None = None) -> SearchSpace:
+        """The space of a step whose searched roles have ``problems`` (per slot) on ``hardware``: per slot the
+        candidates of `cmtune.tuner.variants.slot_candidates` with ``measured(problem)`` (a problem's measured
+        decompositions, best first: a study's search trials, a bundle's entries) as runners-up, and the cost
+        model's whole-step choice (`cmtune.tuner.variants.cost_model_configs`)."""
+        candidates = {role: {slot: slot_candidates(problem, slot, winner=getattr(winners[role], slot),
+                                                   measured=measured(problem), hardware=hardware)
+                             for slot, problem in problems[role].items()} for role in winners}
+        return cls(winners=dict(winners), candidates=candidates,
+                   costmodel=cost_model_configs({role: problems[role] for role in winners}, hardware),
+                   others=dict(others or {}))
 
 
 @dataclass(frozen=True)
