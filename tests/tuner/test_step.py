@@ -292,6 +292,20 @@ def test_verify_on_two_processes(files, tmp_path):
     assert "attn_out matmul_reduce_scatter:128x64x64:float32:8 ring-uni-c1-full-in exact (bundle)" in flat(run.stdout)
 
 
+@pytest.mark.slow
+def test_verify_decide_on_two_processes_process_0_deciding(files, tmp_path):
+    model, bundle = files
+    out = tmp_path / "step.json"
+    run = cmtune("verify", "--model", str(model), "--mesh", "data=1,model=8", "--bundle", str(bundle), "--decide",
+                 "--devices", "processes:2", "--search-rounds", "2", "--round-variants", "2", "--repeats", "2",
+                 "--warmup", "1", "--json", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = StepMeasurement.model_validate_json(out.read_text())
+    assert result.hardware.process_count == 2 and result.confirmation
+    assert flat(run.stdout).count("the step search stops:") == 1  # said once, by process 0
+    assert all(o.hardware.process_count == 2 for o in Bundle.load(bundle).overrides if o.model == "small")
+
+
 def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
     """A step measurement with these samples per variant (configs as the worker would record them)."""
     from cmtune.tuner.variants import variant_configs
