@@ -889,7 +889,9 @@ class StepChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    variant: VariantName = Field(description="the configuration that runs: tuned, or one change of it")
+    variant: VariantName = Field(description="the configuration that runs: tuned, a whole-step alternative, one "
+                                             "change of tuned, or what the step search found "
+                                             "(r<round>-<role>-<change>)")
     ratio: float = Field(gt=0, allow_inf_nan=False, description="its step time over the step as written "
                                                                 "(median of paired rounds)")
     vs_reference: Speedup | None = Field(description="against the step as written (GSPMD)")
@@ -932,10 +934,13 @@ class StepPublic(BaseModel):
                                                              "as written")
     mesh: dict[str, int] | None = Field(description="the mesh measured (one ring of the submitted one)")
     batch: int | None = Field(description="the batch measured")
-    variants: list[StepVariant] = Field(default_factory=list, description="the rounds that chose the variant")
+    variants: list[StepVariant] = Field(
+        default_factory=list, description="the rounds that chose the variant: of a step search, every variant its "
+                                          "rounds timed, each once, from the round that first timed it (its speedup "
+                                          "against that round's step as written)")
     confirmation: list[StepVariant] = Field(
-        default_factory=list, description="fresh rounds after the decision (reference, all-baseline, chosen): "
-                                          "the speedups above come from these where present")
+        default_factory=list, description="fresh rounds after the decision (reference, all-baseline, the search's "
+                                          "seed, chosen): the speedups above come from these where present")
 
 
 class SubmissionPublic(BaseModel):

@@ -191,7 +191,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
         result = decide_user_step(group, session, tuned, per_role, model=model, bundle=bundle, axis=message.axis,
                                   rounds=search_rounds, per_round=round_variants, say=say)
     else:
-        variants = step_variants(tuned, per_role, decide=False)
+        variants = step_variants(tuned)
         say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
         result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if not group.leader:

@@ -71,7 +71,7 @@ def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(m
 
     monkeypatch.setattr(ring, "_matmul_reduce_scatter", wrong)
     tuned = Tuned()
-    variants = step_variants(tuned, {}, decide=False) | {
+    variants = step_variants(tuned) | {
         "wrong": tuned.variant("wrong", lambda role, c: OpConfigs(forward=D("ring-uni-c2-full-in"))
                                if role == "mlp_down" else c),
         "right": tuned.variant("right", lambda role, c: OpConfigs(forward=D("ring-uni-c1-full-in"))
@@ -90,7 +90,7 @@ def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(m
 def test_an_adam_step_that_donates_its_state_is_checked_and_fed_back():
     import flax_nnx_gpt
 
-    result = session(flax_nnx_gpt.tiny_gpt_step, repeats=3).measure(step_variants(Tuned(), {}, decide=False))
+    result = session(flax_nnx_gpt.tiny_gpt_step, repeats=3).measure(step_variants(Tuned()))
     assert {v.name: v.status for v in result.variants} == {"as-written": "ok", "baseline": "ok", "tuned": "ok"}
     for v in result.variants:  # three timed runs each on the state its last run returned (donated)
         assert len(v.timing.samples_s) == 3 and v.loss == pytest.approx(result.variants[0].loss, rel=1e-5)
