@@ -421,8 +421,9 @@ class StepOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     measure: bool = Field(default=True, description="measure the whole step once every study is done")
-    ablation: bool = Field(default=True, description="also each role set back, and each ring weight gradient "
-                                                     "fused: what decides the per-role overrides")
+    ablation: bool = Field(default=True, description="in one round of the standard menu (search_rounds 0 or 1), "
+                                                     "also each role set back, and each ring weight gradient fused "
+                                                     "(the search's rounds try both as changes of a role)")
     repeats: int = Field(default=7, ge=1, le=1000, description="rounds of the interleaved step variants")
     search_rounds: int = Field(
         default=STEP_SEARCH_ROUNDS, ge=0, le=50,

@@ -101,6 +101,7 @@ TRIAL_MOVES: dict[TrialState, frozenset[TrialState]] = {
 }
 # stop reasons after which proposals nobody has claimed yet are dropped (the others count them)
 _DROP_PROPOSALS = ("time budget", "no improvement", "baseline failed")
+STEP_CANDIDATES = 3  # a problem's best search trials a step search considers per slot (the winner among them)
 
 
 def profile_name_for(hardware: Hardware) -> str:
@@ -571,9 +572,6 @@ def _searcher(problem: Problem, profile: str, settings: SearchSettings) -> Searc
     """Searchers of the studies in progress: a searcher is a pure function of these three (its space
     and cost-model order are computed once per study, not once per ask)."""
     return Searcher(problem, profile, settings)
-
-
-STEP_CANDIDATES = 3  # a problem's best search trials a step search considers per slot (the winner among them)
 
 
 def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:

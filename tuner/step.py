@@ -158,8 +158,6 @@ def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=Non
         ``(grading, rounds)``: the grading round's measurement (None if the search failed; its
         decision is ``search.decide(grading)`` on process 0) and every search round's.
     """
-    import time as clock
-
     from cmtune.tuner.cluster import Group
     from collective_matmul.wire import StepRound
 
@@ -177,13 +175,13 @@ def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=Non
         message = group.share(message, StepRound)
         if message.kind == "done":
             return None, rounds
-        started = clock.monotonic()
+        started = time.monotonic()
         result = measure(message.variants)
         if message.kind == "grade":
             return result, rounds
         rounds.append(result)
         if group.leader:
-            search.record(message.variants, result, wall_s=clock.monotonic() - started)
+            search.record(message.variants, result, wall_s=time.monotonic() - started)
             say(search.summary())
 
 
