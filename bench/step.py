@@ -1,7 +1,8 @@
 """Benchmark the whole training step: tuned configs against what a user would otherwise run.
 
     python bench/step.py                                   # 3 block sizes, processes:2 and virtual:8 (~1 h)
-    python bench/step.py --sizes demo --devices processes:2 --repeats 9
+    python bench/step.py --sizes demo --devices processes:2 --repeats 9 --search-rounds 6
+    python bench/step.py --sizes smoke --devices virtual:8 --trials 2 --repeats 2  # the code path, in a minute
     python bench/step.py --example --devices processes:2x4 --runs 2   # the NNX GPT example, as a user runs it
     python bench/step.py --example wide_gpt_step --devices processes:2x4  # the same, heads of 128
 
@@ -15,23 +16,28 @@ For every block size and device layout:
 
 1. `cmtune tune --model <block> --mesh data=1,model=8 --devices <layout>` tunes every problem of the
    step (forward, input and weight gradients) and writes a bundle.
-2. The step study, as a worker runs it: one `StepSession` times the step variants
-   (`standard_variants`: plain autodiff, the all-baseline custom VJP, the op-tuned configs, the
-   whole-step alternatives and the per-role ablation) and `step_decision` picks what runs; its
-   overrides go into the bundle, as the service stores them.
+2. The step study, as the service runs it: the step search (`cmtune.tuner.stepsearch`, process 0
+   deciding) starts from the fixed settings (the op-tuned configs, the all-baseline custom VJP, the
+   cost model's whole-step choice, tuned-ring-fill, always-ring), then improves role by role over
+   each slot's candidates (the bundle's entries for the problem as the runners-up), within
+   ``--search-rounds``; its choice goes into the bundle as per-role overrides, as the service
+   stores them.  The wall time of its rounds after the first is its extra cost.
 3. A fresh confirmation in the same session, interleaved round-robin (slowest process per run),
-   so the decision's own samples never grade it: ``as-written`` (the block as a user writes it
-   without cmtune: GSPMD einsums, JAX's autodiff; the reference), ``baseline`` (the custom VJP,
-   every role at the baseline), ``tuned`` (what cmtune runs: the op-tuned configs and the step
-   decision's overrides), ``op-tuned`` (the per-problem winners alone), ``costmodel`` (each
-   problem's cost-model favourite, no tuning) and ``always-ring`` (one fixed ring for every
-   forward, input and weight gradient: what a user of XLA's size-threshold flag gets once a
-   shape crosses it).
+   so the search's own samples never grade it: ``as-written`` (the block as a user writes it
+   without cmtune: GSPMD einsums, JAX's autodiff; the reference), every fixed setting
+   (``baseline``: the custom VJP with every role at the baseline; ``op-tuned``: the per-problem
+   winners alone; ``costmodel``: each problem's cost-model favourite, no tuning; ``always-ring``:
+   one fixed ring for every forward, input and weight gradient, what a user of XLA's
+   size-threshold flag gets once a shape crosses it; ``tuned-ring-fill``: the op-tuned rings, the
+   fixed ring where they left the baseline) and ``searched`` (what cmtune runs: the search's
+   choice).
 4. The op-level estimate (the op-tuned configs' time saved per layer, summed from the bundle's
    confirmation rounds) against the step as measured (all-baseline minus op-tuned).
 
-Prints one markdown table (speedups: median of the paired per-round ratios to the step as written,
-IQR in brackets) for docs/benchmarks.md.
+Prints two markdown tables for docs/benchmarks.md: every setting's speedup against the step as
+written (GSPMD) and against cmtune's ops at the baseline (median of the paired per-round ratios,
+IQR in brackets), whether the searched step is ahead of every fixed setting in 3 of 4 paired rounds
+and whether it is a combination no fixed setting has, and the search's rounds and extra wall time.
 """
 
 from __future__ import annotations
@@ -49,11 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SIZES = {
+    "smoke": dict(d_model=64, d_ff=128, heads=8, head_dim=8, seq_len=64, global_batch=2),
     "small": dict(d_model=512, d_ff=1024, heads=8, head_dim=16, seq_len=512, global_batch=4),
     "demo": dict(d_model=1024, d_ff=2048, heads=8, head_dim=16, seq_len=512, global_batch=4),
     "large": dict(d_model=1536, d_ff=3072, heads=8, head_dim=32, seq_len=512, global_batch=4),
 }
-VARIANTS = ("as-written", "baseline", "tuned", "op-tuned", "costmodel", "always-ring")
+FIXED = ("baseline", "op-tuned", "costmodel", "always-ring", "tuned-ring-fill")  # the fixed settings
+VARIANTS = ("as-written", *FIXED, "searched")
 
 
 def block_file(name: str, directory: Path) -> Path:
@@ -68,10 +76,10 @@ def tune(block: Path, devices: str, bundle: Path, trials: int, repeats: int) -> 
     return seconds
 
 
-def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path) -> None:
+def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, search: tuple[int, int]) -> None:
     """Run this file's `--step` mode on ``devices`` (a gloo group for processes:N)."""
     argv = [str(Path(__file__)), "--step", str(block), "--bundle", str(bundle), "--repeats", str(repeats),
-            "--json", str(out)]
+            "--json", str(out), "--search-rounds", str(search[0]), "--round-variants", str(search[1])]
     kind, _, count = devices.partition(":")
     if kind == "processes":
         from cmtune.tuner.cluster import launch
@@ -81,47 +89,62 @@ def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path) ->
         subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, env=os.environ | {"CMTUNE_VIRTUAL": count})
 
 
-def step_main(block_path: str, bundle: str, repeats: int, out: str) -> None:
-    """One process of the step measurement (every process of a group runs this, SPMD: the decision
-    is a function of the measurement, which every process holds whole)."""
-    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
+def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int, per_round: int) -> None:
+    """One process of the step measurement (every process of a group runs this, SPMD: process 0 holds the
+    search and shares each round, `cmtune.tuner.step.search_step`)."""
+    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, Group, configure
 
     configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
               else DeviceSpec("auto"))
     import jax
 
-    from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.step import StepSession, standard_variants, step_layout
-    from cmtune.tuner.variants import ring_everywhere
-    from collective_matmul import AS_WRITTEN, Bundle, FixedConfigs, Tuned, configs_per_role, ring_hardware
-    from collective_matmul.models import MeshSpec, TransformerBlock
-    from collective_matmul.wire import Protocol
+    from cmtune.tuner.step import StepSession, fixed_sources, search_step, step_layout
+    from cmtune.tuner.step_commands import _measured
+    from cmtune.tuner.stepsearch import SearchSpace, StepSearch
+    from cmtune.tuner.variants import cost_model_configs, ring_everywhere, ring_fill
+    from collective_matmul import Bundle, OpConfigs, Tuned, configs_per_role, ring_hardware
+    from collective_matmul.models import MeshSpec, TransformerBlock, role_problems
+    from collective_matmul.wire import Protocol, StepRound
 
     block = TransformerBlock.model_validate_json(Path(block_path).read_text())
-    layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
+    spec = MeshSpec.parse("data=1,model=8")
+    layout = step_layout(block, spec, jax.devices())
     where = dict(mesh=layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis)
+    hardware = ring_hardware(layout.mesh, layout.axis).identity()
+    problems = role_problems(block, spec)
     op_tuned = configs_per_role(Tuned(bundle=bundle), layout.block, **where)
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
                           protocol=Protocol(repeats=repeats, warmup=2))
-    decided = session.measure(standard_variants(op_tuned))
-    decision = step_decision(decided, op_tuned)
-    variants = {
-        "as-written": AS_WRITTEN,
-        "baseline": FixedConfigs(),
-        "tuned": FixedConfigs(op_tuned | decision.overrides),
-        "op-tuned": FixedConfigs(op_tuned),
-        "costmodel": FixedConfigs(configs_per_role(Tuned(), layout.block, **where)),
-        "always-ring": FixedConfigs(ring_everywhere()),
-    }
-    confirmed = session.measure(variants)
+    group = Group()
+    search = None
+    if group.leader:
+        history = Bundle.load(bundle).configs
+        search = StepSearch(SearchSpace.of(op_tuned, problems, hardware, measured=lambda p: _measured(history, p)),
+                            rounds=rounds, per_round=per_round, model=block.name)
+    started = time.monotonic()
+    grading, searched = search_step(search, lambda variants: session.measure(fixed_sources(variants)), group=group,
+                                    say=lambda line: print(line, flush=True))
+    search_total_s = time.monotonic() - started
+    message = None
+    if group.leader:
+        decision = search.decide(grading)
+        message = StepRound(kind="grade", round=len(searched), variants={"searched": search.names[decision.variant]})
+    choice = group.share(message, StepRound).variants["searched"]
+    fixed = {"baseline": {role: OpConfigs() for role in op_tuned}, "op-tuned": op_tuned,
+             "costmodel": cost_model_configs(problems, hardware), "always-ring": ring_everywhere(),
+             "tuned-ring-fill": ring_fill(op_tuned)}
+    confirmed = session.measure(fixed_sources({"as-written": None, **fixed, "searched": choice}))
     if jax.process_index() == 0:
         tuned = Bundle.load(bundle)
-        for override in decision.role_overrides(block.name, ring_hardware(layout.mesh, layout.axis)):
+        for override in decision.role_overrides(block.name, hardware):
             tuned.add_override(override)
         tuned.save(bundle)
-        Path(out).write_text(json.dumps({"decided": decided.model_dump(mode="json"), "decision": decision.variant,
-                                         "summary": decision.summary,
-                                         "confirmed": confirmed.model_dump(mode="json")}))
+        Path(out).write_text(json.dumps({
+            "rounds": [r.model_dump(mode="json") for r in searched],
+            "grading": grading.model_dump(mode="json") if grading is not None else None,
+            "decision": decision.variant, "summary": decision.summary, "search_s": decision.record.search_s,
+            "search_total_s": search_total_s, "new": all(choice != setting for setting in fixed.values()),
+            "confirmed": confirmed.model_dump(mode="json")}))
 
 
 def estimate_saved(block: Path, bundle: Path) -> float:
@@ -139,8 +162,9 @@ def estimate_saved(block: Path, bundle: Path) -> float:
     return saved
 
 
-def speedup(result, name: str) -> str:
-    q = result.paired(name, result.reference)
+def speedup(result, name: str, against: str | None = None) -> str:
+    """``name``'s speedup over ``against`` (default: the reference), median of the paired rounds and its IQR."""
+    q = result.paired(name, against or result.reference)
     if q is None:
         return f"{result.variant(name).status}"
     return f"{1 / q[1]:.2f}x ({1 / q[2]:.2f}-{1 / q[0]:.2f})"
@@ -209,6 +233,8 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["processes:2", "virtual:8"])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9, help="rounds of the step variants")
+    parser.add_argument("--search-rounds", type=int, default=6, help="rounds of the step search, the seeds' included")
+    parser.add_argument("--round-variants", type=int, default=3, help="changes of one role a search round times")
     parser.add_argument("--example", nargs="?", const="gpt_step", default=None,
                         help="the NNX GPT example instead of the blocks: gpt_step (default), wide_gpt_step or "
                              "one_layer_gpt_step")
@@ -218,13 +244,14 @@ def main() -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
-        return step_main(args.step, args.bundle, args.repeats, args.json)
+        return step_main(args.step, args.bundle, args.repeats, args.json, args.search_rounds, args.round_variants)
     if args.example:
         return example_main(args)
+    from cmtune.tuner.stepsearch import faster
     from collective_matmul.wire import StepMeasurement
 
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-step-"))
-    rows, notes = [], []
+    rows, against_baseline, notes = [], [], []
     for devices in args.devices:
         for name in args.sizes.split(","):
             block = block_file(name, directory)
@@ -232,31 +259,48 @@ def main() -> None:
             bundle, out = directory / f"{stem}.bundle.json", directory / f"{stem}.step.json"
             tune_s = tune(block, devices, bundle, args.trials, 5)
             started = time.monotonic()
-            measure(block, devices, bundle, args.repeats, out)
+            measure(block, devices, bundle, args.repeats, out, (args.search_rounds, args.round_variants))
             record = json.loads(out.read_text())
             result = StepMeasurement.model_validate(record["confirmed"])
             tuned, base = result.variant("op-tuned"), result.variant("baseline")
             measured = (base.timing.median_s - tuned.timing.median_s) if tuned.ok and base.ok else None
             compiles = " / ".join(f"{result.variant(v).compile_s:.1f}" if result.variant(v).compile_s else "-"
                                   for v in VARIANTS)
+            ahead = all(faster(result, "searched", v) is not None for v in FIXED)
+            label = f"{name} ({SIZES[name]['d_model']}/{SIZES[name]['d_ff']})"
+            extra = record["search_s"]
             rows.append(
-                f"| {name} ({SIZES[name]['d_model']}/{SIZES[name]['d_ff']}) | {devices} "
-                f"| {result.variant('as-written').timing.median_s * 1e3:.0f} ms | {record['decision']} "
-                + "".join(f"| {speedup(result, v)} " for v in VARIANTS[1:])
+                f"| {label} | {devices} | {result.variant('as-written').timing.median_s * 1e3:.0f} ms "
+                f"| {record['decision']} " + "".join(f"| {speedup(result, v)} " for v in VARIANTS[1:])
+                + f"| {'yes' if ahead else 'no'} | {'yes' if record['new'] else 'no'} "
+                + (f"| {len(record['rounds'])} rounds, {extra:.0f} s " if extra is not None else "| - ")
                 + f"| {estimate_saved(block, bundle) * 1e3:.0f} ms | "
                 + (f"{measured * 1e3:.0f} ms" if measured is not None else "-")
                 + f" | {compiles} | {tune_s:.0f} s + {time.monotonic() - started:.0f} s |")
-            notes.append(f"- {name}, {devices}: the step decision: {record['summary']}")
+            against_baseline.append(f"| {label} | {devices} | {base.timing.median_s * 1e3:.0f} ms "
+                                    + "".join(f"| {speedup(result, v, against='baseline')} " for v in VARIANTS[2:])
+                                    + "|")
+            notes.append(f"- {name}, {devices}: the step search: {record['summary']}")
             print(rows[-1], flush=True)
-    print(f"\n{os.cpu_count()} CPUs, {args.repeats} interleaved rounds per variant, float32, seq 512, batch 4, "
-          f"data=1,model=8; tuning: {args.trials} trials per problem\n")
-    print("| block (d_model/d_ff) | devices | as written (GSPMD) | step decision | all-baseline custom VJP | tuned "
-          "| op-tuned | cost model | always ring | saved/layer estimated | saved/layer measured (op-tuned) "
-          "| compile s (each variant) | tune + step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    shapes = ", ".join(f"{n}: seq {SIZES[n]['seq_len']}, batch {SIZES[n]['global_batch']}"
+                       for n in args.sizes.split(","))
+    print(f"\n{os.cpu_count()} CPUs, {args.repeats} interleaved rounds per variant, float32 ({shapes}), "
+          f"data=1,model=8; tuning: {args.trials} trials per problem; the step search: up to {args.search_rounds} "
+          f"rounds of {args.round_variants} changes\n")
+    print("Against the step as written (GSPMD):\n")
+    print("| block (d_model/d_ff) | devices | as written (GSPMD) | search's choice | all-baseline custom VJP "
+          "| op-tuned | cost model | always ring | tuned ring fill | searched | searched ahead of every fixed setting "
+          "(3 of 4 rounds) | a combination no fixed setting has | search: rounds, extra wall time "
+          "| saved/layer estimated | saved/layer measured (op-tuned) | compile s (each variant) | tune + step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print("\nAgainst cmtune's ops at the baseline (the all-baseline custom VJP):\n")
+    print("| block (d_model/d_ff) | devices | all-baseline | op-tuned | cost model | always ring | tuned ring fill "
+          "| searched |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(against_baseline))
     print("\n" + "\n".join(notes))
-    print(f"\nbundles (with the step decision's overrides) and step records: {directory}")
+    print(f"\nbundles (with the search's overrides) and step records: {directory}")
 
 
 if __name__ == "__main__":

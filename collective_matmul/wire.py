@@ -125,7 +125,8 @@ Name = label(200)  # workers.name, tokens.name
 LeaseId = label(36)  # leases.id (a UUID)
 MAX_MESSAGE_LENGTH = 4000  # what a worker may say about a result; trials.message keeps the first 2000 characters
 Message = message(MAX_MESSAGE_LENGTH)
-VariantName = label(MAX_ROLE_LENGTH + 16)  # tuned-minus-<role>
+MAX_VARIANT_NAME = MAX_ROLE_LENGTH + 16
+VariantName = label(MAX_VARIANT_NAME)  # tuned-minus-<role>, r<round>-<role>-<change>
 Source = label(400, min_length=0)  # file:line
 PresetName = label(MODEL_NAME_LENGTH, min_length=0)  # (an empty one is an unknown model, as any other)
 MeshAxes = dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]]
@@ -239,6 +240,10 @@ def _check_ratio(record: Measurement | StepVariant, timing: Timing, reference: T
 
 # --- the training step ------------------------------------------------------------------------
 
+MAX_STEP_VARIANTS = 2 * MAX_ROLES + 8  # the standard menu of a step of MAX_ROLES roles, and the alternatives
+StepSetting = Annotated[dict[Role, OpConfigs], Field(max_length=MAX_ROLES)]  # one variant's configs, per role
+StepVariants = dict[VariantName, StepSetting | None]  # name -> per-role configs (None: the step as written)
+
 
 class StepVariant(_Timed, BaseModel):
     """One variant of the training step, measured (validated like a `Measurement` where it arrives)."""
@@ -315,7 +320,7 @@ class StepMeasurement(BaseModel):
     reference: ShortText = Field(
         default="as-written", description="the variant every other is checked and timed against: the step as written "
                                        "(records before 0.3 call it 'autodiff')")
-    variants: list[StepVariant] = Field(min_length=1, max_length=2 * MAX_ROLES + 8)
+    variants: list[StepVariant] = Field(min_length=1, max_length=MAX_STEP_VARIANTS)
     confirmation: list[StepVariant] = Field(
         default_factory=list, max_length=8,
         description="fresh rounds, timed after the decision, of the reference, the all-baseline step and the "
@@ -434,6 +439,8 @@ class MeshIn(BaseModel):
 
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
+STEP_SEARCH_ROUNDS = 3  # the default budget of the step search: the seeds, then two roles improved
+STEP_ROUND_VARIANTS = 3
 
 
 class StepOptions(BaseModel):
@@ -442,9 +449,18 @@ class StepOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     measure: bool = Field(default=True, description="measure the whole step once every study is done")
-    ablation: bool = Field(default=True, description="also each role set back, and each ring weight gradient "
-                                                     "fused: what decides the per-role overrides")
+    ablation: bool = Field(default=True, description="in one round of the standard menu (search_rounds 0 or 1), "
+                                                     "also each role set back, and each ring weight gradient fused "
+                                                     "(the search's rounds try both as changes of a role)")
     repeats: int = Field(default=7, ge=1, le=1000, description="rounds of the interleaved step variants")
+    search_rounds: int = Field(
+        default=STEP_SEARCH_ROUNDS, ge=0, le=50,
+        description="step trials of the step search (cmtune.tuner.stepsearch), the seeds' round included, before "
+                    "the choice is graded in fresh rounds; 0 or 1: one round of the standard menu (the op-level "
+                    "winners, the whole-step alternatives and, with 'ablation', each role set back), graded by the "
+                    "worker")
+    round_variants: int = Field(default=STEP_ROUND_VARIANTS, ge=1, le=16,
+                                description="changes of one role a search round times beside the incumbent")
 
 
 class StepProblem(BaseModel):
@@ -590,6 +606,8 @@ class TrialPublic(BaseModel):
     created_at: dt.datetime
     finished_at: dt.datetime | None
     step: StepMeasurement | None = Field(default=None, description="a step trial's every variant")
+    variants: list[str] = Field(default_factory=list, description="a step search round's variants, by name (empty: "
+                                                                  "the standard menu)")
 
 
 class WorkerCreate(BaseModel):
@@ -645,6 +663,11 @@ class StepTask(BaseModel):
     configs: dict[str, OpConfigs] = Field(description="per role, the tuned forward / grad_input / grad_weight")
     ablation: bool = Field(default=True, description="also time each role set back to the baseline, and each "
                                                      "ring weight gradient fused")
+    variants: StepVariants | None = Field(
+        default=None, max_length=MAX_STEP_VARIANTS,
+        description="exactly the variants to time, in order, each with its per-role configs (None: the step as "
+                    "written), and nothing more: a round of the step search.  Absent: the standard menu of "
+                    "'configs', graded by the worker in fresh rounds")
 
 
 class TrialTask(BaseModel):
@@ -677,6 +700,15 @@ class ChosenVariant(BaseModel):
     """The step variant process 0 decided on (None: no decision could be made)."""
 
     variant: str | None
+
+
+class StepRound(BaseModel):
+    """What process 0's step search (`cmtune.tuner.stepsearch`) has every process time next: a search round,
+    the grading of its choice in fresh rounds, or nothing more (the search could not go on)."""
+
+    kind: Literal["search", "grade", "done"]
+    round: int = Field(ge=0)
+    variants: StepVariants = Field(default_factory=dict, max_length=MAX_STEP_VARIANTS)
 
 
 class Resolved(BaseModel):
@@ -890,7 +922,9 @@ class StepChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    variant: VariantName = Field(description="the configuration that runs: tuned, or one change of it")
+    variant: VariantName = Field(description="the configuration that runs: tuned, a whole-step alternative, one "
+                                             "change of tuned, or what the step search found "
+                                             "(r<round>-<role>-<change>)")
     ratio: float = Field(gt=0, allow_inf_nan=False, description="its step time over the step as written "
                                                                 "(median of paired rounds)")
     vs_reference: Speedup | None = Field(description="against the step as written (GSPMD)")
@@ -903,6 +937,17 @@ class StepChoice(BaseModel):
                                            description="the roles it runs otherwise than their tuned configs, "
                                                        "each with the reason")
     summary: Message = Field(description="the decision in one line")
+    rounds: int = Field(default=1, ge=1, le=1000, description="rounds of the step search that chose it (the seeds' "
+                                                              "round included; 1: one round of the standard menu)")
+    variants_tried: int | None = Field(default=None, ge=0, le=1 << 20,
+                                       description="distinct variants the rounds timed (the step as written aside)")
+    seed: VariantName | None = Field(default=None, description="the first round's choice: the best fixed setting "
+                                                               "(tuned, or a whole-step alternative)")
+    vs_seed: Speedup | None = Field(default=None, description="the choice against the first round's, in the rounds "
+                                                              "that graded it: what the search rounds gained")
+    search_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                   description="wall seconds of the search rounds after the first: what the search "
+                                               "cost beside its gain")
 
 
 class StepPublic(BaseModel):
@@ -922,10 +967,13 @@ class StepPublic(BaseModel):
                                                              "as written")
     mesh: dict[str, int] | None = Field(description="the mesh measured (one ring of the submitted one)")
     batch: int | None = Field(description="the batch measured")
-    variants: list[StepVariant] = Field(default_factory=list, description="the rounds that chose the variant")
+    variants: list[StepVariant] = Field(
+        default_factory=list, description="the rounds that chose the variant: of a step search, every variant its "
+                                          "rounds timed, each once, from the round that first timed it (its speedup "
+                                          "against that round's step as written)")
     confirmation: list[StepVariant] = Field(
-        default_factory=list, description="fresh rounds after the decision (reference, all-baseline, chosen): "
-                                          "the speedups above come from these where present")
+        default_factory=list, description="fresh rounds after the decision (reference, all-baseline, the search's "
+                                          "seed, chosen): the speedups above come from these where present")
 
 
 class SubmissionPublic(BaseModel):

@@ -150,7 +150,8 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
         created.append(engine.create_step_study(
             tx, block=model, mesh=mesh, hardware=hardware, depends_on=depends_on, now=now,
             protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
-            submission_id=submission_id, ablation=body.step.ablation))
+            submission_id=submission_id, ablation=body.step.ablation, search_rounds=body.step.search_rounds,
+            round_variants=body.step.round_variants))
     return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)
 
 

@@ -78,7 +78,8 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             problem_key=s.problem.key if s.problem is not None else f"step:{s.step.block.name}", hardware=s.hardware,
             hardware_key=s.hardware.key, settings=s.settings.model_dump(mode="json"), space_size=s.space_size,
             trials_done=s.trials_done,
-            trials_budget=1 if s.kind == StudyKind.STEP else min(s.settings.max_trials or s.space_size, s.space_size),
+            trials_budget=_step_budget(s) if s.kind == StudyKind.STEP
+            else min(s.settings.max_trials or s.space_size, s.space_size),
             trials_running=leased.get(s.id, 0),
             best=BestSoFar(decomposition=winner, decomposition_id=winner.id, ratio=s.best_ratio,
                            speedup=1 / s.best_ratio, trial_id=s.best_trial_id)
@@ -90,6 +91,11 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
                    for seed in s.settings.seeds],
         ))
     return out
+
+
+def _step_budget(study: StudyRecord) -> int:
+    """A step study's trials at most: its search rounds and the grading, or one round of the menu."""
+    return study.step.search_rounds + 1 if study.step.searches else 1
 
 
 def study_public(tx: SqlTx, record: StudyRecord) -> StudyPublic:
@@ -107,7 +113,7 @@ def trial_public(trial: TrialRecord) -> TrialPublic:
         iqr_s=first.candidate.iqr_s if first and first.candidate else None,
         baseline_s=first.baseline.median_s if first and first.baseline else None,
         message=trial.message, worker_id=trial.worker_id, created_at=trial.created_at, finished_at=trial.finished_at,
-        step=trial.step,
+        step=trial.step, variants=list(trial.variants or ()),
     )
 
 

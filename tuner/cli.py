@@ -13,6 +13,7 @@ import typer
 
 from cmtune.tuner.cli_common import console, devices_option, problems_from_options, relaunch_as_group, show_step
 from cmtune.tuner.cluster import DEVICES_HELP
+from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -266,8 +267,13 @@ def verify(
         help="with --step: the name its overrides are stored under (default: NAME; Tuned(model=...) in training)")
     ] = None,
     decide: Annotated[bool, typer.Option(
-        help="with --step: run the step decision (whole-step alternatives, per-role ablation) and write the "
-             "per-role overrides into --bundle")] = False,
+        help="run the step search (the op-level winners, the whole-step alternatives, then role by role over "
+             "each role's candidates) and write the per-role overrides of its choice into --bundle")] = False,
+    search_rounds: Annotated[int, typer.Option(
+        min=0, max=50, help="with --decide: rounds of the step search, the seeds' included, before the choice is "
+                            "graded in fresh rounds (0 or 1: one round of the standard menu)")] = STEP_SEARCH_ROUNDS,
+    round_variants: Annotated[int, typer.Option(
+        min=1, max=16, help="with --decide: changes of one role a search round times")] = STEP_ROUND_VARIANTS,
 ) -> None:
     """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
     from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
@@ -283,11 +289,13 @@ def verify(
             raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
         return step_commands.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
                                     repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
-                                    json_out=json_out)
+                                    json_out=json_out, search_rounds=search_rounds, round_variants=round_variants)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
-    if decide or name:
-        raise typer.BadParameter("--decide and --name are for --step (a model's step is decided by the service)")
+    if name:
+        raise typer.BadParameter("--name is for --step (a model's overrides are stored under its name)")
+    if decide and bundle is None:
+        raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
     try:
         block = TransformerBlock.load(model)
         spec = MeshSpec.parse(mesh, tensor_axis)
@@ -314,10 +322,14 @@ def verify(
 
     configure(device_spec, auto_virtual=ring)
     _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
-            timeout=timeout, ablation=ablation, json_out=json_out)
+            timeout=timeout, ablation=ablation, json_out=json_out,
+            search=dict(rounds=search_rounds, per_round=round_variants) if decide else None)
 
 
-def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeout, ablation, json_out) -> None:
+def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeout, ablation, json_out,
+            search=None) -> None:
+    """Time ``block``'s step on ``spec`` (its first ring here); with ``search`` (the step search's budget) decide
+    what it runs, process 0 deciding, and write the choice's overrides into ``bundle``."""
     import time
 
     import jax
@@ -355,11 +367,17 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
         f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
         f"{jax.process_count()} process(es)")
     say(roles_table(message.resolved, title="configs per role"))
-    variants = standard_variants(configs, ablation=ablation)
     protocol = Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
                           protocol=protocol)
-    result = session.measure(variants, on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    if search is not None:
+        from cmtune.tuner import step_commands
+
+        result = step_commands.decide_block(group, session, block, spec, layout, configs, bundle=bundle,
+                                            ablation=ablation, say=say, **search)
+    else:
+        result = session.measure(standard_variants(configs, ablation=ablation),
+                                 on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if not leader:
         return
     show_step(result, title=f"training step of {block.name} on {mesh_text}, {result.hardware.key} "

@@ -27,13 +27,18 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
 6. `cancel`: final; trials in flight are cancelled.
 
 7. A step study (`create_step_study`) measures a submitted model's whole training step once the
-   search studies it depends on are final: it queues one step trial carrying each role's tuned
-   forward, ``grad_input`` and ``grad_weight`` configs; the worker times the step with them
-   against the block as written (GSPMD), the all-baseline custom VJP, each role set back to the baseline and
-   each ring weight gradient fused (`cmtune.tuner.step`).  `step_decision` keeps the tuned
-   step unless a one-change variant is faster beyond the spread (in three rounds of four); the
-   change becomes a per-model, per-role override (`RoleOverride`) with its reason, and the
-   study records the measured speedup of what will run.
+   search studies it depends on are final, and searches its per-role configs with the step as the
+   objective (`cmtune.tuner.stepsearch`): each round is one step trial naming exactly the variants
+   to time (each with its per-role configs), rebuilt into the search from the stored rounds when
+   its result comes (`_record_step`), which queues the next round; once the budget is spent or a
+   full pass over the roles changed nothing, the study is ``confirming`` and a last trial grades
+   the choice in fresh rounds.  Candidates per slot are each problem's best search trials
+   (`step_space`).  With a budget of one round, one trial times the standard menu (the tuned
+   configs against the block as written, the all-baseline custom VJP, the whole-step
+   alternatives, each role set back and each ring weight gradient fused) and the worker grades
+   `step_decision`'s choice itself, as step trials before the search did.  Either way the
+   choice's changes become per-model, per-role overrides (`RoleOverride`) with their reasons, and
+   the study records the measured speedup of what will run (`StepChoice`).
 
 Every state change goes through `_move_study` / `_move_trial`, which refuse transitions that are
 not in `STUDY_MOVES` / `TRIAL_MOVES` (`check_study_move`, `check_trial_move`; the database's CHECK
@@ -61,9 +66,9 @@ from cmtune.tuner.search import (
     stop_reason,
     tuned_config,
 )
+from cmtune.tuner.stepsearch import SearchSpace, StepDecision, StepSearch, replay, step_decision
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
 from cmtune.tuner.variants import variant_configs
-from collective_matmul.bundle import RoleOverride
 from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import weight_gradient
@@ -71,15 +76,14 @@ from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock, r
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
+    STEP_ROUND_VARIANTS,
+    STEP_SEARCH_ROUNDS,
     Measurement,
     Protocol,
     Seed,
-    Speedup,
     Status,
-    StepChoice,
     StepMeasurement,
     StepTask,
-    StepVariant,
     StudyKind,
     StudyState,
     TrialKind,
@@ -99,6 +103,7 @@ TRIAL_MOVES: dict[TrialState, frozenset[TrialState]] = {
 }
 # stop reasons after which proposals nobody has claimed yet are dropped (the others count them)
 _DROP_PROPOSALS = ("time budget", "no improvement", "neighbours agree", "baseline failed")
+STEP_CANDIDATES = 3  # a problem's best search trials a step search considers per slot (the winner among them)
 
 
 def profile_name_for(hardware: Hardware) -> str:
@@ -322,8 +327,11 @@ class Engine:
             self._finish(tx, study.id, confirmation=None, now=now,
                          note=f"the confirmation round got no result ({message})")
         elif trial.kind == TrialKind.STEP:
-            self._move_study(tx, study, S.FAILED, finished_at=now,
-                             message=f"the step measurement got no result: {message}"[:2000])
+            if trial.variants is None or trial.number == 1:
+                self._move_study(tx, study, S.FAILED, finished_at=now,
+                                 message=f"the step measurement got no result: {message}"[:2000])
+            else:  # a search round, or the grading, without a result: the search goes on without it
+                self._advance_step(tx, study, trial, None, now=now)
         else:
             tx.update_study(study.id, **self._progress(study, trial.id, None))
             self.refill(tx, study.id, now=now)
@@ -350,12 +358,20 @@ class Engine:
 
     def create_step_study(self, tx: StoreTx, *, block: TransformerBlock, mesh: MeshSpec, hardware: Hardware,
                           depends_on: Sequence[int], protocol: Protocol, now: dt.datetime,
-                          submission_id: int | None = None, ablation: bool = True) -> StudyRecord:
-        """A study of a model's whole step, run once the search studies ``depends_on`` are final."""
+                          submission_id: int | None = None, ablation: bool = True,
+                          search_rounds: int = STEP_SEARCH_ROUNDS, round_variants: int = STEP_ROUND_VARIANTS,
+                          ) -> StudyRecord:
+        """A study of a model's whole step, run once the search studies ``depends_on`` are final.
+
+        Args:
+            search_rounds: the step search's budget of rounds, the seeds' included (0 or 1: one round of
+                the standard menu, graded by the worker).
+            round_variants: changes of one role a search round times beside the incumbent.
+        """
         role_problems(block, mesh)  # the model must fit the mesh (ValueError otherwise)
+        spec = StepSpec(block, mesh, tuple(depends_on), ablation, max(search_rounds, 1), round_variants)
         study = tx.add_study(problem=None, hardware=hardware.identity(), settings=SearchSettings(), protocol=protocol,
-                             space_size=0, now=now, kind=StudyKind.STEP, submission_id=submission_id,
-                             step=StepSpec(block, mesh, tuple(depends_on), ablation))
+                             space_size=0, now=now, kind=StudyKind.STEP, submission_id=submission_id, step=spec)
         self._refill_step(tx, study, now=now)
         return tx.study(study.id)
 
@@ -384,15 +400,40 @@ class Engine:
             configs[role] = OpConfigs(**chosen)
         return configs
 
+    def step_space(self, tx: StoreTx, study: StudyRecord, winners: dict[str, OpConfigs] | None = None
+                   ) -> SearchSpace:
+        """What a step study's search chooses from: each role's tuned configs, and per slot the candidates of
+        `cmtune.tuner.variants.slot_candidates` (the problem's best ring search trials as runners-up), the
+        cost model's whole-step choice beside them."""
+        return SearchSpace.of(winners or self.step_configs(tx, study), role_problems(study.step.block, study.step.mesh),
+                              study.hardware, measured=lambda problem: tx.best_search_trials(
+                                  problem, study.hardware, limit=STEP_CANDIDATES))
+
+    def _step_search(self, tx: StoreTx, study: StudyRecord, rounds: Sequence[TrialRecord], *,
+                     winners: dict[str, OpConfigs]) -> StepSearch:
+        """The step study's search, rebuilt from its finished ``rounds`` (step trials, in number order); a round's
+        wall time runs from the one before it finished (the first's is not counted)."""
+        stored, previous = [], None
+        for trial in rounds:
+            wall = (trial.finished_at - previous).total_seconds() if previous and trial.finished_at else None
+            stored.append((trial.variants or {}, trial.step if trial.state == T.COMPLETED else None, wall))
+            previous = trial.finished_at
+        return replay(self.step_space(tx, study, winners), stored, rounds=study.step.search_rounds,
+                      per_round=study.step.round_variants, ablation=study.step.ablation, model=study.step.block.name)
+
     def _refill_step(self, tx: StoreTx, study: StudyRecord, *, now: dt.datetime) -> list[TrialRecord]:
-        """Queue the step trial once every search study it depends on is final."""
+        """Queue the first step trial once every search study it depends on is final: the search's first
+        round (the seeds), or one round of the standard menu."""
         if study.state != S.PENDING or tx.trials(study.id):
             return []
         if any(tx.study(d).state.active for d in study.step.depends_on):
             return []
         configs = self.step_configs(tx, study)
         flat = [getattr(configs[role], slot) for role in ROLES for slot in SLOTS]
-        return tx.add_trials(study.id, TrialKind.STEP, [flat], now, after=0)
+        if not study.step.searches:
+            return tx.add_trials(study.id, TrialKind.STEP, [flat], now, after=0)
+        first = self._step_search(tx, study, (), winners=configs).plan()
+        return tx.add_trials(study.id, TrialKind.STEP, [flat], now, after=0, variants=[first.variants])
 
     def _wake_step_studies(self, tx: StoreTx, hardware: Hardware, *, now: dt.datetime) -> None:
         for waiting in tx.waiting_step_studies(hardware):
@@ -404,20 +445,72 @@ class Engine:
             raise InvalidError(f"trial {trial.id} is a step trial: send 'step'")
         configs = step_task_configs(trial)
         problems = _check_step_result(study, trial, result, configs)
-        decision = step_decision(result, configs)
+        if trial.variants is not None:
+            done = self._advance_step(tx, study, trial, result, now=now, lease_id=lease_id, problems=problems)
+            return dataclasses.replace(trial, **done)
+        decision = step_decision(result, configs)  # one round of the menu, graded by the worker
         done = dict(state=T.COMPLETED, status=Status.OK if decision.ok else Status.ERROR, ratio=decision.ratio,
                     step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
         self._move_trial(tx, trial, **done)
         if study.state.active:
-            if decision.ok:
-                model = study.step.block.name
-                tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems))
-                tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=1)
-                self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
-                                 stop_reason="measured", decision=decision.record)
-            else:
-                self._move_study(tx, study, S.FAILED, finished_at=now, message=decision.summary[:2000])
+            self._conclude_step(tx, study, trial, decision, problems, now=now, stop_reason="measured")
         return dataclasses.replace(trial, **done)
+
+    def _advance_step(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result: StepMeasurement | None,
+                      *, now: dt.datetime, lease_id: str | None = None,
+                      problems: dict[str, dict[str, Problem]] | None = None) -> dict:
+        """A search round's result (None: the round got none, and is failed already): rebuild the search from the
+        rounds before it, record it, and queue the next round or the grading; or, when this trial was the
+        grading, complete the study with the choice.  Returns the trial's changes (none when it had failed)."""
+        earlier = [t for t in tx.trials(study.id, measurements=True)
+                   if t.kind == TrialKind.STEP and t.number < trial.number and t.state in (T.COMPLETED, T.FAILED)]
+        winners = step_task_configs(trial)
+        search = self._step_search(tx, study, earlier, winners=winners)
+        problems = problems or role_problems(study.step.block, study.step.mesh)
+        grading = search.plan().kind == "grade"
+        done: dict = {}
+        if grading:
+            decision = search.decide(result)
+            if result is not None:
+                done = dict(state=T.COMPLETED, status=Status.OK if decision.ok else Status.ERROR, ratio=decision.ratio,
+                            step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
+                self._move_trial(tx, trial, **done)
+            if study.state.active:
+                self._conclude_step(tx, study, trial, decision, problems, now=now, stop_reason=None)
+            return done
+        previous = earlier[-1].finished_at if earlier else None
+        search.record(trial.variants, result, wall_s=(now - previous).total_seconds() if previous else None)
+        if result is not None:
+            incumbent = search.incumbent
+            ratio = next((v.ratio for v in result.variants if v.name == incumbent and v.ok), None)
+            done = dict(state=T.COMPLETED, status=Status.OK if search.failure is None else Status.ERROR, ratio=ratio,
+                        step=result, message=search.summary()[:2000], finished_at=now, result_lease_id=lease_id)
+            self._move_trial(tx, trial, **done)
+        if not study.state.active:
+            return done
+        tx.update_study(study.id, trials_done=len(search.rounds))
+        plan = search.plan()
+        if plan.kind == "failed":
+            self._move_study(tx, study, S.FAILED, finished_at=now, message=plan.reason[:2000])
+            return done
+        if plan.kind == "grade":
+            self._move_study(tx, study, S.CONFIRMING, stop_reason=plan.reason[:200])
+        flat = [getattr(winners[role], slot) for role in ROLES for slot in SLOTS]
+        tx.add_trials(study.id, TrialKind.STEP, [flat], now, after=trial.number, variants=[plan.variants])
+        return done
+
+    def _conclude_step(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, decision: StepDecision,
+                       problems: dict[str, dict[str, Problem]], *, now: dt.datetime, stop_reason: str | None) -> None:
+        """Complete a step study with its decision (its overrides replace the model's), or fail it."""
+        study = tx.study(study.id, lock=True)
+        if not decision.ok:
+            self._move_study(tx, study, S.FAILED, finished_at=now, message=decision.summary[:2000])
+            return
+        model = study.step.block.name
+        tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems))
+        tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=trial.number)
+        self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
+                         decision=decision.record, **({"stop_reason": stop_reason} if stop_reason else {}))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -491,7 +584,7 @@ def _searcher(problem: Problem, profile: str, settings: SearchSettings) -> Searc
 
 
 def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:
-    """A step trial's per-role configs (stored flat: role by role, forward, grad_input, grad_weight)."""
+    """A step trial's per-role tuned configs (stored flat: role by role, forward, grad_input, grad_weight)."""
     flat = list(trial.decompositions)
     return {role: OpConfigs(**dict(zip(SLOTS, flat[i * 3:(i + 1) * 3], strict=True))) for i, role in enumerate(ROLES)}
 
@@ -499,8 +592,9 @@ def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:
 def _check_step_result(study: StudyRecord, trial: TrialRecord, result: StepMeasurement,
                        configs: dict[str, OpConfigs]) -> dict[str, dict[str, Problem]]:
     """A step result decides what a model runs: it must measure this study's block, only the variants
-    the trial asked for (with the configs it gave them), each config fitting its role's problem.
-    Its ratios were checked against its samples where it was parsed (`StepMeasurement`).
+    the trial asked for (a search round's own, or the standard menu of ``configs``) with the configs it
+    gave them, each config fitting its role's problem.  Its ratios were checked against its samples
+    where it was parsed (`StepMeasurement`).
 
     Returns:
         the block's problems by role and slot.
@@ -511,7 +605,10 @@ def _check_step_result(study: StudyRecord, trial: TrialRecord, result: StepMeasu
     if result.block is None or result.block.name != study.step.block.name:
         raise InvalidError(f"trial {trial.id} measures the block {study.step.block.name!r}: send its 'block'")
     problems = role_problems(study.step.block, study.step.mesh)
-    asked = variant_configs(configs, ablation=study.step.ablation)
+    asked = trial.variants if trial.variants is not None else variant_configs(configs, ablation=study.step.ablation)
+    if trial.variants is not None and result.confirmation:
+        raise InvalidError(f"trial {trial.id} is a round of the step search: it asks for no confirmation (the "
+                           "grading is a trial of its own); leave 'confirmation' empty")
     measured = {v.name for v in result.variants}
     for variant in [*result.variants, *result.confirmation]:
         for role, role_configs in variant.configs.items():
@@ -542,7 +639,8 @@ def task_for(study: StudyRecord, trial: TrialRecord) -> TrialTask:
         return TrialTask(id=trial.id, study_id=study.id, kind=trial.kind, problem=None, decomposition=None,
                          decompositions=list(trial.decompositions), protocol=study.protocol,
                          step=StepTask(block=spec.block, mesh=spec.mesh.axes, tensor_axis=spec.mesh.tensor_axis,
-                                       configs=step_task_configs(trial), ablation=spec.ablation))
+                                       configs=step_task_configs(trial), ablation=spec.ablation,
+                                       variants=trial.variants))
     protocol = study.protocol
     if trial.kind == TrialKind.CONFIRM:
         protocol = protocol.model_copy(update={"repeats": study.settings.confirm_repeats})
@@ -559,91 +657,3 @@ def _check_matches(study: StudyRecord, trial: TrialRecord, results: Sequence[Mea
     for m in results:
         if m.problem != study.problem:
             raise InvalidError(f"trial {trial.id} is for {study.problem.key}, the result is for {m.problem.key}")
-
-
-# ---- the step decision ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepDecision:
-    """What a step measurement decides: the variant that runs, its overrides, and why."""
-
-    ok: bool
-    variant: str
-    ratio: float | None  # the chosen variant's step time over the step as written (median of rounds)
-    overrides: dict[str, OpConfigs]
-    reasons: dict[str, str]
-    summary: str
-    record: StepChoice | None = None  # what is stored and served (None: no decision could be made)
-
-    def role_overrides(self, model: str, hardware: Hardware,
-                       problems: dict[str, dict[str, Problem]] | None = None) -> list[RoleOverride]:
-        """The decision's changes as the per-role overrides of ``model`` on ``hardware``, each with its
-        role's three problems where ``problems`` has them (each config is checked against its own)."""
-        problems = problems or {}
-        return [RoleOverride(model=model, role=role, hardware=hardware.identity(), configs=configs,
-                             reason=self.reasons[role], step_speedup=1 / self.ratio, problems=problems.get(role))
-                for role, configs in self.overrides.items()]
-
-
-def _fmt(quartiles_: tuple[float, float, float]) -> str:
-    return str(Speedup.of(quartiles_))
-
-
-def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> StepDecision:
-    """Which configuration of the step runs, from one step measurement.
-
-    1. The tuned step (every role's tuned configs) is the default.
-    2. Any other variant of the custom-VJP ops (an ablation such as ``tuned-minus-<role>`` or
-       ``tuned-fuse-<role>``, the all-``baseline`` step, or a whole-step alternative such as
-       ``tuned-ring-fill``; see `cmtune.tuner.step.standard_variants`) replaces it only if it is
-       faster than the tuned step beyond the spread: its time over the tuned step's, paired by
-       round, is below 1 in three rounds of four (upper quartile < 1).  Among such variants the
-       fastest against the step as written wins.
-    3. The change becomes per-role overrides for this model, each with its reason; the decision
-       reports the measured speedup of what runs, against the step as written and the all-baseline step,
-       from the measurement's confirmation (fresh rounds timed after the decision; see
-       `cmtune.tuner.step.run_step`) where it has one, else from the rounds that decided.
-    """
-    try:
-        reference, tuned_variant = measurement.variant(measurement.reference), measurement.variant("tuned")
-    except KeyError as exc:
-        return StepDecision(False, "tuned", None, {}, {}, f"the step measurement is incomplete: {exc}")
-    if not (reference.ok and tuned_variant.ok):
-        bad = next(v for v in (reference, tuned_variant) if not v.ok)
-        return StepDecision(False, "tuned", None, {}, {},
-                            f"the step could not be measured: {bad.name} {bad.status}: {bad.message}")
-    chosen, chosen_ratio, overrides, reasons = "tuned", tuned_variant.ratio, {}, {}
-    for variant in measurement.variants:
-        changes = _changes(variant, tuned)
-        if not changes or not variant.ok:
-            continue
-        paired = measurement.paired(variant.name, "tuned")
-        if paired is None or paired[2] >= 1 or variant.ratio >= chosen_ratio:
-            continue
-        chosen, chosen_ratio, overrides = variant.name, variant.ratio, changes
-        reasons = {role: f"{variant.name} ran the step {_fmt(paired)} faster than the tuned configs, so {role} "
-                         + ("is set back to the baseline" if configs.is_baseline else f"runs {configs.ids}")
-                         + f" for {measurement.name}" for role, configs in changes.items()}
-    graded = measurement.graded(chosen)  # report from fresh rounds where the worker ran them
-    vs_reference = Speedup.of(graded.paired(chosen, graded.reference))
-    vs_baseline = saved = None
-    parts = [f"{chosen}: {vs_reference} against the step as written"]
-    if any(v.name == "baseline" and v.ok for v in graded.variants):
-        vs_baseline = Speedup.of(graded.paired(chosen, "baseline"))
-        saved = graded.variant("baseline").timing.median_s - graded.variant(chosen).timing.median_s
-        parts.append(f"{vs_baseline} against the all-baseline step")
-    rounds = "fresh rounds after the decision" if graded is not measurement else "the rounds that decided"
-    summary = "; ".join(parts) + f" ({rounds})" + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
-    ratio = graded.variant(chosen).ratio
-    record = StepChoice(variant=chosen, ratio=ratio, vs_reference=vs_reference, vs_baseline=vs_baseline,
-                        saved_s=saved, fresh_rounds=graded is not measurement, overrides=reasons,
-                        summary=summary[:2000])
-    return StepDecision(True, chosen, ratio, overrides, reasons, summary, record)
-
-
-def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs]:
-    """The roles ``variant`` runs otherwise than ``tuned``, with what it runs (empty for plain
-    the step as written, which calls no op of ours, and for the tuned step itself)."""
-    return {role: configs for role, configs in variant.configs.items()
-            if configs != tuned.get(role, OpConfigs())}

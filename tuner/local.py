@@ -44,7 +44,7 @@ class LocalRunner:
     """
 
     def __init__(self, **session_kwargs):
-        self._sessions: dict[tuple[str, int], object] = {}
+        self._sessions: dict[tuple, object] = {}
         self._session_kwargs = session_kwargs
         self._memory: int | None = None
 
@@ -86,14 +86,23 @@ class LocalRunner:
         return [session.measure(config, task.protocol) for config in task.decompositions]
 
     def _run_step(self, task: TrialTask) -> StepMeasurement:
-        """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement."""
-        from cmtune.tuner.measure import _message, classify_failure
-        from cmtune.tuner.step import failed_step, run_step
+        """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement.
 
-        self._sessions.clear()  # a step needs the memory more than a problem's cached inputs
+        The step's session (parameters, inputs, compiled programs) is kept for the next trial of the
+        same step: the rounds of a step search time the reference and the incumbent again.
+        """
+        from cmtune.tuner.measure import _message, classify_failure
+        from cmtune.tuner.step import failed_step, run_step, step_session, step_session_key
+
+        key = ("step", *step_session_key(task))
+        if key not in self._sessions:
+            self._sessions.clear()  # a step needs the memory more than a problem's cached inputs
         try:
-            return run_step(task)
+            session = self._sessions.get(key) or step_session(task)
+            self._sessions[key] = session
+            return run_step(task, session)
         except Exception as exc:  # noqa: BLE001 - the block could not be set up here: a result
+            self._sessions.clear()
             return failed_step(task, classify_failure(exc), _message(exc))
 
 
@@ -116,8 +125,9 @@ class Watchdog:
 
     @staticmethod
     def deadline(task: TrialTask, grace_s: float) -> float:
-        """Seconds a trial may take: twice each candidate's timing budget, plus ``grace_s``."""
-        return len(task.decompositions) * 2 * task.protocol.timeout_s + grace_s
+        """Seconds a trial may take: twice each candidate's (or step variant's) timing budget, plus ``grace_s``."""
+        variants = len(task.step.variants or ()) if task.step is not None else 0
+        return max(len(task.decompositions), variants) * 2 * task.protocol.timeout_s + grace_s
 
     def _fire(self) -> None:
         if self.on_overrun is not None:

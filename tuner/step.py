@@ -23,8 +23,10 @@ einsums and JAX's autodiff) is timed whole:
    protocol's timeout is checked between rounds (every process agrees to stop together).
 
 `standard_variants` builds the usual set (as-written, baseline, tuned, two whole-step
-alternatives and a per-role ablation) and `step_layout` the mesh and batch to measure a submission on.  The result types
-(`StepVariant`, `StepMeasurement`) are part of the wire contract (`collective_matmul.wire`).
+alternatives and a per-role ablation) and `step_layout` the mesh and batch to measure a submission on.
+`search_step` runs the step search (`cmtune.tuner.stepsearch`) over a session: process 0 plans each
+round, every process times it.  The result types (`StepVariant`, `StepMeasurement`) are part of the
+wire contract (`collective_matmul.wire`).
 """
 
 from __future__ import annotations
@@ -61,20 +63,44 @@ def standard_variants(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) 
 # ---- a step trial, as a worker or the local runner runs it -------------------------------
 
 
-def run_step(task) -> StepMeasurement:
-    """A step trial, as a worker runs it: the submitted block on one ring of its mesh, every variant.
+def run_step(task, session: StepSession | None = None) -> StepMeasurement:
+    """A step trial, as a worker runs it: the submitted block on one ring of its mesh.
 
-    ``task`` is a `collective_matmul.wire.TrialTask` of kind ``step``.  Failures (a block that does
-    not fit the devices, out of memory, a compile error) come back as variant statuses.
+    ``task`` is a `collective_matmul.wire.TrialTask` of kind ``step``: a round of the step search
+    times exactly the variants it names; a task without them times the standard menu of its
+    configs, then grades the choice of `step_decision` in fresh rounds (`confirm`).  ``session``:
+    one `step_session` made for an earlier round of the same step, whose compiled programs are
+    reused.  Failures (a block that does not fit the devices, out of memory, a compile error)
+    come back as variant statuses.
     """
     step = task.step
-    spec = MeshSpec(axes=step.mesh, tensor_axis=step.tensor_axis)
-    layout = step_layout(step.block, spec)
-    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                          protocol=task.protocol)
+    session = session or step_session(task)
+    if step.variants is not None:
+        return session.measure(fixed_sources(step.variants), protocol=task.protocol)
     variants = standard_variants(step.configs, ablation=step.ablation)
-    measured = session.measure(variants)
+    measured = session.measure(variants, protocol=task.protocol)
     return confirm(session, measured, variants, step.configs)
+
+
+def step_session(task) -> StepSession:
+    """The session a step trial runs in: the submitted block on one ring of its mesh, with the trial's seed."""
+    step = task.step
+    layout = step_layout(step.block, MeshSpec(axes=step.mesh, tensor_axis=step.tensor_axis))
+    return StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                       protocol=task.protocol)
+
+
+def step_session_key(task) -> tuple:
+    """What makes two step trials run in the same `step_session` (the block, the mesh, the inputs' seed)."""
+    step = task.step
+    return step.block, tuple(step.mesh.items()), step.tensor_axis, task.protocol.seed
+
+
+def fixed_sources(variants: Mapping[str, Mapping[str, OpConfigs] | None]) -> dict:
+    """A search round's variants (name -> per-role configs, None: the block as written) as config sources."""
+    from collective_matmul.block import AS_WRITTEN, FixedConfigs
+
+    return {name: AS_WRITTEN if setting is None else FixedConfigs(dict(setting)) for name, setting in variants.items()}
 
 
 def failed_step(task, status: Status, message: str) -> StepMeasurement:
@@ -111,6 +137,52 @@ def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, 
     again = session.measure({name: variants[name] for name in names if name in variants},
                             reference=measured.reference)
     return measured.model_copy(update={"confirmation": again.variants})
+
+
+def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=None,
+                say: Callable[[str], None] | None = None) -> tuple[StepMeasurement | None, list[StepMeasurement]]:
+    """Run a step search (`cmtune.tuner.stepsearch.StepSearch`, held by process 0 alone) to its grading.
+
+    Process 0 plans each round and shares it (`collective_matmul.wire.StepRound`); every process
+    then times it with ``measure`` (name -> per-role configs, None for the step as written, to a
+    `StepMeasurement`; every process must make the same calls), and process 0 records it.  The
+    search's extra wall time is what its rounds after the first took here.
+
+    Args:
+        search: the search (on processes other than 0: None, or anything; it is not read there).
+        measure: times one round's variants.
+        group: the process group (`cmtune.tuner.cluster.Group`; default: this process's).
+        say: called on process 0 with one line per round.
+
+    Returns:
+        ``(grading, rounds)``: the grading round's measurement (None if the search failed; its
+        decision is ``search.decide(grading)`` on process 0) and every search round's.
+    """
+    from cmtune.tuner.cluster import Group
+    from collective_matmul.wire import StepRound
+
+    group = group or Group()
+    say = say if group.leader and say is not None else (lambda _line: None)
+    rounds: list[StepMeasurement] = []
+    while True:
+        message = None
+        if group.leader:
+            plan = search.plan()
+            message = StepRound(kind="done" if plan.kind == "failed" else plan.kind, round=plan.round,
+                                variants=plan.variants)
+            if plan.kind != "search":
+                say(f"the step search stops: {plan.reason}")
+        message = group.share(message, StepRound)
+        if message.kind == "done":
+            return None, rounds
+        started = time.monotonic()
+        result = measure(message.variants)
+        if message.kind == "grade":
+            return result, rounds
+        rounds.append(result)
+        if group.leader:
+            search.record(message.variants, result, wall_s=time.monotonic() - started)
+            say(search.summary())
 
 
 # ---- the layout: where a step is measured ------------------------------------------------
@@ -237,9 +309,9 @@ class StepSession:
         normal = jax.jit(lambda k: jax.random.normal(k, shape, dtype),
                          out_shardings=activation_sharding(mesh, axis=axis, batch_axis=batch_axis))
         self.x, self.target = normal(key_x), normal(key_target)
-        # name -> (source, executable, record fields): a variant measured again (the confirmation
-        # after a decision) with the very same config source is not compiled again
-        self._compiled: dict[str, tuple[object, object, dict]] = {}
+        # program (`_program`) -> (source, executable, record fields): a variant measured again (the
+        # confirmation after a decision, the incumbent of every search round) is not compiled again
+        self._compiled: dict[object, tuple[object, object, dict]] = {}
 
     @property
     def batch_axes(self) -> list[str]:
@@ -311,8 +383,8 @@ class StepSession:
         A variant this session compiled before from the same source object is reused, with the
         compile time and memory recorded then.
         """
-        cached = self._compiled.get(name)
-        if cached is not None and cached[0] is source:
+        cached = self._compiled.get(_program(source))
+        if cached is not None:
             record.update(cached[2])
             say(f"{name}: compiled before in {record['compile_s']:.1f}s")
             return cached[1]
@@ -337,7 +409,10 @@ class StepSession:
             return None
         record.update(memory_bytes=_memory_bytes(step), configs=getattr(recorder, "used", {}))
         say(f"{name}: compiled in {record['compile_s']:.1f}s")
-        self._compiled[name] = (source, step, {key: record[key] for key in ("compile_s", "memory_bytes", "configs")})
+        if len(self._compiled) >= MAX_COMPILED:  # the oldest program goes first (a long search times many)
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[_program(source)] = (source, step, {key: record[key] for key in ("compile_s", "memory_bytes",
+                                                                                        "configs")})
         return step
 
     def _check_lr(self, step, record: dict):
@@ -401,6 +476,18 @@ class StepSession:
         inputs = (self.params, self.x, self.target, self._scalar(self.lr))
         interleave({name: (lambda step=step: step(*inputs)) for name, step in steps.items()}, records, reference,
                    started, protocol, say)
+
+
+MAX_COMPILED = 32  # compiled step programs a session keeps
+
+
+def _program(source) -> object:
+    """What identifies the program a config source compiles to: the configs of a `FixedConfigs` (equal
+    configs, one program), else the source object itself."""
+    per_role = getattr(source, "per_role", None)
+    if per_role is not None and hasattr(source, "default"):
+        return "fixed", tuple(sorted(per_role.items())), source.default
+    return "source", id(source)  # the cache keeps the source alive, so its id is not reused
 
 
 def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,

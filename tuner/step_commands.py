@@ -15,7 +15,7 @@ import typer
 
 from cmtune.tuner.cli_common import console, devices_option, relaunch_as_group, show_step
 from cmtune.tuner.cluster import DeviceSpec
-from cmtune.tuner.userstep import REFERENCE, SpecError, SpecRef
+from cmtune.tuner.userstep import SpecError, SpecRef
 
 DEFAULT_DEVICES = "virtual:8"
 
@@ -138,10 +138,10 @@ def tune(step: str, devices: str, tune_problems) -> None:
 
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
            name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
-           json_out: Path | None) -> None:
-    """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline)."""
+           json_out: Path | None, search_rounds: int = 3, round_variants: int = 3) -> None:
+    """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
+    with ``decide``, the step search on it (`decide_user_step`)."""
     from cmtune.tuner.cluster import Group
-    from cmtune.tuner.engine import step_decision
     from cmtune.tuner.report import sites_table
     from cmtune.tuner.userstep import Built, UserStepSession, step_variants
     from collective_matmul.client import Tuned
@@ -182,14 +182,18 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
             "collective_matmul.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
             "tuned.matmul_reduce_scatter) when NAME gets a tuned client[/red]")
         raise typer.Exit(1)
-    variants = step_variants(tuned, per_role, decide=decide)
     mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
     import jax
 
-    say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
-    result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if decide:
-        result = _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision)
+        say(f"searching the step of {ref} on {mesh_text}, {jax.process_count()} process(es): up to "
+            f"{max(search_rounds, 1)} rounds")
+        result = decide_user_step(group, session, tuned, per_role, model=model, bundle=bundle, axis=message.axis,
+                                  rounds=search_rounds, per_round=round_variants, say=say)
+    else:
+        variants = step_variants(tuned)
+        say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
+        result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if not group.leader:
         return
     show_step(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} (jax "
@@ -197,32 +201,97 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
               started=started, json_out=json_out)
 
 
-def _decide(group, session, result, variants, per_role, tuned, model, bundle, say, step_decision):
-    """The step decision on a user's step: process 0 decides, the choice is timed again in fresh rounds, and
-    its per-role overrides (each with its role's problems) are written into ``bundle``.
+def run_search(group, search, measure, say):
+    """The step search to its grading (`cmtune.tuner.step.search_step`), process 0 deciding.
 
-    Each role's configs are those of its first call, as the variants record them.  A role seen with
-    several problems gets an override only where its configs fit every one of them (the baseline,
-    the fixed ring): one override serves all of the role's calls.
+    Returns:
+        on process 0 ``(decision, result)``: the choice, and the first round's measurement (the fixed
+        settings) with the grading rounds as its confirmation; elsewhere ``(None, result)``.
     """
-    from collective_matmul.wire import ChosenVariant
+    from cmtune.tuner.step import search_step
 
-    first = {role: configs[0] for role, configs in per_role.items()}
-    decision = step_decision(result, first) if group.leader else None
-    chosen = group.share(ChosenVariant(variant=decision.variant if decision is not None and decision.ok else None),
-                         ChosenVariant).variant
-    if chosen is None:
-        say(f"[red]no decision: {decision.summary if decision is not None else ''}[/red]")
+    grading, rounds = search_step(search, measure, group=group, say=lambda line: say(f"[bold]{line}[/bold]"))
+    result = rounds[0].model_copy(update={"confirmation": grading.variants if grading is not None else []}) \
+        if rounds else None
+    return (search.decide(grading) if group.leader else None), result
+
+
+def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, ablation: bool, rounds: int,
+                 per_round: int, say):
+    """`cmtune verify --model --decide`: the step search on the reference block, as the service's step study
+    runs it, with the local history of its problems (the bundle's entries for them, any hardware, as the
+    runners-up); the choice's overrides go into ``bundle``.  Returns the first round's measurement with the
+    grading rounds as its confirmation."""
+    from cmtune.tuner.stepsearch import SearchSpace, StepSearch
+    from collective_matmul.block import AS_WRITTEN, FixedConfigs
+    from collective_matmul.bundle import Bundle
+    from collective_matmul.client import ring_hardware
+    from collective_matmul.models import role_problems
+
+    hardware = ring_hardware(layout.mesh, layout.axis).identity()
+    search = None
+    if group.leader:
+        history = Bundle.load(bundle).configs
+        search = StepSearch(SearchSpace.of(configs, role_problems(block, spec), hardware,
+                                           measured=lambda problem: _measured(history, problem)),
+                            rounds=rounds, per_round=per_round, ablation=ablation, model=block.name)
+
+    def measure(variants):
+        sources = {name: AS_WRITTEN if setting is None else FixedConfigs(setting) for name, setting in variants.items()}
+        return session.measure(sources, on_event=lambda line: say(f"[dim]{line}[/dim]"))
+
+    decision, result = run_search(group, search, measure, say)
+    if decision is not None:
+        _write_decision(decision, block.name, hardware, bundle, say)
+    return result
+
+
+def _measured(history, problem) -> list:
+    """A problem's decompositions in a bundle (its entries on every hardware), the fastest first."""
+    return [c.decomposition for c in sorted((c for c in history if c.problem == problem), key=lambda c: -c.speedup)]
+
+
+def decide_user_step(group, session, tuned, per_role, *, model: str, bundle: Path, axis: str | None, rounds: int,
+                     per_round: int, say):
+    """`cmtune verify --step --decide`: the step search on a user's step, process 0 deciding, and the choice's
+    per-role overrides (each with its role's problems) written into ``bundle``.
+
+    Each role's configs are those of its first call, as the drop-in resolved them.  A role seen with
+    several problems is not searched (no one set of configs fits them all): it runs as tuned, and is
+    only set back or put on the fixed ring whole, and gets an override only where its configs fit
+    every one of its problems.  Returns the first round's measurement with the grading as its
+    confirmation.
+    """
+    from cmtune.tuner.stepsearch import SearchSpace, StepSearch
+
+    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
+    others = {role: any(not c.is_baseline for c in configs) for role, configs in per_role.items() if len(configs) > 1}
+    search = sites = None
+    if group.leader:
+        sites = {}
+        for site in tuned.report().applied:
+            sites.setdefault(site.role, []).append(site)
+        hardware = next(iter(sites.values()))[0].hardware
+        history = tuned.bundle.configs if tuned.bundle is not None else []
+        search = StepSearch(SearchSpace.of(uniform, {role: sites[role][0].problems for role in uniform}, hardware,
+                                           measured=lambda problem: _measured(history, problem), others=others),
+                            rounds=rounds, per_round=per_round, model=model)
+    sources: dict[str, object] = {}
+
+    def measure(variants):
+        for name, setting in variants.items():  # one source per name: a variant timed again is not built again
+            if name not in sources:
+                sources[name] = None if setting is None else tuned if name == "tuned" else tuned.variant(
+                    name, lambda role, c, setting=setting: setting.get(role, c))
+        return session.measure({name: sources[name] for name in variants}, axis=axis,
+                               on_event=lambda line: say(f"[dim]{line}[/dim]"))
+
+    decision, result = run_search(group, search, measure, say)
+    if decision is None:
         return result
-    again = session.measure({name: variants[name] for name in dict.fromkeys([REFERENCE, "baseline", chosen])},
-                            axis=result.tensor_axis)
-    result = result.model_copy(update={"confirmation": again.variants})
-    if not group.leader:
+    if not decision.ok:
+        say(f"[red]no decision: {decision.summary}[/red]")
         return result
-    decision = step_decision(result, first)
-    sites: dict[str, list] = {}
-    for site in tuned.report().applied:
-        sites.setdefault(site.role, []).append(site)
     hardware = next(iter(sites.values()))[0].hardware
     overrides, dropped = [], []
     for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()}):
@@ -231,14 +300,23 @@ def _decide(group, session, result, variants, per_role, tuned, model, bundle, sa
             overrides.append(override)
         else:
             dropped.append(override.role)
-    save_overrides(bundle, model, hardware, overrides)
-    say(f"decision: {decision.summary}")
-    say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
-        + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
+    _write_decision(decision, model, hardware, bundle, say, overrides=overrides)
     if dropped:
         say(f"[yellow]not written (the decided configs do not fit every problem of the role): "
             f"{', '.join(dropped)}[/yellow]")
     return result
+
+
+def _write_decision(decision, model: str, hardware, bundle: Path, say, overrides=None) -> None:
+    """Say what the search chose and write its overrides (``overrides``: those of ``decision``) into ``bundle``."""
+    if not decision.ok:
+        say(f"[red]no decision: {decision.summary}[/red]")
+        return
+    overrides = decision.role_overrides(model, hardware) if overrides is None else overrides
+    save_overrides(bundle, model, hardware, overrides)
+    say(f"decision: {decision.summary}")
+    say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
+        + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
 
 
 def save_overrides(path: Path, model: str, hardware, overrides) -> None:

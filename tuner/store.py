@@ -20,7 +20,7 @@ from typing import Protocol as TypingProtocol
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
 from collective_matmul.bundle import RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import (
@@ -48,15 +48,44 @@ class StepSpec:
     mesh: MeshSpec
     depends_on: tuple[int, ...] = ()
     ablation: bool = True
+    search_rounds: int = 1  # the step search's budget (`cmtune.tuner.stepsearch`); 1: one round of the menu
+    round_variants: int = 3  # changes of one role a search round times
+
+    @property
+    def searches(self) -> bool:
+        """True if the study searches over several rounds (a step trial per round, then the grading)."""
+        return self.search_rounds > 1
 
     def to_json(self) -> dict:
         return {"block": self.block.model_dump(mode="json"), "mesh": self.mesh.model_dump(mode="json"),
-                "depends_on": list(self.depends_on), "ablation": self.ablation}
+                "depends_on": list(self.depends_on), "ablation": self.ablation, "search_rounds": self.search_rounds,
+                "round_variants": self.round_variants}
 
     @classmethod
     def from_json(cls, data: dict) -> StepSpec:
+        """A stored spec; one stored before the step search measures one round of the menu, as it did."""
         return cls(TransformerBlock.model_validate(data["block"]), MeshSpec.model_validate(data["mesh"]),
-                   tuple(data.get("depends_on", ())), bool(data.get("ablation", True)))
+                   tuple(data.get("depends_on", ())), bool(data.get("ablation", True)),
+                   int(data.get("search_rounds", 1)), int(data.get("round_variants", 3)))
+
+
+StepVariants = dict[str, dict[str, OpConfigs] | None]  # a step trial's variants: name -> per-role configs
+
+
+def step_variants_json(variants: StepVariants | None) -> dict | None:
+    """A step trial's variants as trials.variants holds them."""
+    if variants is None:
+        return None
+    return {name: None if setting is None else {role: c.model_dump(mode="json") for role, c in setting.items()}
+            for name, setting in variants.items()}
+
+
+def step_variants_of(data: dict | None) -> StepVariants | None:
+    """A step trial's variants from trials.variants (None: the standard menu of its configs)."""
+    if data is None:
+        return None
+    return {name: None if setting is None else {role: OpConfigs.model_validate(c) for role, c in setting.items()}
+            for name, setting in data.items()}
 
 
 @dataclass(frozen=True)
@@ -104,6 +133,7 @@ class TrialRecord:
     result_lease_id: str | None = None
     finished_at: dt.datetime | None = None
     step: StepMeasurement | None = None  # a step trial's result
+    variants: StepVariants | None = None  # a step search round's variants (None: the standard menu)
 
     @property
     def decomposition(self) -> Decomposition:
@@ -149,8 +179,15 @@ class StoreTx(TypingProtocol):
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord: ...
 
     def add_trials(self, study_id: int, kind: TrialKind, candidates: Sequence[Sequence[Decomposition]],
-                   now: dt.datetime, *, after: int | None = None) -> list[TrialRecord]:
-        """New pending trials, numbered after the study's last one (``after``, when the caller knows it)."""
+                   now: dt.datetime, *, after: int | None = None,
+                   variants: Sequence[StepVariants | None] | None = None) -> list[TrialRecord]:
+        """New pending trials, numbered after the study's last one (``after``, when the caller knows it); a step
+        trial with its ``variants`` (one per candidate) where given."""
+        ...
+
+    def best_search_trials(self, problem: Problem, hardware: Hardware, *, limit: int) -> list[Decomposition]:
+        """The decompositions of ``problem``'s finished ``ok`` search trials on ``hardware`` (every study of it),
+        fastest first (each at its best ratio), at most ``limit``."""
         ...
 
     def claim(self, *, study_ids: Sequence[int] | None, hardware: Hardware | None, worker_id: int | None,
@@ -254,16 +291,27 @@ class InMemoryStore:
         except KeyError:
             raise NotFoundError(f"trial {trial_id} does not exist") from None
 
-    def add_trials(self, study_id, kind, candidates, now, *, after=None) -> list[TrialRecord]:
+    def add_trials(self, study_id, kind, candidates, now, *, after=None, variants=None) -> list[TrialRecord]:
         number = max((t.number for t in self._trials.values() if t.study_id == study_id), default=0)
         added = []
-        for configs in candidates:
+        for i, configs in enumerate(candidates):
             number += 1
             trial = TrialRecord(id=len(self._trials) + 1, study_id=study_id, number=number, kind=kind,
-                                decompositions=tuple(configs), state=TrialState.PENDING, created_at=now)
+                                decompositions=tuple(configs), state=TrialState.PENDING, created_at=now,
+                                variants=step_variants_of(step_variants_json(variants[i])) if variants else None)
             self._trials[trial.id] = trial
             added.append(trial)
         return added
+
+    def best_search_trials(self, problem: Problem, hardware: Hardware, *, limit: int) -> list[Decomposition]:
+        key = hardware.identity().key
+        best: dict[Decomposition, float] = {}
+        for t in self._trials.values():
+            study = self._studies[t.study_id]
+            if (t.kind == TrialKind.SEARCH and t.status == Status.OK and t.ratio is not None
+                    and study.problem == problem and study.hardware.key == key):
+                best[t.decomposition] = min(t.ratio, best.get(t.decomposition, t.ratio))
+        return sorted(best, key=lambda d: (best[d], d.id))[:limit]
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
         studies = [s for s in sorted(self._studies.values(), key=lambda s: s.id) if s.state.active

@@ -193,44 +193,11 @@ def tuning_ring(mesh, axis: str):
 # ---- the variants -----------------------------------------------------------------------------
 
 
-def step_variants(tuned, per_role: Mapping[str, list[OpConfigs]], *, decide: bool) -> dict:
-    """The variants of a user's step: name -> config source (None: the step as written).
-
-    ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline),
-    ``tuned`` (``tuned`` itself); with ``decide``, the whole-step alternatives and the per-role
-    ablation of `cmtune.tuner.variants.variant_configs` over the roles the tuned step traced (a role
-    seen with several problems is decided as a whole: set back, or the fixed ring everywhere).
-    """
-    from cmtune.tuner.variants import FIXED_RING, variant_configs
-
-    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
-    everywhere = OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING, grad_weight=FIXED_RING)
-    sources: dict = {REFERENCE: None, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()),
-                     "tuned": tuned}
-    if not decide:
-        return sources
-
-    def one_role(name: str, role: str, configs: OpConfigs):  # ``role`` runs ``configs``, the others as tuned
-        return tuned.variant(name, lambda r, c: configs if r == role else c)
-
-    table = variant_configs(uniform, roles=list(per_role), ablation=True)
-    for name, configs in table.items():
-        if configs is None or name in ("baseline", "tuned"):
-            continue
-        if name == "always-ring":
-            sources[name] = tuned.variant(name, lambda role, c: everywhere)
-        elif name == "tuned-ring-fill":
-            if len(uniform) == len(per_role):
-                sources[name] = tuned.variant(name, lambda role, c, table=configs: table.get(role, c))
-        elif name.startswith("tuned-minus-"):
-            sources[name] = one_role(name, name.removeprefix("tuned-minus-"), OpConfigs())
-        elif name.startswith("tuned-fuse-"):
-            role = name.removeprefix("tuned-fuse-")
-            sources[name] = one_role(name, role, configs[role])
-    for role, configs in per_role.items():  # several problems: set back as a whole, if any ran a ring
-        if len(configs) > 1 and any(not c.is_baseline for c in configs):
-            sources[f"tuned-minus-{role}"] = one_role(f"tuned-minus-{role}", role, OpConfigs())
-    return sources
+def step_variants(tuned) -> dict:
+    """The variants of a user's step that `cmtune verify --step` times: name -> config source (None: the step as
+    written): ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline) and
+    ``tuned`` (``tuned`` itself).  ``--decide`` searches beyond them (`cmtune.tuner.step_commands.decide_user_step`)."""
+    return {REFERENCE: None, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()), "tuned": tuned}
 
 
 # ---- the session ----------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """The variants of a training step that a step measurement times, by name: one menu for the worker
-that measures them and the engine that checks a step result against what its trial asked for."""
+that measures them and the engine that checks a step result against what its trial asked for; and
+the whole-step settings and per-slot candidates the step search (`cmtune.tuner.stepsearch`) starts from."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
 from collective_matmul.models import ROLES, SLOTS
+from collective_matmul.problem import Hardware, Problem
 
 REFERENCE = "as-written"  # the step as a user writes it without cmtune (GSPMD): every step's reference
 
@@ -72,3 +74,49 @@ def variant_configs(tuned: Mapping[str, OpConfigs], *, roles: Sequence[str] = RO
                 fused = whole[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
                 variants[f"tuned-fuse-{role}"] = whole | {role: fused}
     return variants
+
+
+def cost_model_configs(problems: Mapping[str, Mapping[str, Problem]], hardware: Hardware) -> dict[str, OpConfigs]:
+    """The cost model's whole-step choice: each role's configs as an untuned `collective_matmul.Tuned` resolves them.
+
+    Each slot's problem gets the cost model's favourite on ``hardware``'s published profile (the
+    baseline where the platform has none), and a weight gradient what
+    `collective_matmul.lookup.weight_gradient` makes of that answer (the cost model does not know
+    ``fuse``, so the fused baseline).
+
+    Args:
+        problems: each role's problems by slot (`collective_matmul.models.role_problems`, or what a
+            user's step traced).
+        hardware: the hardware the step runs on.
+    """
+    from collective_matmul.lookup import untuned, weight_gradient
+
+    chosen = {}
+    for role, slots in problems.items():
+        configs = {}
+        for slot in SLOTS:
+            match, decomposition = untuned(slots[slot], hardware)
+            configs[slot] = weight_gradient(decomposition, match) if slot == "grad_weight" else decomposition
+        chosen[role] = OpConfigs(**configs)
+    return chosen
+
+
+def slot_candidates(problem: Problem, slot: str, *, winner: Decomposition, measured: Iterable[Decomposition] = (),
+                    hardware: Hardware | None = None, runners_up: int = 2, limit: int = 5) -> tuple[Decomposition, ...]:
+    """The short list of configs the step search tries in one slot of one role, best first.
+
+    The op-level ``winner``, the best ``runners_up`` of ``measured`` (a study's ring trials, best
+    first), `FIXED_RING`, the baseline (the fused baseline for a weight gradient: what autodiff
+    does) and the cost model's favourite on ``hardware`` (where given); each only once and only
+    where ``problem`` accepts it, at most ``limit``.
+    """
+    from collective_matmul.costmodel import model_choice
+
+    baseline = DEFAULT_GRAD_WEIGHT if slot == "grad_weight" else Decomposition.baseline()
+    rings = [d for d in measured if d.method == "ring" and d != winner][:runners_up]
+    model = model_choice(problem, hardware) if hardware is not None and slot != "grad_weight" else None
+    found: list[Decomposition] = []
+    for option in (winner, *rings, FIXED_RING, baseline, model):
+        if option is not None and option not in found and problem.accepts(option):
+            found.append(option)
+    return tuple(found[:limit])

@@ -241,7 +241,9 @@ class WorkerDaemon:
 def describe(task: TrialTask) -> str:
     """What a trial runs, for the log: the problem and candidates, or the model's step."""
     if task.kind == TrialKind.STEP:
-        return f"the step of {task.step.block.name} on {task.step.mesh}"
+        variants = task.step.variants
+        what = f"{len(variants)} variants of the step search" if variants is not None else "the standard menu"
+        return f"the step of {task.step.block.name} on {task.step.mesh}: {what}"
     return f"{task.problem.key}: {', '.join(d.id for d in task.decompositions)}"
 
 

@@ -204,11 +204,17 @@ async function overview() {
   ));
 }
 
+function stepTrial(t) {
+  // a round of the step search names its variants (the step as written aside); an older step trial times the menu
+  const named = (t.variants || []).filter((n) => n !== "as-written");
+  return named.length ? `step: ${named.join(", ")}` : "step: the standard menu";
+}
+
 async function studyPage(id) {
   const [study, trials] = await Promise.all([api(`/v1/studies/${id}`), api(`/v1/studies/${id}/trials`)]);
   const columns = [
     { key: "number", label: "#", num: true, value: (t) => t.number },
-    { key: "decomposition", label: "decomposition", value: (t) => (t.kind === "confirm" ? `confirmation of ${t.decompositions.length}` : t.decomposition_id) },
+    { key: "decomposition", label: "decomposition", value: (t) => (t.kind === "confirm" ? `confirmation of ${t.decompositions.length}` : t.kind === "step" ? stepTrial(t) : t.decomposition_id) },
     { key: "state", label: "state", value: (t) => t.status && t.state === "completed" ? t.status : t.state, render: (t) => stateBadge(t.status && t.state === "completed" ? (t.status === "ok" ? "completed" : "failed") : t.state) },
     { key: "median", label: "median", num: true, value: (t) => t.median_s, render: (t) => ms(t.median_s) },
     { key: "iqr", label: "spread (IQR)", num: true, value: (t) => t.iqr_s, render: (t) => ms(t.iqr_s) },

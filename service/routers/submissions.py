@@ -66,12 +66,21 @@ def step_public(tx, study, layers: int) -> StepPublic | None:
     """A submission's step study as measured: the variant that runs, its speedups, the time it saves."""
     if study is None:
         return None
-    trial = next((t for t in tx.trials(study.id, measurements=True) if t.step is not None), None)
+    rounds = [t for t in tx.trials(study.id, measurements=True) if t.step is not None]
+    trial = rounds[0] if rounds else None  # the seeds' round (or the one round of the menu)
     measured = trial.step if trial is not None else None
     decision = study.decision if study.state == StudyState.COMPLETED else None
-    if decision is None and measured is not None and study.state == StudyState.COMPLETED:
+    if decision is None and measured is not None and study.state == StudyState.COMPLETED and trial.variants is None:
         # completed before decisions were stored (migration 0006): decide again from the stored measurement
         decision = step_decision(measured, step_task_configs(trial)).record
+    variants, confirmation = (measured.variants, measured.confirmation) if measured else ([], [])
+    if trial is not None and trial.variants is not None:  # a step search: a trial per round, then the grading
+        graded = decision is not None and decision.fresh_rounds and len(rounds) > 1
+        seen = {v.name for v in variants}
+        for later in rounds[1:len(rounds) - graded]:  # each variant once, from the round that first timed it
+            variants = variants + [v for v in later.step.variants if v.name not in seen]
+            seen |= {v.name for v in later.step.variants}
+        confirmation = rounds[-1].step.variants if graded else []
     return StepPublic(
         study_id=study.id, state=study.state, message=study.message, decision=decision,
         variant=decision.variant if decision else None, vs_reference=decision.vs_reference if decision else None,
@@ -79,5 +88,4 @@ def step_public(tx, study, layers: int) -> StepPublic | None:
         measured_saved_s_per_step=decision.saved_s * layers if decision and decision.saved_s is not None else None,
         reference=measured.reference if measured else None,
         mesh=measured.mesh if measured else None,
-        batch=measured.block.global_batch if measured else None, variants=measured.variants if measured else [],
-        confirmation=measured.confirmation if measured else [])
+        batch=measured.block.global_batch if measured else None, variants=variants, confirmation=confirmation)

@@ -18,7 +18,7 @@ from cmtune.service.models import HardwareRow, Lease, ProblemRow, Study, Trial, 
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
-from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord
+from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord, step_variants_of
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Hardware, Problem
@@ -49,7 +49,8 @@ PROBLEM = (problems.c.collective, problems.c.m, problems.c.k, problems.c.n, prob
 HARDWARE = (hardware_t.c.platform, hardware_t.c.device_kind, hardware_t.c.device_count, hardware_t.c.process_count)
 TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
          trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
-         trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at)
+         trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at,
+         trials.c.variants)
 
 _HARDWARE_ID = Prepared(select(hardware_t.c.id).where(hardware_t.c.key == P("key")))
 _INSERT_HARDWARE = Prepared(insert(hardware_t).returning(hardware_t.c.id))
@@ -215,7 +216,8 @@ def trial_record(row, with_measurements: bool) -> TrialRecord:
         id=row.id, study_id=row.study_id, number=row.number, kind=kind, decompositions=decompositions,
         state=TrialState(row.state), created_at=row.created_at, attempts=row.attempts, status=row.status,
         ratio=row.ratio, measurements=measurements, message=row.message, worker_id=row.worker_id,
-        result_lease_id=row.result_lease_id, finished_at=row.finished_at, step=step)
+        result_lease_id=row.result_lease_id, finished_at=row.finished_at, step=step,
+        variants=step_variants_of(row.variants) if kind == TrialKind.STEP else None)
 
 
 def tuned_config_of(row) -> TunedConfig:

@@ -13,7 +13,7 @@ import functools
 import logging
 from collections.abc import Sequence
 
-from sqlalchemy import case, delete, func, insert, null, select, type_coerce, update
+from sqlalchemy import Integer, case, delete, func, insert, null, select, type_coerce, update
 
 from cmtune.service.models import RoleOverrideRow
 from cmtune.service.store.base import (
@@ -35,10 +35,11 @@ from cmtune.service.store.base import (
 from cmtune.service.store.leases import Leases
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
-from cmtune.tuner.store import StudyRecord, TrialRecord, refuse_state
+from cmtune.tuner.store import StudyRecord, TrialRecord, refuse_state, step_variants_json
 from collective_matmul.bundle import RoleOverride, TunedConfig
+from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyKind, StudyState, TrialKind, TrialState
+from collective_matmul.wire import ACTIVE_STUDY_STATES, Status, StudyKind, StudyState, TrialKind, TrialState
 
 overrides_t = RoleOverrideRow.__table__
 log = logging.getLogger(__name__)
@@ -61,7 +62,16 @@ _TRIAL = Prepared(_TRIAL_SELECT)
 _TRIAL_LOCKED = Prepared(_TRIAL_SELECT.with_for_update())
 _UPDATE_TRIAL = Prepared(update(trials).where(trials.c.id == P("_trial_id")))
 _INSERT_TRIAL = Prepared(insert(trials).returning(trials.c.id))
-_NEW_TRIAL = ("study_id", "number", "kind", "decompositions", "decomposition_id", "state", "attempts", "created_at")
+_NEW_TRIAL = ("study_id", "number", "kind", "decompositions", "decomposition_id", "state", "attempts", "created_at",
+              "variants")
+# a problem's best search trials on one hardware, over every study of it (the step search's runners-up)
+_BEST_SEARCH_TRIALS = select(trials.c.decomposition_id).select_from(trials) \
+    .join(studies, studies.c.id == trials.c.study_id).join(problems, problems.c.id == studies.c.problem_id) \
+    .join(hardware_t, hardware_t.c.id == studies.c.hardware_id) \
+    .where(problems.c.key == P("problem"), hardware_t.c.key == P("hardware"),
+           trials.c.kind == TrialKind.SEARCH.value, trials.c.status == Status.OK.value, trials.c.ratio.is_not(None)) \
+    .group_by(trials.c.decomposition_id).order_by(func.min(trials.c.ratio), trials.c.decomposition_id) \
+    .limit(P("limit", type_=Integer))
 _TUNED_ID = Prepared(select(tuned_t.c.id).where(tuned_t.c.problem_id == P("problem_id"),
                                                 tuned_t.c.hardware_id == P("hardware_id")).with_for_update())
 _INSERT_TUNED = Prepared(insert(tuned_t))
@@ -148,27 +158,36 @@ class Studies:
             raise NotFoundError(f"trial {trial_id} does not exist")
         return trial_record(row, True)
 
-    def add_trials(self, study_id, kind, candidates, now, *, after: int | None = None) -> list[TrialRecord]:
+    def add_trials(self, study_id, kind, candidates, now, *, after: int | None = None,
+                   variants=None) -> list[TrialRecord]:
         tx = self._tx
         if after is None:
             after = tx.scalar(select(func.max(trials.c.number)).where(trials.c.study_id == study_id)) or 0
-        records = []
-        for number, configs in enumerate(candidates, start=after + 1):
+        records, stored = [], []
+        for i, (number, configs) in enumerate(enumerate(candidates, start=after + 1)):
             configs = tuple(configs)
             if kind == TrialKind.SEARCH and decomposition_of(configs[0].id) != configs[0]:
                 raise ValueError(f"{configs[0]!r} does not round-trip through its id {configs[0].id!r}")
+            stored.append(step_variants_json(variants[i]) if variants else None)
             records.append(TrialRecord(id=0, study_id=study_id, number=number, kind=kind, decompositions=configs,
-                                       state=TrialState.PENDING, created_at=now))
+                                       state=TrialState.PENDING, created_at=now,
+                                       variants=variants[i] if variants else None))
         if not records:
             return []
         rows = [dict(study_id=study_id, number=r.number, kind=kind, decompositions=[
             d.model_dump(mode="json") for d in r.decompositions], decomposition_id=r.decomposition_id,
-            state=TrialState.PENDING, attempts=0, created_at=now) for r in records]
+            state=TrialState.PENDING, attempts=0, created_at=now, variants=v)
+            for r, v in zip(records, stored, strict=True)]
         if len(rows) == 1:  # a refill's one proposal
             return [dataclasses.replace(records[0], id=tx.first(_INSERT_TRIAL, rows[0]).id)]
         ids = {number: i for i, number in tx.rows(_insert_trials(len(rows)), {
             f"{column}_{i}": value for i, row in enumerate(rows) for column, value in row.items()})}
         return [dataclasses.replace(r, id=ids[r.number]) for r in records]
+
+    def best_search_trials(self, problem: Problem, hardware: Hardware, *, limit: int) -> list[Decomposition]:
+        ids = self._tx.execute(_BEST_SEARCH_TRIALS, {"problem": problem.key, "hardware": hardware.identity().key,
+                                                     "limit": limit}).scalars().all()
+        return [decomposition_of(i) for i in ids]
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
         return self.leases.claim(study_ids=study_ids, hardware=hardware, worker_id=worker_id)

@@ -324,8 +324,8 @@ def test_a_persistent_profile_keeps_the_token_only_in_the_history_of_the_link_it
 @pytest.fixture(scope="module")
 def measured_site(tmp_path_factory):
     """A model whose studies and step study all ran (synthetic results), and whose mlp_up was set back."""
-    with submitted_tiny(tmp_path_factory.mktemp("ui-step"), budget={"trials": 2}, confirm_top=1) as (
-            server, tokens, seed, created):
+    with submitted_tiny(tmp_path_factory.mktemp("ui-step"), budget={"trials": 2}, confirm_top=1,
+                        step={"search_rounds": 1}) as (server, tokens, seed, created):  # one round of the menu
         while (grant := seed.worker.post(f"/v1/workers/{seed.worker}/lease").json())["trial"]["kind"] != "step":
             contract.report(seed.worker, grant)
         seconds = contract.STEP_SECONDS | {"tuned-minus-mlp_up": 0.7}
@@ -373,3 +373,20 @@ def test_a_seeded_study_shows_its_seeds_and_where_they_came_from(browser, measur
     shot(page, "study-seeded")
     context.close()
     admin.close()
+
+
+def test_the_step_studys_page_lists_its_search_rounds_by_their_variants(browser, tmp_path):
+    """A step study that searched: each round is a trial of the study, shown with the variants it timed."""
+    with submitted_tiny(tmp_path, budget={"trials": 2}, confirm_top=1, step={"search_rounds": 2}) as (
+            server, tokens, seed, created):
+        while seed.run_trial() is not None:
+            pass
+        step_id = created["studies"][-1]["id"]
+        page = browser.new_page()
+        page.goto(link(server.url, f"/ui/studies/{step_id}", tokens["reader"]))
+        page.wait_for_selector("#trials tbody tr")
+        rows = page.locator("#trials tbody tr").all_inner_texts()
+        assert len(rows) == 3  # the seeds, one round of qkv, the grading
+        assert "step: baseline, tuned" in rows[0] and "step: tuned, r2-qkv-" in rows[1]
+        assert "step: baseline, tuned" in rows[2]
+        page.close()

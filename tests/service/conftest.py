@@ -176,15 +176,24 @@ def run_trial(worker: Worker, landscape=cost) -> dict | None:
 STEP_SECONDS = {"as-written": 1.0, "baseline": 0.95, "tuned": 0.8}
 
 
-def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: int = 4,
-                confirmation: dict[str, float] | None = None) -> dict:
-    """A worker's synthetic step measurement for a step trial (the service is under test, not the step);
-    ``confirmation``: the seconds of the variants timed again after the decision."""
+def step_result(trial: dict, seconds=None, rounds: int = 4, confirmation: dict[str, float] | None = None) -> dict:
+    """A worker's synthetic step measurement for a step trial (the service is under test, not the step).
+
+    ``seconds``: per variant name, or a function of (name, per-role configs or None) for a round of the
+    step search, which times exactly the variants it names (a name ``seconds`` lacks: as ``tuned``);
+    ``confirmation``: the seconds of the variants timed again after the decision (the standard menu).
+    """
     from cmtune.tuner.variants import variant_configs
     from collective_matmul.wire import StepMeasurement, StepVariant, TrialTask
 
     task = TrialTask.model_validate(trial)
-    measured = variant_configs(task.step.configs)  # what a worker measures, by name
+    asked = task.step.variants
+    measured = asked if asked is not None else variant_configs(task.step.configs)  # what a worker measures
+    seconds = seconds or STEP_SECONDS
+    if callable(seconds):
+        seconds = {name: seconds(name, setting) for name, setting in measured.items()}
+    elif asked is not None:
+        seconds = {name: seconds.get(name, seconds["tuned"]) for name in asked}
 
     def timed(seconds: dict[str, float]) -> list[StepVariant]:
         return [StepVariant(name=name, status="ok", configs=measured[name] or {}, timing=Timing.of([s] * rounds),
@@ -193,5 +202,5 @@ def step_result(trial: dict, seconds: dict[str, float] | None = None, rounds: in
 
     return StepMeasurement(block=task.step.block, mesh=task.step.mesh, tensor_axis=task.step.tensor_axis,
                            hardware=Hardware(**HARDWARE), protocol=task.protocol,
-                           variants=timed(seconds or STEP_SECONDS),
+                           variants=timed(seconds),
                            confirmation=timed(confirmation) if confirmation else []).model_dump(mode="json")

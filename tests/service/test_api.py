@@ -388,7 +388,7 @@ def test_listing_studies_costs_the_same_queries_for_one_study_or_many(api):
 
 def test_the_step_study_measures_the_model_once_its_studies_are_done(api):
     body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
-            "budget": {"trials": 4}, "confirm_top": 1}
+            "budget": {"trials": 4}, "confirm_top": 1, "step": {"search_rounds": 1}}  # one round of the menu
     created = api.admin.post("/v1/studies", json=body).json()
     step_id = created["studies"][-1]["id"]
     worker = register(api.worker)
@@ -416,7 +416,7 @@ def test_a_role_faster_at_the_baseline_is_set_back_for_this_model(api):
     from tests.service.conftest import step_result
 
     body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
-            "budget": {"trials": 2}, "confirm_top": 1}
+            "budget": {"trials": 2}, "confirm_top": 1, "step": {"search_rounds": 1}}  # one round of the menu
     created = api.admin.post("/v1/studies", json=body).json()
     worker = register(api.worker)
     while (grant := worker.post(f"/v1/workers/{worker}/lease").json())["trial"]["kind"] != "step":

@@ -110,7 +110,7 @@ def test_every_operation_answers_within_its_schema(fuzzed_server, mode):
 STEP_EXAMPLES = 1000  # bodies sent to one server (about ten seconds): the whole file, both databases, in under a minute
 STEP_HARDWARE = HARDWARE | {"device_kind": "cpu-step-fuzz"}  # only the step fuzz's worker leases its trials
 TINY = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": STEP_HARDWARE,
-        "budget": {"trials": 2}, "confirm_top": 1}
+        "budget": {"trials": 2}, "confirm_top": 1, "step": {"search_rounds": 1}}  # one round of the menu
 OVERRIDES = {"model": "tiny", **{k: v for k, v in STEP_HARDWARE.items() if k != "process_count"}}
 PROBLEMS = role_problems(PRESETS["tiny"], MeshSpec(axes=TINY["mesh"]["axes"]))
 

@@ -18,7 +18,7 @@ from collective_matmul.problem import Hardware
 from tests.service.conftest import HARDWARE, measurement, register, step_result
 
 TINY = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
-        "budget": {"trials": 2}, "confirm_top": 1}
+        "budget": {"trials": 2}, "confirm_top": 1, "step": {"search_rounds": 1}}  # one round of the menu
 OVERRIDES = {"model": "tiny", **HARDWARE}
 SECONDS = {"as-written": 1.0, "baseline": 0.95, "tuned": 0.8, "tuned-minus-mlp_up": 0.7}
 

@@ -8,6 +8,7 @@ checks that every store drives the same study to the same decisions.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import datetime as dt
 from pathlib import Path
 
@@ -18,18 +19,31 @@ from cmtune.service import migrate
 from cmtune.service.db import Database
 from cmtune.service.store import SqlStore
 from cmtune.tuner import engine as engine_module
-from cmtune.tuner.engine import Engine, profile_name_for, study_settings
+from cmtune.tuner.engine import Engine, profile_name_for, study_settings, task_for
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.search import SearchSettings, default_budget
 from cmtune.tuner.store import InMemoryStore
-from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.wire import Measurement, Protocol, Status, StudyState, Timing, TrialKind, TrialState
+from cmtune.tuner.variants import FIXED_RING
+from collective_matmul import Decomposition, Hardware, MeshSpec, OpConfigs, Problem, TunedConfig, candidates
+from collective_matmul.models import PRESETS, ROLES, SLOTS, role_problems
+from collective_matmul.wire import (
+    Measurement,
+    Protocol,
+    Status,
+    StepMeasurement,
+    StepVariant,
+    StudyState,
+    Timing,
+    TrialKind,
+    TrialState,
+)
 from tests.service.conftest import reset_postgres
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")  # 49 candidates
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
 START = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 ROOT = Path(__file__).resolve().parents[2]
+D = Decomposition.from_id
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])
@@ -320,3 +334,144 @@ def test_only_the_guard_applies_a_move():
                     callers.add((path.relative_to(ROOT).as_posix(), function.name, node.attr))
     assert callers == {("tuner/engine.py", "_move_study", "apply_study_move"),
                        ("tuner/engine.py", "_move_trial", "apply_trial_move")}, callers
+
+
+# ---- the step study's search ---------------------------------------------------------------------------------
+
+TINY = PRESETS["tiny"]
+TINY_MESH = MeshSpec.parse("data=1,model=8")
+WINNER = {"allgather_matmul": D("ring-bi-c2-full-dus"), "matmul_reduce_scatter": D("ring-bi-c2-full-in"),
+          "allgather_grad_weight": D("ring-bi-c2-full-in")}
+
+
+class StepDriver(Driver):
+    """A model's step study over the store: the qkv forward problem searched for real (its ring trials are the
+    step search's runners-up), every other problem tuned directly; step rounds timed by ``seconds``."""
+
+    def __init__(self, store, **options):
+        super().__init__(store)
+        self.qkv = role_problems(TINY, TINY_MESH)["qkv"]["forward"]
+        searched = self.create(settings(max_trials=8, confirm_top=1), problem=self.qkv)
+        while (trial := self.claim(searched)) is not None:
+            results = [measured(c, problem=self.qkv) for c in trial.decompositions]
+            with self.store.transaction(write=True) as tx:
+                self.engine.record(tx, trial.id, results, now=self.tick())
+        with self.store.transaction(write=True) as tx:
+            for slots in role_problems(TINY, TINY_MESH).values():
+                for problem in slots.values():
+                    if problem != self.qkv:
+                        tx.save_tuned(TunedConfig(problem=problem, hardware=HW, decomposition=WINNER[
+                            problem.collective], time_s=0.8, baseline_s=1.0, speedup=1.25), study_id=None)
+            self.winner = tx.tuned_config(self.qkv, HW).decomposition
+            self.runner_up = next(d for d in tx.best_search_trials(self.qkv, HW, limit=3) if d != self.winner)
+            self.step_id = self.engine.create_step_study(
+                tx, block=TINY, mesh=TINY_MESH, hardware=HW, depends_on=[searched], protocol=Protocol(repeats=4),
+                now=self.tick(), **options).id
+
+    def seconds(self, setting) -> float:
+        """Always-ring beats the op-level winners, and beats every fixed setting with qkv's forward on its
+        runner-up ring: the planted combination."""
+        if setting is None:
+            return 1.0
+        total = 0.5
+        for role, configs in setting.items():
+            for slot in SLOTS:
+                chosen = getattr(configs, slot)
+                total += (0.005 if (role, slot, chosen) == ("qkv", "forward", self.runner_up) else
+                          0.02 if chosen.model_copy(update={"fuse": False}) == FIXED_RING else
+                          0.03 if chosen.method == "ring" else 0.05)
+        return round(total, 6)
+
+    def step_result(self, trial) -> StepMeasurement:
+        timed = []
+        for name, setting in trial.variants.items():
+            times = [self.seconds(setting)] * 4
+            timed.append(StepVariant(name=name, status="ok", configs=setting or {}, timing=Timing.of(times),
+                                     ratio=times[0], ratio_iqr=0.0))
+        return StepMeasurement(block=TINY, mesh=TINY_MESH.axes, tensor_axis="model", hardware=HW,
+                               protocol=Protocol(repeats=4), variants=timed)
+
+    def run_step(self, abandon: int | None = None) -> list:
+        """Claim and report the step study's trials until it is final (abandon trial number ``abandon``)."""
+        done = []
+        while (trial := self.claim(self.step_id)) is not None:
+            with self.store.transaction(write=True) as tx:
+                study = tx.study(self.step_id)
+                assert task_for(study, trial).step.variants == trial.variants
+                if trial.number == abandon:
+                    self.engine.abandon(tx, trial, status=Status.TIMEOUT, message="lease expired", now=self.tick())
+                else:
+                    self.engine.record(tx, trial.id, self.step_result(trial), now=self.tick())
+            done.append(trial)
+        return done
+
+
+def test_a_step_study_searches_round_by_round_and_every_store_decides_alike(store):
+    driver = StepDriver(store, search_rounds=3, round_variants=6)
+    states = []
+    while (trial := driver.claim(driver.step_id)) is not None:
+        with store.transaction(write=True) as tx:
+            if trial.number == 2:  # a result for a variant this round did not ask for decides nothing
+                assert "baseline" not in trial.variants  # the seeds' round timed it, this one does not ask for it
+                forged = driver.step_result(dataclasses.replace(trial, variants=trial.variants | {
+                    "baseline": {role: OpConfigs() for role in ROLES}}))
+                with pytest.raises(InvalidError, match="'baseline' is not one of them"):
+                    driver.engine.record(tx, trial.id, forged, now=driver.tick())
+            driver.engine.record(tx, trial.id, driver.step_result(trial), now=driver.tick())
+            states.append(tx.study(driver.step_id).state)
+    study, trials = driver.study(driver.step_id)
+    assert [t.number for t in trials] == [1, 2, 3, 4] and all(t.state == TrialState.COMPLETED for t in trials)
+    assert states == [StudyState.RUNNING, StudyState.RUNNING, StudyState.CONFIRMING, StudyState.COMPLETED]
+    seeds, improved, _, graded = (t.variants for t in trials)
+    # the cost model picks the baseline for every tiny problem on CPU, and the ring fill is the tuned step
+    assert list(seeds) == ["as-written", "baseline", "tuned", "always-ring"]
+    assert list(improved)[:2] == ["as-written", "always-ring"] and all(n.startswith("r2-qkv-") for n in
+                                                                      list(improved)[2:])
+    assert list(graded) == ["as-written", "baseline", "always-ring", "r2-qkv-fw2"]
+    assert graded["r2-qkv-fw2"]["qkv"].forward == driver.runner_up
+    decision = study.decision
+    assert study.stop_reason == "the search budget of 3 rounds" and decision.variant == "r2-qkv-fw2"
+    assert decision.seed == "always-ring" and decision.fresh_rounds and decision.rounds == 3
+    assert decision.vs_seed.median == pytest.approx(driver.seconds(graded["always-ring"])
+                                                    / driver.seconds(graded["r2-qkv-fw2"]))
+    # rounds 2 and 3 on the driver's clock, from the round before them finished: a second per claim and per
+    # result (round 2's forged one too)
+    assert decision.search_s == pytest.approx(3.0 + 2.0)
+    assert study.trials_done == 4 and study.best_trial_id == trials[-1].id
+    with store.transaction() as tx:
+        overrides = {o.role: o for o in tx_overrides(tx, store)}
+    assert set(overrides) == set(ROLES)
+    assert "r2-qkv-fw2 (round 2 of the step search)" in overrides["qkv"].reason
+    assert "always-ring (the seeds' round of the step search)" in overrides["mlp_up"].reason
+    assert overrides["qkv"].configs.forward == driver.runner_up
+    # the same submission on a fresh in-memory store takes exactly the same decisions
+    again = StepDriver(InMemoryStore(), search_rounds=3, round_variants=6)
+    again.run_step()
+    assert again.study(again.step_id)[0].decision.model_dump(exclude={"search_s", "summary"}) == \
+        decision.model_dump(exclude={"search_s", "summary"})  # (no forged result there: a second less)
+
+
+def test_a_step_search_round_without_a_result_is_passed_over(store):
+    driver = StepDriver(store, search_rounds=3, round_variants=6)
+    driver.run_step(abandon=2)
+    study, trials = driver.study(driver.step_id)
+    assert [t.state for t in trials] == [TrialState.COMPLETED, TrialState.FAILED, TrialState.COMPLETED,
+                                         TrialState.COMPLETED]
+    assert study.state == StudyState.COMPLETED and study.decision.search_s == pytest.approx(2.0 + 2.0)  # lost, counted
+    assert list(trials[2].variants)[2].startswith("r3-attn_out-")  # the next role: qkv's round was lost
+    assert study.decision.variant == "always-ring" and study.decision.rounds == 3
+
+
+def test_a_step_study_with_one_round_times_the_menu_in_one_trial(store):
+    driver = StepDriver(store, search_rounds=1)
+    trial = driver.claim(driver.step_id)
+    with store.transaction() as tx:
+        task = task_for(tx.study(driver.step_id), trial)
+    assert trial.variants is None and task.step.variants is None and task.step.ablation
+
+
+def tx_overrides(tx, store):
+    """The overrides the engine saved for the tiny model (the store's own reading of them)."""
+    if isinstance(store, InMemoryStore):
+        return list(store._overrides.values())
+    return tx.catalog.overrides(model="tiny", hardware=HW)

@@ -121,6 +121,36 @@ def test_a_step_session_times_every_variant_round_robin(monkeypatch):
     assert "(fresh rounds after the decision)" in step_decision(confirmed, tuned).summary
 
 
+def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the_session():
+    """A round of the step search, as a worker runs it on 8 virtual CPU devices: the variants its task names, in
+    order, with the configs it gives them, and no confirmation; the next round of the same step compiles only
+    what it has not timed before."""
+    from cmtune.tuner.local import LocalRunner
+    from collective_matmul.models import ROLES
+    from collective_matmul.wire import StepTask, TrialTask
+
+    tuned = {role: TUNED.get(role, OpConfigs()) for role in ROLES}
+    fused = tuned | {"attn_out": OpConfigs(forward=RS_RING, grad_weight=D("ring-uni-c1-full-in-fuse"))}
+
+    def task(number: int, variants: dict) -> TrialTask:
+        return TrialTask(id=number, study_id=1, kind="step", problem=None, decomposition=None, decompositions=[],
+                         protocol=Protocol(warmup=1, repeats=2),
+                         step=StepTask(block=BLOCK, mesh={"data": 1, "model": 8}, configs=tuned, variants=variants))
+
+    runner = LocalRunner()
+    first = runner.run(task(1, {"as-written": None, "tuned": tuned, "r2-attn_out-fuse": fused}))
+    assert [v.name for v in first.variants] == ["as-written", "tuned", "r2-attn_out-fuse"] and not first.confirmation
+    assert all(v.ok and len(v.timing.samples_s) == 2 for v in first.variants)
+    assert first.variant("r2-attn_out-fuse").configs == fused and first.variant("tuned").configs == tuned
+    ring = tuned | {"mlp_up": OpConfigs(forward=FIXED_RING)}
+    second = runner.run(task(2, {"as-written": None, "r2-attn_out-fuse": fused, "r3-mlp_up-fw1": ring}))
+    assert [v.status for v in second.variants] == ["ok"] * 3
+    for name in ("as-written", "r2-attn_out-fuse"):  # compiled once, in the first round
+        assert second.variant(name).compile_s == first.variant(name).compile_s
+    assert second.variant("r3-mlp_up-fw1").configs["mlp_up"].forward == FIXED_RING
+    assert second.variant("as-written").timing != first.variant("as-written").timing  # timed again
+
+
 def test_a_2d_mesh_shards_the_batch_over_the_data_axis():
     from jax.sharding import AxisType
 
@@ -203,8 +233,31 @@ def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
     assert all(len(v.timing.samples_s) == 2 for v in result.variants)
 
 
+def test_verify_decide_searches_the_block_and_writes_its_overrides(files, tmp_path):
+    model, bundle = files
+    out = tmp_path / "step.json"
+    run = cmtune("verify", "--model", str(model), "--mesh", "data=1,model=8", "--bundle", str(bundle), "--decide",
+                 "--search-rounds", "2", "--round-variants", "2", "--repeats", "2", "--warmup", "1", "--json", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = flat(run.stdout)
+    assert "the seeds (" in text and "round 2 (qkv, 2 changes)" in text
+    assert "the step search stops: the search budget of 2 rounds" in text
+    result = StepMeasurement.model_validate_json(out.read_text())
+    assert [v.name for v in result.variants][:3] == ["as-written", "baseline", "tuned"]
+    assert [v.name for v in result.confirmation][:2] == ["as-written", "baseline"]
+    decided = next(line for line in run.stdout.splitlines() if line.startswith("decision:"))
+    chosen = result.confirmation[-1]
+    assert decided.startswith(f"decision: {chosen.name}: ") and "against the step as written" in decided
+    saved = [o for o in Bundle.load(bundle).overrides if o.model == "small"]
+    assert {o.role for o in saved} == {role for role, c in chosen.configs.items()
+                                       if c != result.variant("tuned").configs[role]}
+    assert f"wrote {len(saved)} per-role override(s) of 'small' on cpu:cpu:8:1" in text
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "nope", "--mesh", "model=8", "--bundle", "x.json"], "unknown model 'nope'"),
+    (["--model", "tiny", "--mesh", "model=8", "--server", "http://x", "--decide"],
+     "--decide writes the per-role overrides into the bundle: give --bundle FILE"),
     (["--model", "tiny", "--mesh", "model=8"], "give the tuned configs with --bundle FILE or --server URL"),
     (["--model", "tiny", "--mesh", "model=16", "--bundle", "x.json"], "heads=8 is not divisible by the tensor axis"),
     (["--model", "tiny", "--mesh", "model=4", "--bundle", "/nonexistent/b.json"], "No such file"),
@@ -237,6 +290,20 @@ def test_verify_on_two_processes(files, tmp_path):
     assert {v["status"] for v in result["variants"]} == {"ok"}
     # the bundle's entries for two processes were found exactly
     assert "attn_out matmul_reduce_scatter:128x64x64:float32:8 ring-uni-c1-full-in exact (bundle)" in flat(run.stdout)
+
+
+@pytest.mark.slow
+def test_verify_decide_on_two_processes_process_0_deciding(files, tmp_path):
+    model, bundle = files
+    out = tmp_path / "step.json"
+    run = cmtune("verify", "--model", str(model), "--mesh", "data=1,model=8", "--bundle", str(bundle), "--decide",
+                 "--devices", "processes:2", "--search-rounds", "2", "--round-variants", "2", "--repeats", "2",
+                 "--warmup", "1", "--json", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = StepMeasurement.model_validate_json(out.read_text())
+    assert result.hardware.process_count == 2 and result.confirmation
+    assert flat(run.stdout).count("the step search stops:") == 1  # said once, by process 0
+    assert all(o.hardware.process_count == 2 for o in Bundle.load(bundle).overrides if o.model == "small")
 
 
 def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:

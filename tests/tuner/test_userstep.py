@@ -71,7 +71,7 @@ def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(m
 
     monkeypatch.setattr(ring, "_matmul_reduce_scatter", wrong)
     tuned = Tuned()
-    variants = step_variants(tuned, {}, decide=False) | {
+    variants = step_variants(tuned) | {
         "wrong": tuned.variant("wrong", lambda role, c: OpConfigs(forward=D("ring-uni-c2-full-in"))
                                if role == "mlp_down" else c),
         "right": tuned.variant("right", lambda role, c: OpConfigs(forward=D("ring-uni-c1-full-in"))
@@ -90,7 +90,7 @@ def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(m
 def test_an_adam_step_that_donates_its_state_is_checked_and_fed_back():
     import flax_nnx_gpt
 
-    result = session(flax_nnx_gpt.tiny_gpt_step, repeats=3).measure(step_variants(Tuned(), {}, decide=False))
+    result = session(flax_nnx_gpt.tiny_gpt_step, repeats=3).measure(step_variants(Tuned()))
     assert {v.name: v.status for v in result.variants} == {"as-written": "ok", "baseline": "ok", "tuned": "ok"}
     for v in result.variants:  # three timed runs each on the state its last run returned (donated)
         assert len(v.timing.samples_s) == 3 and v.loss == pytest.approx(result.variants[0].loss, rel=1e-5)
@@ -169,25 +169,34 @@ def test_verify_a_step_and_decide(tmp_path):
                                    time_s=1.0, baseline_s=1.1, speedup=1.1))
     path, out = tmp_path / "tuned.json", tmp_path / "step.json"
     bundle.save(path)
-    run = cmtune("verify", "--step", f"{STEPS / 'gspmd_mlp.py'}:mlp_step", "--bundle", str(path), "--decide",
-                 "--repeats", "3", "--warmup", "1", "--json", str(out), timeout=600)
+    spec = f"{STEPS / 'gspmd_mlp.py'}:mlp_step"
+    run = cmtune("verify", "--step", spec, "--bundle", str(path), "--decide", "--search-rounds", "2",
+                 "--round-variants", "2", "--repeats", "3", "--warmup", "1", "--json", str(out), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     text = flat(run.stdout)
     assert "2 applied, 0 fell back" in text and "ring-uni-c1-full-in (exact)" in text
+    # the step search: the seeds, one round improving the first role, then the grading in fresh rounds
+    assert "the seeds (" in text and "round 2 (mlp_up, 2 changes)" in text
+    assert "the step search stops: the search budget of 2 rounds" in text
     result = StepMeasurement.model_validate_json(out.read_text())
     names = [v.name for v in result.variants]
     assert names[:3] == ["as-written", "baseline", "tuned"] and "always-ring" in names
-    assert {"tuned-minus-mlp_up", "tuned-minus-mlp_down", "tuned-fuse-mlp_up"} <= set(names)
-    assert {v.status for v in result.variants} == {"ok"} and result.confirmation
+    assert {v.status for v in result.variants} == {"ok"}
+    graded = [v.name for v in result.confirmation]
+    assert graded[:2] == ["as-written", "baseline"] and all(v.ok for v in result.confirmation)
     # the bundle holds exactly the decision's overrides, each with its role's problems
-    from cmtune.tuner.engine import step_decision
-
-    tuned = {role: configs for role, configs in result.variant("tuned").configs.items()}
-    decision = step_decision(result, tuned)
+    decided = next(line for line in run.stdout.splitlines() if line.startswith("decision:"))
+    assert decided.startswith(f"decision: {graded[-1]}: ")
     saved = {o.role: o for o in Bundle.load(path).overrides if o.model == "mlp_step"}
-    assert {role: o.configs for role, o in saved.items()} == decision.overrides
-    assert all(o.problems is not None for o in saved.values())
+    assert set(saved) <= {"mlp_up", "mlp_down"} and all(o.problems is not None for o in saved.values())
     assert f"wrote {len(saved)} per-role override(s) of 'mlp_step' on cpu:cpu:4:1" in text
+    # one round: the standard menu, the per-role ablation with it (from the bundle without the decision)
+    bundle.save(path)
+    run = cmtune("verify", "--step", spec, "--bundle", str(path), "--decide", "--search-rounds", "1",
+                 "--repeats", "2", "--warmup", "1", "--json", str(out), timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    names = [v.name for v in StepMeasurement.model_validate_json(out.read_text()).variants]
+    assert {"tuned-minus-mlp_up", "tuned-minus-mlp_down", "tuned-fuse-mlp_up"} <= set(names)
 
 
 @pytest.mark.slow
