@@ -24,6 +24,7 @@ from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import (
+    BoundsMeasurement,
     Measurement,
     Protocol,
     Status,
@@ -86,7 +87,7 @@ class StudyRecord:
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """One trial as stored; ``measurements`` only when asked for (they are large)."""
+    """One trial as stored; ``measurements`` (and ``bounds``) only when asked for (they are large)."""
 
     id: int
     study_id: int
@@ -104,6 +105,7 @@ class TrialRecord:
     result_lease_id: str | None = None
     finished_at: dt.datetime | None = None
     step: StepMeasurement | None = None  # a step trial's result
+    bounds: BoundsMeasurement | None = None  # a confirmation's bounds rounds (with ``measurements`` only)
 
     @property
     def decomposition(self) -> Decomposition:
@@ -246,7 +248,7 @@ class InMemoryStore:
 
     def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
         found = sorted((t for t in self._trials.values() if t.study_id == study_id), key=lambda t: t.number)
-        return found if measurements else [dataclasses.replace(t, measurements=None) for t in found]
+        return found if measurements else [dataclasses.replace(t, measurements=None, bounds=None) for t in found]
 
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
         try:
