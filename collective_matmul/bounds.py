@@ -130,7 +130,7 @@ def reason(bounds: Bounds | None, *, best_ring_ratio: float | None = None) -> st
     1. no bounds measured;
     2. nothing to hide: the collective alone is a few percent of the baseline;
     3. the baseline already sits at the bound (the runtime overlaps already, or the smaller of
-       the two is too small to matter);
+       the two is too small to matter), or ran faster than the bound measured beside it;
     4. communication-bound: the collective alone takes at least as long as the matmul alone, so
        at best a ring hides the matmul and the link time stays;
     5. the ring's steps cost more than the transfer they hide.
@@ -147,6 +147,10 @@ def reason(bounds: Bounds | None, *, best_ring_ratio: float | None = None) -> st
     if b.communication_fraction < NOTHING_TO_HIDE:
         return (f"nothing to hide: the collective alone takes {ms(b.communication_s)}, "
                 f"{b.communication_fraction:.0%} of the baseline's {ms(b.baseline_s)}" + ring)
+    if b.hideable_fraction < -AT_BOUND:
+        return (f"the baseline ({ms(b.baseline_s)}) ran faster than the bound measured beside it ({ms(b.bound_s)}): "
+                "the programs alone ran slower than inside the op (or the rounds were noisy), so nothing is known "
+                "to be left to hide" + ring)
     if b.hideable_fraction < AT_BOUND:
         smaller = min(b.compute_s, b.communication_s)
         if smaller / b.baseline_s < NOTHING_TO_HIDE:

@@ -87,6 +87,12 @@ def test_the_baseline_already_at_the_bound_overlaps_already():
     assert "already overlaps" in words and "their sum is 75 ms" in words
 
 
+def test_a_baseline_under_the_bound_measured_beside_it_is_not_called_overlap():
+    words = reason(Bounds(20 * MS, 1 * MS, 5 * MS))
+    assert words.startswith("the baseline (5 ms) ran faster than the bound measured beside it (20 ms)")
+    assert hidden_fraction(Bounds(20 * MS, 1 * MS, 5 * MS), 0.9, ring=True) is None
+
+
 def test_the_baseline_at_the_bound_because_the_matmul_is_tiny():
     words = reason(Bounds(1 * MS, 45 * MS, 46 * MS))
     assert "already sits at the bound" in words and "the matmul alone takes only 1 ms" in words
