@@ -37,6 +37,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from collective_matmul.models import MAX_ROLES
+from collective_matmul.text import as_message, label, message
+
 if TYPE_CHECKING:
     from collective_matmul.bundle import TunedConfig
 
@@ -44,6 +47,9 @@ NOTHING_TO_HIDE = 0.05  # the collective alone under this share of the baseline:
 AT_BOUND = 0.05  # the baseline within this share of itself above the bound: it sits at the bound
 NO_OVERLAP = 0.10  # the baseline within this share of compute + communication: nothing in it overlaps
 AGREE = 0.10  # an estimated and a measured saving this close (relative) agree
+MAX_TERMS = 3 * MAX_ROLES  # a step's collective matmuls: three slots per role at most
+ProblemKey = label(200)
+Summary = message(2000)  # as the step decision's summary
 
 
 def ms(seconds: float) -> str:
@@ -141,8 +147,8 @@ def reason(bounds: Bounds | None, *, best_ring_ratio: float | None = None) -> st
     """
     ring = "" if best_ring_ratio is None else f"; the best ring ran at {1 / best_ring_ratio:.2f}x the baseline's speed"
     if bounds is None:
-        return ("no bounds were measured (tuned before cmtune timed them, or their rounds failed): it is not known "
-                "whether anything was left to hide" + ring)
+        return ("no bounds were measured (a confirmation round times them, and none did here, or they failed): it "
+                "is not known whether anything was left to hide" + ring)
     b = bounds
     if b.communication_fraction < NOTHING_TO_HIDE:
         return (f"nothing to hide: the collective alone takes {ms(b.communication_s)}, "
@@ -198,8 +204,8 @@ class StepBoundTerm(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    problem_key: str
-    count: int = Field(ge=1, description="runs per step")
+    problem_key: ProblemKey
+    count: int = Field(ge=1, le=1 << 30, description="runs per step")
     baseline_s: float = Field(description="the baseline's median in the confirmation round")
     time_s: float = Field(description="the tuned config's median in the same round")
     bound_s: float | None = Field(
@@ -219,7 +225,7 @@ class StepBound(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    terms: list[StepBoundTerm]
+    terms: list[StepBoundTerm] = Field(max_length=MAX_TERMS)
     estimated_saved_s: float = Field(description="Σ count × (baseline − tuned): the op-level estimate of the saving")
     hideable_s: float | None = Field(description="Σ count × (baseline − bound): the most overlap could save (None: "
                                                  "some op has no bounds)")
@@ -230,8 +236,10 @@ class StepBound(BaseModel):
                                                         "collective matmul at its bound")
     reached: float | None = Field(description="measured_saved_s / hideable_s: the share of the most overlap could "
                                               "save that the step saved")
-    unbounded: list[str] = Field(default_factory=list, description="the problems without bounds")
-    summary: str = Field(description="the step against its bound, and the estimate-versus-measured gap, in words")
+    unbounded: list[ProblemKey] = Field(default_factory=list, max_length=MAX_TERMS,
+                                        description="the problems without bounds")
+    summary: Summary = Field(description="the step against its bound, and the estimate-versus-measured gap, in "
+                                         "words")
 
 
 def step_bound(entries: Iterable[tuple[int, TunedConfig]], measured_baseline_s: float,
@@ -275,7 +283,8 @@ def step_bound(entries: Iterable[tuple[int, TunedConfig]], measured_baseline_s: 
     return StepBound(terms=terms, estimated_saved_s=estimated, hideable_s=hideable,
                      measured_baseline_s=measured_baseline_s, measured_tuned_s=measured_tuned_s,
                      measured_saved_s=measured, overlap_perfect_s=perfect, reached=reached, unbounded=unbounded,
-                     summary=_step_summary(estimated, measured, hideable, perfect, measured_tuned_s, unbounded))
+                     summary=as_message(_step_summary(estimated, measured, hideable, perfect, measured_tuned_s,
+                                                      unbounded), 2000))
 
 
 def _step_summary(estimated: float, measured: float, hideable: float | None, perfect: float | None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +55,15 @@ def operand_shapes(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
     return (problem.m, problem.k), second
 
 
+@dataclass(frozen=True)
 class BoundProgram:
     """One bound program (the matmul alone, or the collective alone) over a mesh: its body in `shard_map`, and
     the global shapes and partition specs of its operands."""
 
-    def __init__(self, body, operands: list[tuple[tuple[int, ...], P]], out_spec: P, mesh: Mesh):
-        self.body, self.operands, self.out_spec, self.mesh = body, operands, out_spec, mesh
+    body: Callable[..., jax.Array]
+    operands: list[tuple[tuple[int, ...], P]]
+    out_spec: P
+    mesh: Mesh
 
     @property
     def program(self) -> Callable[..., jax.Array]:
