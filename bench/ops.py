@@ -6,8 +6,11 @@
 
 Per problem: every valid decomposition is timed against the baseline with the tuner's protocol
 (warm-up, then candidate and baseline alternately, ``--repeats`` runs each; the speedup is the
-median of the paired baseline/candidate ratios, with its interquartile range).  Writes every
-measurement as JSON lines under bench/results/ and prints a Markdown summary.
+median of the paired baseline/candidate ratios, with its interquartile range), then the problem's
+bounds (the local matmul alone, the collective alone and the baseline, in turn each round;
+`collective_matmul.bounds`).  Writes every measurement and the bounds as JSON lines under
+bench/results/ and prints a Markdown summary: the best candidate, and the compute, communication,
+bound and hidden fraction it reached, with the reason in words.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def run_mode(args) -> None:
         jax.config.update("jax_num_cpu_devices", 8)
     import jax
 
-    from cmtune.tuner.measure import Protocol
+    from cmtune.tuner.measure import Protocol, Session
     from cmtune.tuner.sweep import sweep
     from collective_matmul import Problem
 
@@ -56,8 +59,10 @@ def run_mode(args) -> None:
     for spec in args.problems:
         problem = Problem.parse(spec)
         started = time.perf_counter()
-        results = sweep(problem, protocol=protocol)
+        session = Session(problem, protocol=protocol)
+        results = sweep(problem, protocol=protocol, session=session)
         lines.extend(m.model_dump_json() for m in results)
+        lines.append(session.bounds().model_dump_json())  # every process: the bounds rounds are SPMD too
         if jax.process_index() == 0:
             print(f"{problem.key}: {len(results)} candidates in {time.perf_counter() - started:.0f}s",
                   file=sys.stderr, flush=True)
@@ -68,8 +73,20 @@ def run_mode(args) -> None:
 
 def summarize(path: Path, mode: str) -> str:
     from cmtune.tuner.measure import Measurement
+    from cmtune.tuner.report import bounds_of
+    from collective_matmul.bounds import verdict
+    from collective_matmul.wire import BoundsMeasurement
 
-    rows = [Measurement.model_validate_json(line) for line in path.read_text().splitlines() if line]
+    rows: list[Measurement] = []
+    bounds: dict[str, BoundsMeasurement] = {}
+    for line in path.read_text().splitlines():
+        if not line:
+            continue
+        if "decomposition" in json.loads(line):
+            rows.append(Measurement.model_validate_json(line))
+        else:
+            b = BoundsMeasurement.model_validate_json(line)
+            bounds[b.problem.key] = b
     by_problem: dict[str, list[Measurement]] = {}
     for m in rows:
         by_problem.setdefault(m.problem.key, []).append(m)
@@ -77,8 +94,9 @@ def summarize(path: Path, mode: str) -> str:
         f"\n### {mode}: {rows[0].hardware.key} (jax {rows[0].hardware.jax_version}), "
         f"{rows[0].protocol.repeats} interleaved runs per candidate\n",
         "| problem | baseline median (IQR) | baseline vs itself | best candidate | best speedup (IQR) "
-        "| worst speedup | faster than baseline | candidates |",
-        "|---|---|---|---|---|---|---|---|",
+        "| worst speedup | faster than baseline | candidates | compute | communication | bound | hidden fraction "
+        "| why |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, results in by_problem.items():
         ok = [m for m in results if m.ok and m.decomposition.method == "ring"]
@@ -87,13 +105,29 @@ def summarize(path: Path, mode: str) -> str:
         worst = max(ok, key=lambda m: m.ratio)
         faster = sum(1 for m in ok if m.ratio < 1 and (1 / m.ratio - 1) > _half_spread(m))
         medians = [m.baseline.median_s for m in results if m.baseline]
+        b = bounds_of(bounds.get(key))
+        # the best ring's own paired ratio against the baseline of its rounds, the bound against the bounds rounds'
+        words = verdict(b, best.ratio, ring=True) if best.ratio < 1 else verdict(b, 1.0, ring=False,
+                                                                                  best_ring_ratio=best.ratio)
+        cells = ([f"{v * 1e3:.2f} ms" for v in (b.compute_s, b.communication_s, b.bound_s)] if b
+                 else [str(bounds[key].status) if key in bounds else "-"] * 3)
         out.append(
             f"| `{key}` | {statistics.median(medians) * 1e3:.2f} ms ({base.baseline.iqr_s * 1e3:.2f}) "
             f"| {1 / base.ratio:.2f}x | `{best.decomposition.id}` | {1 / best.ratio:.2f}x "
             f"(±{_half_spread(best):.2f}) | {1 / worst.ratio:.2f}x | {faster} of {len(ok)} "
-            f"| {len(results)} ({len(results) - len(ok) - 1} failed) |"
+            f"| {len(results)} ({len(results) - len(ok) - 1} failed) | {' | '.join(cells)} "
+            f"| {_fraction(b, best)} | {words} |"
         )
     return "\n".join(out)
+
+
+def _fraction(bounds, best) -> str:
+    """The best ring's hidden fraction, 0 where no ring beat the baseline ("-": nothing to hide, or no bounds)."""
+    from collective_matmul.bounds import hidden_fraction
+
+    ring = best.ratio < 1
+    fraction = hidden_fraction(bounds, best.ratio if ring else 1.0, ring=ring)
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 def _half_spread(m) -> float:

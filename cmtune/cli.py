@@ -182,14 +182,16 @@ def status(
         summaries = [SubmissionSummary.model_validate(s) for s in _check(client.get("/v1/submissions"))][:10]
         models = [SubmissionPublic.model_validate(_check(client.get(f"/v1/submissions/{s.id}"))) for s in summaries]
     table = Table(title=f"studies on {server} ({studies.total})")
-    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned", "seeded from"):
+    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned", "compute", "communication",
+                "bound", "hidden", "why", "seeded from"):
         table.add_column(col)
     for s in studies.items:
         best = f"{s.best.speedup:.2f}x" if s.best else "-"
-        tuned = f"{s.tuned_decomposition_id} {s.tuned.speedup:.2f}x" if s.tuned else "-"
+        t = s.tuned
+        tuned = f"{s.tuned_decomposition_id} {t.speedup:.2f}x" if t else "-"
         table.add_row(str(s.id), s.state, s.problem_key, s.hardware_key,
                       f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned,
-                      _neighbours(s) or "-")
+                      *_bounds_cells(t), _neighbours(s) or "-")
     console.print(table)
     if models:
         console.print(_models_table(models))
@@ -203,6 +205,16 @@ def _neighbours(study) -> str:
         where = f"#{seed.study_id}" if seed.study_id is not None else seed.source
         found.setdefault(seed.neighbour, f"{seed.neighbour.split(':')[1]} ({where})")
     return ", ".join(found.values())
+
+
+def _bounds_cells(tuned) -> list[str]:
+    """A tuned config's compute, communication, bound, hidden fraction and reason, as table cells."""
+    from cmtune.tuner.report import fmt_fraction, fmt_seconds
+
+    if tuned is None:
+        return ["-"] * 5
+    return [fmt_seconds(tuned.compute_s), fmt_seconds(tuned.communication_s), fmt_seconds(tuned.bound_s),
+            fmt_fraction(tuned.hidden_fraction), tuned.reason]
 
 
 def _models_table(models):

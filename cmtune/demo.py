@@ -128,21 +128,34 @@ def _follow(api: httpx.Client, worker: subprocess.Popen, console: Console) -> No
 
 
 def _ops_table(sub: SubmissionPublic) -> Table:
+    """Per problem: what its roles picked and by how much, its bounds (compute, communication, the bound, the
+    hidden fraction) and, in the caption, why (collective_matmul.bounds)."""
     table = Table(title=f"tuned collective matmuls of {sub.name} on {sub.hardware_key} "
-                        "(speedup = baseline / tuned, median of paired runs ± half IQR)")
+                        "(speedup = baseline / tuned, median of paired runs ± half IQR)", caption_justify="left")
     for col, justify in [("roles", "left"), ("problem", "left"), ("tuned decomposition", "left"),
-                         ("time", "right"), ("baseline", "right"), ("speedup", "right"), ("trials", "right")]:
+                         ("time", "right"), ("baseline", "right"), ("speedup", "right"), ("compute", "right"),
+                         ("communication", "right"), ("bound", "right"), ("hidden", "right"), ("trials", "right")]:
         table.add_column(col, justify=justify)
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+    reasons = []
     for e in sub.entries:
         if e.decomposition_id is None:
-            table.add_row(", ".join(e.roles), e.problem_key, str(e.study_state), "-", "-", "-", "-")
+            table.add_row(", ".join(e.roles), e.problem_key, str(e.study_state), *["-"] * 8)
             continue
-        table.add_row(", ".join(e.roles), e.problem_key, e.decomposition_id, f"{e.time_s * 1e3:.2f} ms",
-                      f"{e.baseline_s * 1e3:.2f} ms", f"{e.speedup:.2f}x ±{e.speedup_iqr / 2:.2f}",
+        table.add_row(", ".join(e.roles), e.problem_key, e.decomposition_id, ms(e.time_s), ms(e.baseline_s),
+                      f"{e.speedup:.2f}x ±{e.speedup_iqr / 2:.2f}", ms(e.compute_s), ms(e.communication_s),
+                      ms(e.bound_s), "-" if e.hidden_fraction is None else f"{e.hidden_fraction:.0%}",
                       f"{e.trials}/{e.space_size}")
+        if e.reason:
+            reasons.append(f"{e.problem_key}: {e.reason}")
+    lines = []
     if sub.saved_s_per_step is not None:
-        table.caption = (f"estimated from the ops: {sub.saved_s_per_step * 1e3:.1f} ms saved per training step "
-                         f"({sub.layers} layers)")
+        lines.append(f"estimated from the ops: {sub.saved_s_per_step * 1e3:.1f} ms saved per training step "
+                     f"({sub.layers} layers)")
+    table.caption = "\n".join(lines + reasons) or None
     return table
 
 

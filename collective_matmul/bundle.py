@@ -7,8 +7,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from collective_matmul import bounds as _bounds
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
 from collective_matmul.problem import Hardware, Problem, Version, log_distance
@@ -21,6 +22,7 @@ BUNDLE_VERSION = 2  # 2 adds per-model, per-role overrides; version 1 files stil
 Timestamp = label(64)  # ISO 8601, as `utc_now` writes it
 Count = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]  # an integer column
 Reason = message(2000)  # role_overrides.reason
+DERIVED = frozenset({"bound_s", "hidden_fraction", "reason"})  # TunedConfig's computed fields (read back: ignored)
 
 
 def utc_now() -> str:
@@ -47,6 +49,23 @@ class TunedConfig(BaseModel):
     jax_version: Version = ""
     jaxlib_version: Version = ""
     tuned_at: Timestamp = Field(default_factory=utc_now)
+    compute_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                    description="the local matmul alone (median of the bounds rounds; None: not "
+                                                "measured)")
+    communication_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                          description="the collective alone, the same bytes (median of the bounds "
+                                                      "rounds)")
+    bounds_baseline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                            description="the baseline timed in the bounds rounds (the hidden "
+                                                        "fraction compares each time with its own round's baseline)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_are_recomputed(cls, data):
+        """The derived values (`DERIVED`) a dump carries are computed again, never read back."""
+        if isinstance(data, dict) and DERIVED & data.keys():
+            data = {k: v for k, v in data.items() if k not in DERIVED}
+        return data
 
     @model_validator(mode="after")
     def _fits(self) -> TunedConfig:
@@ -54,7 +73,40 @@ class TunedConfig(BaseModel):
             self.problem.check(self.decomposition)
         except ValueError as exc:
             raise ValueError(f"tuned config of {self.problem.key}: {exc}") from None
+        given = [self.compute_s is not None, self.communication_s is not None, self.bounds_baseline_s is not None]
+        if any(given) and not all(given):
+            raise ValueError(f"tuned config of {self.problem.key}: give all three bounds (compute_s, communication_s, "
+                             "bounds_baseline_s) or none")
         return self
+
+    @property
+    def bounds(self) -> _bounds.Bounds | None:
+        """The bounds measured with this config's confirmation round (None: not measured)."""
+        if self.compute_s is None:
+            return None
+        return _bounds.Bounds(self.compute_s, self.communication_s, self.bounds_baseline_s)
+
+    @property
+    def ring(self) -> bool:
+        return self.decomposition.method == "ring"
+
+    @computed_field(description="max(compute_s, communication_s): the best overlap can do (None: not measured)")
+    @property
+    def bound_s(self) -> float | None:
+        return self.bounds.bound_s if self.bounds is not None else None
+
+    @computed_field(description="(baseline − tuned) / (baseline − bound), each against its own round's baseline "
+                                "(collective_matmul.bounds); None: nothing to hide or no bounds; 0: the baseline "
+                                "won")
+    @property
+    def hidden_fraction(self) -> float | None:
+        return _bounds.hidden_fraction(self.bounds, self.time_s / self.baseline_s, ring=self.ring)
+
+    @computed_field(description="in words: how much a winning ring hid and how far it is from the bound, or why no "
+                                "ring won")
+    @property
+    def reason(self) -> str:
+        return _bounds.verdict(self.bounds, self.time_s / self.baseline_s, ring=self.ring)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -4,7 +4,7 @@ The service, the worker daemon, the command line, the `Tuned` client, the dashbo
 tests all speak these types, so a field means the same thing everywhere:
 
 - keys: `Problem`, `Hardware`, `Decomposition` (defined beside the ops, re-exported here);
-- the measurement record: `Protocol`, `Timing`, `Measurement`, `Status`;
+- the measurement record: `Protocol`, `Timing`, `Measurement`, `Status`, a confirmation's `BoundsMeasurement`;
 - the lifecycle: `StudyState`, `TrialState`, `TrialKind` (the database checks the same values);
 - tuned configs and bundles: `TunedConfig`, `Bundle`;
 - the REST API's bodies: ``XCreate`` in, ``XPublic`` out, and the worker's lease and result.
@@ -31,8 +31,9 @@ from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, V
 from collective_matmul.text import label, message
 
 __all__ = [
-    "Bundle", "Decomposition", "Hardware", "Measurement", "OpConfigs", "Problem", "Protocol", "RoleOverride", "Status",
-    "StepMeasurement", "StepVariant", "StudyKind", "StudyState", "Timing", "TrialKind", "TrialState", "TunedConfig",
+    "BoundsMeasurement", "Bundle", "Confirmation", "Decomposition", "Hardware", "Measurement", "OpConfigs", "Problem",
+    "Protocol", "RoleOverride", "Status", "StepMeasurement", "StepVariant", "StudyKind", "StudyState", "Timing",
+    "TrialKind", "TrialState", "TunedConfig",
 ]
 
 # --- states -----------------------------------------------------------------------------------
@@ -218,6 +219,58 @@ class Measurement(_Timed, BaseModel):
         if self.ratio is not None and self.candidate is not None and self.baseline is not None:
             _check_ratio(self, self.candidate, self.baseline, "the candidate's", "the baseline's")
         return self
+
+
+class BoundsMeasurement(BaseModel):
+    """One problem's bounds rounds (`collective_matmul.bounds`): the local matmul alone, the collective alone
+    and the baseline, timed in turn each round; stored as is.
+
+    Validated where it arrives, like a `Measurement`: an ``ok`` record carries the three timings, and
+    timings that are there have one sample per round each.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    problem: Problem
+    hardware: Hardware
+    status: Status
+    message: Message = ""
+    compute: Timing | None = Field(default=None, description="each device's local product alone (no collective)")
+    communication: Timing | None = Field(default=None, description="the collective alone: the same bytes, no matmul")
+    baseline: Timing | None = Field(default=None, description="the baseline op, in the same rounds")
+    protocol: Protocol = Protocol()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BoundsMeasurement:
+        timed = {name: t for name in ("compute", "communication", "baseline") if (t := getattr(self, name))}
+        if self.status == Status.OK and len(timed) < 3:
+            raise ValueError("an 'ok' bounds measurement needs 'compute', 'communication' and 'baseline' timings")
+        counts = {name: len(t.samples_s) for name, t in timed.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"the bounds rounds time each program once per round: sample counts {counts} differ")
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+    @property
+    def medians(self) -> dict[str, float] | None:
+        """The fields a `TunedConfig` keeps (compute_s, communication_s, bounds_baseline_s); None unless ok."""
+        if not self.ok:
+            return None
+        return {"compute_s": self.compute.median_s, "communication_s": self.communication.median_s,
+                "bounds_baseline_s": self.baseline.median_s}
+
+
+class Confirmation(BaseModel):
+    """A confirmation trial's result: every contender's measurement, then the problem's bounds rounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    measurements: list[Measurement] = Field(min_length=1, max_length=64)
+    bounds: BoundsMeasurement | None = Field(default=None, description="None: not measured (a runner before "
+                                                                       "bounds, or one that skips them)")
 
 
 def _check_ratio(record: Measurement | StepVariant, timing: Timing, reference: Timing, name: str, against: str,
@@ -608,6 +661,7 @@ class TrialPublic(BaseModel):
     step: StepMeasurement | None = Field(default=None, description="a step trial's every variant")
     variants: list[str] = Field(default_factory=list, description="a step search round's variants, by name (empty: "
                                                                   "the standard menu)")
+    bounds: BoundsMeasurement | None = Field(default=None, description="a confirmation's bounds rounds")
 
 
 class WorkerCreate(BaseModel):
@@ -767,6 +821,8 @@ class ResultIn(BaseModel):
     lease_id: LeaseId
     measurement: Measurement | None = None
     measurements: list[Measurement] | None = Field(default=None, min_length=1, max_length=64)
+    bounds: BoundsMeasurement | None = Field(default=None, description="a confirmation's bounds rounds (with "
+                                             "'measurements' only; optional)")
     step: StepMeasurement | None = None
     lease_next: bool = Field(default=False, description="also lease this worker's next trial, answered as 'next' "
                              "(one request instead of a result and a lease)")
@@ -776,16 +832,21 @@ class ResultIn(BaseModel):
         if sum(v is not None for v in (self.measurement, self.measurements, self.step)) != 1:
             raise ValueError("give 'measurement' (search trial), 'measurements' (confirmation) or 'step' (step "
                              "trial)")
+        if self.bounds is not None and self.measurements is None:
+            raise ValueError("'bounds' come with a confirmation's 'measurements' only")
         return self
 
     @classmethod
-    def of(cls, lease_id: str, kind: TrialKind, results: list[Measurement] | StepMeasurement, *,
+    def of(cls, lease_id: str, kind: TrialKind, results: list[Measurement] | Confirmation | StepMeasurement, *,
            lease_next: bool = False) -> ResultIn:
         """The body for a trial of ``kind``."""
         if kind == TrialKind.STEP:
             return cls(lease_id=lease_id, step=results, lease_next=lease_next)
         if kind == TrialKind.SEARCH:
             return cls(lease_id=lease_id, measurement=results[0], lease_next=lease_next)
+        if isinstance(results, Confirmation):
+            return cls(lease_id=lease_id, measurements=results.measurements, bounds=results.bounds,
+                       lease_next=lease_next)
         return cls(lease_id=lease_id, measurements=results, lease_next=lease_next)
 
     @property
@@ -795,10 +856,14 @@ class ResultIn(BaseModel):
         return TrialKind.SEARCH if self.measurement is not None else TrialKind.CONFIRM
 
     @property
-    def results(self) -> list[Measurement] | StepMeasurement:
+    def results(self) -> list[Measurement] | Confirmation | StepMeasurement:
+        """What the engine records: a search trial's measurement (as a list), a confirmation (its measurements and
+        bounds) or a step measurement."""
         if self.step is not None:
             return self.step
-        return [self.measurement] if self.measurement is not None else list(self.measurements or [])
+        if self.measurement is not None:
+            return [self.measurement]
+        return Confirmation(measurements=self.measurements, bounds=self.bounds)
 
 
 class ResultOut(BaseModel):
@@ -839,6 +904,14 @@ class ConfigAnswer(BaseModel):
     speedup: float | None = None
     source_problem: Problem | None = Field(default=None, description="the tuned problem a 'nearest' answer came from")
     software: dict[str, str] = Field(default_factory=dict)
+    compute_s: float | None = Field(default=None, description="the local matmul alone (bounds rounds)")
+    communication_s: float | None = Field(default=None, description="the collective alone (bounds rounds)")
+    bounds_baseline_s: float | None = Field(default=None, description="the baseline in the bounds rounds")
+    bound_s: float | None = Field(default=None, description="max(compute_s, communication_s)")
+    hidden_fraction: float | None = Field(default=None, description="(baseline − tuned) / (baseline − bound), "
+                                          "each against its own round's baseline; None: nothing to hide or no "
+                                          "bounds")
+    reason: str | None = Field(default=None, description="how much the ring hid, or why no ring won")
 
 
 class TunedPublic(TunedConfig):
@@ -885,6 +958,13 @@ class SubmissionEntry(BaseModel):
     space_size: int | None
     saved_s_per_layer: float | None = Field(description="count × (baseline − tuned time)")
     saved_s_per_step: float | None = Field(description="saved_s_per_layer × layers")
+    compute_s: float | None = Field(default=None, description="the local matmul alone (bounds rounds)")
+    communication_s: float | None = Field(default=None, description="the collective alone (bounds rounds)")
+    bounds_baseline_s: float | None = Field(default=None, description="the baseline in the bounds rounds")
+    bound_s: float | None = Field(default=None, description="max(compute_s, communication_s)")
+    hidden_fraction: float | None = Field(default=None, description="(baseline − tuned) / (baseline − bound); None: "
+                                          "nothing to hide or no bounds")
+    reason: str | None = Field(default=None, description="how much the ring hid, or why no ring won")
 
 
 class SubmissionSummary(BaseModel):

@@ -31,10 +31,12 @@ from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError
 from cmtune.tuner.store import TrialRecord
 from collective_matmul.wire import (
+    Confirmation,
     LeaseGranted,
     LeasePublic,
     Measurement,
     Status,
+    StepMeasurement,
     TrialKind,
     TrialState,
     TrialTask,
@@ -143,8 +145,8 @@ class Reported:
 
 
 def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, lease_id: str,
-           results: list[Measurement], kind: TrialKind, now: dt.datetime, worker_id: int | None = None,
-           lease_next: bool = False) -> Reported:
+           results: list[Measurement] | Confirmation | StepMeasurement, kind: TrialKind, now: dt.datetime,
+           worker_id: int | None = None, lease_next: bool = False) -> Reported:
     """Store a trial's result under its lease; with ``lease_next``, lease the worker its next trial too
     (`grant`; a result sent twice gets the lease its worker holds).  The lease ends as the next claim runs:
     on PostgreSQL one statement ends it, counts the worker's trial, claims and leases the next.

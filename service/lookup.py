@@ -39,14 +39,23 @@ def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, 
 
 
 def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match: str) -> ConfigAnswer:
+    exact = match == "exact"  # the evidence (times, bounds) is of this problem only then
     return _answer(
         problem, hardware, config.decomposition, match,
-        time_s=config.time_s if match == "exact" else None,
-        baseline_s=config.baseline_s if match == "exact" else None,
-        speedup=config.speedup if match == "exact" else None,
+        time_s=config.time_s if exact else None,
+        baseline_s=config.baseline_s if exact else None,
+        speedup=config.speedup if exact else None,
         source_problem=config.problem if match == "nearest" else None,
         software={"jax": config.jax_version, "jaxlib": config.jaxlib_version},
+        **(bounds_fields(config) if exact else {}),
     )
+
+
+def bounds_fields(config: TunedConfig) -> dict:
+    """A tuned config's bounds as the public bodies spell them (`ConfigAnswer`, `SubmissionEntry`)."""
+    return dict(compute_s=config.compute_s, communication_s=config.communication_s,
+                bounds_baseline_s=config.bounds_baseline_s, bound_s=config.bound_s,
+                hidden_fraction=config.hidden_fraction, reason=config.reason)
 
 
 MAX_HARDWARE = 1_000  # hardware keys whose configs a replica keeps

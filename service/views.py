@@ -113,7 +113,7 @@ def trial_public(trial: TrialRecord) -> TrialPublic:
         iqr_s=first.candidate.iqr_s if first and first.candidate else None,
         baseline_s=first.baseline.median_s if first and first.baseline else None,
         message=trial.message, worker_id=trial.worker_id, created_at=trial.created_at, finished_at=trial.finished_at,
-        step=trial.step, variants=list(trial.variants or ()),
+        step=trial.step, variants=list(trial.variants or ()), bounds=trial.bounds,
     )
 
 

@@ -24,9 +24,10 @@ def bench(
     devices: Annotated[str, typer.Option(help=DEVICES_HELP)] = "virtual:8",
     repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per candidate")] = 7,
     warmup: Annotated[int, typer.Option(min=0)] = 2,
-    out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines")] = None,
+    out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines (the bounds last)")] = None,
 ) -> None:
-    """Time every valid decomposition of one problem against the baseline."""
+    """Time every valid decomposition of one problem against the baseline, then its bounds (the local matmul
+    alone, the collective alone)."""
     from collective_matmul import Problem
 
     try:
@@ -46,6 +47,7 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
     import jax
     from rich.progress import Progress
 
+    from cmtune.tuner.measure import Session
     from cmtune.tuner.report import sweep_table
     from cmtune.tuner.sweep import sweep
     from collective_matmul import candidates
@@ -53,15 +55,18 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
 
     leader = jax.process_index() == 0
     protocol = Protocol(repeats=repeats, warmup=warmup)
+    session = Session(problem, protocol=protocol)
     with Progress(console=console, transient=True, disable=not leader) as progress:
-        task = progress.add_task(f"timing {problem.key}", total=len(candidates(problem)))
-        results = sweep(problem, protocol=protocol, on_result=lambda m: progress.advance(task))
+        task = progress.add_task(f"timing {problem.key}", total=len(candidates(problem)) + 1)
+        results = sweep(problem, protocol=protocol, on_result=lambda m: progress.advance(task), session=session)
+        bounds = session.bounds()  # every process: the bounds rounds are SPMD programs too
+        progress.advance(task)
     if not leader:
         return
-    console.print(sweep_table(results, title=f"{problem.key} on {results[0].hardware.key}"))
+    console.print(sweep_table(results, title=f"{problem.key} on {results[0].hardware.key}", bounds=bounds))
     if out is not None:
-        out.write_text("".join(m.model_dump_json() + "\n" for m in results))
-        console.print(f"wrote {len(results)} measurements to {out}")
+        out.write_text("".join(m.model_dump_json() + "\n" for m in results) + bounds.model_dump_json() + "\n")
+        console.print(f"wrote {len(results)} measurements and the bounds to {out}")
 
 
 @app.command()

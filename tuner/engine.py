@@ -17,7 +17,9 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
    unclaimed proposals are cancelled and, when nothing is in flight any more, the confirmation
    round is queued: the top ``confirm_top`` candidates and the baseline, re-timed together.  If
    only the baseline ran, the study finishes at once.
-4. `_finish`: the confirmation round's winner becomes the tuned config (``completed``).  When
+4. `_finish`: the confirmation round's winner becomes the tuned config (``completed``), with the
+   bounds the round timed after its candidates (`collective_matmul.bounds`); a study the baseline
+   won says why in its message, from those bounds (`collective_matmul.bounds.reason`).  When
    the round produced nothing usable, the search trials' own measurements decide and the
    study's message says so; when nothing ran at all, not even the baseline, the study
    ``failed`` with the reasons.
@@ -69,6 +71,8 @@ from cmtune.tuner.search import (
 from cmtune.tuner.stepsearch import SearchSpace, StepDecision, StepSearch, replay, step_decision
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
 from cmtune.tuner.variants import variant_configs
+from collective_matmul.bounds import reason
+from collective_matmul.bundle import TunedConfig
 from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import weight_gradient
@@ -78,6 +82,8 @@ from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     STEP_ROUND_VARIANTS,
     STEP_SEARCH_ROUNDS,
+    BoundsMeasurement,
+    Confirmation,
     Measurement,
     Protocol,
     Seed,
@@ -277,12 +283,15 @@ class Engine:
 
     # -- results ----------------------------------------------------------------------------
 
-    def record(self, tx: StoreTx, trial: int | TrialRecord, results: Sequence[Measurement], *, now: dt.datetime,
+    def record(self, tx: StoreTx, trial: int | TrialRecord,
+               results: Sequence[Measurement] | Confirmation | StepMeasurement, *, now: dt.datetime,
                lease_id: str | None = None, kind: TrialKind | None = None) -> TrialRecord:
         """Store a claimed trial's result and bring its study forward.
 
         Args:
             trial: the trial's id, or its record as this transaction has read and locked it.
+            results: a search trial's measurement (as a list); a confirmation's measurements, as a list or as a
+                `Confirmation` with the problem's bounds; a step trial's measurement.
 
         Raises:
             ConflictError: the trial is not claimed (finished, cancelled, or back in the queue).
@@ -299,7 +308,15 @@ class Engine:
             raise InvalidError(f"trial {trial_id} is a {trial.kind} trial: send '{field}'")
         if trial.kind == TrialKind.STEP:
             return self._record_step(tx, study, trial, results, now=now, lease_id=lease_id)
+        bounds = None
+        if isinstance(results, Confirmation):
+            if trial.kind != TrialKind.CONFIRM:
+                raise InvalidError(f"trial {trial_id} is a {trial.kind} trial: send 'measurement' (bounds come with "
+                                   "a confirmation only)")
+            results, bounds = results.measurements, results.bounds
         _check_matches(study, trial, results)
+        if bounds is not None and bounds.problem != study.problem:
+            raise InvalidError(f"trial {trial_id} is for {study.problem.key}, its bounds are for {bounds.problem.key}")
         if trial.kind == TrialKind.SEARCH:
             (m,) = results
             status, ratio, message = m.status, (m.ratio if m.ok else None), (m.message[:2000] or None)
@@ -307,12 +324,12 @@ class Engine:
             ok = [m for m in results if m.ok]
             status, ratio, message = (Status.OK if ok else Status.ERROR), min((m.ratio for m in ok), default=None), None
         done = dict(state=T.COMPLETED, status=status, ratio=ratio, measurements=tuple(results), message=message,
-                    finished_at=now, result_lease_id=lease_id)
+                    finished_at=now, result_lease_id=lease_id, **({"bounds": bounds} if bounds is not None else {}))
         counted = study.state.active and trial.kind == TrialKind.SEARCH
         self._move_trial(tx, trial, study_changes=self._progress(study, trial_id, ratio) if counted else None, **done)
         if study.state.active:
             if trial.kind == TrialKind.CONFIRM:
-                self._finish(tx, study.id, confirmation=list(results), now=now)
+                self._finish(tx, study.id, confirmation=list(results), now=now, bounds=bounds)
             else:
                 self._refill(tx, study, now=now)
         return dataclasses.replace(trial, **done)
@@ -522,8 +539,9 @@ class Engine:
                 **({"best_ratio": ratio, "best_trial_id": trial_id} if best else {})}
 
     def _finish(self, tx: StoreTx, study_id: int, *, confirmation: list[Measurement] | None, now: dt.datetime,
-                note: str | None = None) -> None:
-        """Complete a study with its tuned config, or fail it with the reasons."""
+                note: str | None = None, bounds: BoundsMeasurement | None = None) -> None:
+        """Complete a study with its tuned config (and the bounds its confirmation timed, where they are ok), or
+        fail it with the reasons; a study the baseline won says why (`collective_matmul.bounds.reason`)."""
         study = tx.study(study_id, lock=True)
         pool = list(confirmation or [])
         fallback = not any(m.ok for m in pool)  # the search trials' measurements are read only then
@@ -545,8 +563,14 @@ class Engine:
         invalid, failed = failure_counts(t.status for t in finished)
         config = tuned_config(study.problem, winner, trials=len(finished), invalid=invalid, failed=failed,
                               space_size=study.space_size)
-        tx.save_tuned(config.model_copy(update={"hardware": study.hardware.identity()}), study_id=study_id)
-        self._move_study(tx, study, S.COMPLETED, finished_at=now, message=note)
+        config = TunedConfig(**{**dict(config), "hardware": study.hardware.identity(),
+                                **((bounds.medians or {}) if bounds is not None else {})})
+        tx.save_tuned(config, study_id=study_id)
+        if not config.ring:
+            rings = [m.ratio for m in pool if m.ok and m.decomposition.method == "ring"]
+            why = reason(config.bounds, best_ring_ratio=min(rings, default=None))
+            note = f"no ring won: {why}" + (f" ({note})" if note else "")
+        self._move_study(tx, study, S.COMPLETED, finished_at=now, message=note[:2000] if note else None)
         self._wake_step_studies(tx, study.hardware, now=now)
 
     @staticmethod

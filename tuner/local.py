@@ -23,12 +23,24 @@ from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
 from cmtune.tuner.warm import Known, best_ring
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire import GroupMessage, Measurement, Protocol, Status, StepMeasurement, TrialKind, TrialTask
+from collective_matmul.text import as_message
+from collective_matmul.wire import (
+    BoundsMeasurement,
+    Confirmation,
+    GroupMessage,
+    Measurement,
+    Protocol,
+    Status,
+    StepMeasurement,
+    TrialKind,
+    TrialTask,
+)
 
 
 class Runner(TypingProtocol):
-    def run(self, task: TrialTask) -> list[Measurement]:
-        """Time every decomposition of ``task``; failures come back as measurement statuses."""
+    def run(self, task: TrialTask) -> list[Measurement] | Confirmation | StepMeasurement:
+        """Time every decomposition of ``task`` (a confirmation: then the problem's bounds too); failures come
+        back as measurement statuses."""
         ...
 
 
@@ -66,8 +78,11 @@ class LocalRunner:
             self._memory = device_memory()
         return self._memory
 
-    def run(self, task: TrialTask) -> list[Measurement] | StepMeasurement:
-        from cmtune.tuner.measure import classify_failure, failure
+    def run(self, task: TrialTask) -> list[Measurement] | Confirmation | StepMeasurement:
+        """A search trial's measurement (as a list), a confirmation (every contender, then the problem's bounds)
+        or a step measurement.  Every process of a group takes the same path: nothing here depends on a
+        result."""
+        from cmtune.tuner.measure import classify_failure
 
         if task.kind == TrialKind.STEP:
             return self._run_step(task)
@@ -75,15 +90,17 @@ class LocalRunner:
         if memory is not None and needed > memory:
             message = (f"inputs need {needed / 2**30:.1f} GiB per device, the device has {memory / 2**30:.1f} GiB: "
                        "nothing was allocated")
-            return [failure(task.problem, c, task.protocol, Status.OOM, message) for c in task.decompositions]
+            return failed_result(task, Status.OOM, message)
         try:
             session = self.session(task.problem, task.protocol)
         except Exception as exc:  # noqa: BLE001 - the inputs or the baseline could not be built: a result
             self._sessions.clear()
-            status = classify_failure(exc)
             message = f"preparing the inputs and the baseline failed: {type(exc).__name__}: {exc}"[:2000]
-            return [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
-        return [session.measure(config, task.protocol) for config in task.decompositions]
+            return failed_result(task, classify_failure(exc), message)
+        measured = [session.measure(config, task.protocol) for config in task.decompositions]
+        if task.kind != TrialKind.CONFIRM:
+            return measured
+        return Confirmation(measurements=measured, bounds=session.bounds(task.protocol))
 
     def _run_step(self, task: TrialTask) -> StepMeasurement:
         """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement.
@@ -106,6 +123,19 @@ class LocalRunner:
             return failed_step(task, classify_failure(exc), _message(exc))
 
 
+def failed_result(task: TrialTask, status: Status, message: str) -> list[Measurement] | Confirmation:
+    """A search or confirmation trial that could not be run: every candidate failed with ``status`` (and a
+    confirmation's bounds with them)."""
+    from cmtune.tuner.measure import failure
+
+    failed = [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
+    if task.kind != TrialKind.CONFIRM:
+        return failed
+    return Confirmation(measurements=failed, bounds=BoundsMeasurement(
+        problem=task.problem, hardware=failed[0].hardware, status=status, message=as_message(message, 2000),
+        protocol=task.protocol))
+
+
 class Watchdog:
     """Ends this process if the trial in hand overruns its deadline.
 
@@ -125,9 +155,11 @@ class Watchdog:
 
     @staticmethod
     def deadline(task: TrialTask, grace_s: float) -> float:
-        """Seconds a trial may take: twice each candidate's (or step variant's) timing budget, plus ``grace_s``."""
+        """Seconds a trial may take: twice each candidate's (or step variant's) timing budget (and a confirmation's
+        bounds rounds'), plus ``grace_s``."""
         variants = len(task.step.variants or ()) if task.step is not None else 0
-        return max(len(task.decompositions), variants) * 2 * task.protocol.timeout_s + grace_s
+        timed = max(len(task.decompositions) + (task.kind == TrialKind.CONFIRM), variants)
+        return timed * 2 * task.protocol.timeout_s + grace_s
 
     def _fire(self) -> None:
         if self.on_overrun is not None:

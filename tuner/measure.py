@@ -9,24 +9,31 @@
    process's time counts.  Every sample is kept; median, spread and the median paired ratio to
    the baseline are derived from them.
 5. Failures are results: ``compile_error``, ``oom``, ``invalid``, ``timeout``, ``error``.
+
+The bounds of a problem (`Session.bounds`, `collective_matmul.bounds`) follow the same protocol:
+the local matmul alone and the collective alone (`bound_programs`), each on its own seeded
+inputs, timed in turn with the baseline, round by round.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import OPS as MATMULS
 from collective_matmul.ops import allgather_grad_weight, input_shardings
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.text import as_message
-from collective_matmul.wire import Measurement, Protocol, Status, Timing, quartiles
+from collective_matmul.wire import BoundsMeasurement, Measurement, Protocol, Status, Timing, quartiles
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
 RING_AXIS = "ring"
@@ -46,6 +53,71 @@ def operand_shapes(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
     """Global shapes of a problem's two operands: ``x [m, k], w [k, n]``; ``u [m, k], v [m, n]`` (gw)."""
     second = (problem.m, problem.n) if problem.collective == "allgather_grad_weight" else (problem.k, problem.n)
     return (problem.m, problem.k), second
+
+
+@dataclass(frozen=True)
+class BoundProgram:
+    """One bound program (the matmul alone, or the collective alone) over a mesh: its body in `shard_map`, and
+    the global shapes and partition specs of its operands."""
+
+    body: Callable[..., jax.Array]
+    operands: list[tuple[tuple[int, ...], P]]
+    out_spec: P
+    mesh: Mesh
+
+    @property
+    def program(self) -> Callable[..., jax.Array]:
+        return jax.shard_map(self.body, mesh=self.mesh, in_specs=tuple(spec for _, spec in self.operands),
+                             out_specs=self.out_spec)
+
+    def inputs(self, key: jax.Array, dtype) -> list[jax.Array]:
+        """Its operands from a seeded normal distribution, placed as its specs say."""
+        keys = jax.random.split(key, len(self.operands))
+        return [jax.jit(lambda k, shape=shape: jax.random.normal(k, shape, dtype),
+                        out_shardings=NamedSharding(self.mesh, spec))(k)
+                for k, (shape, spec) in zip(keys, self.operands, strict=True)]
+
+
+def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundProgram]:
+    """The programs a problem's bounds time: ``compute``, each device's local product of the baseline with no
+    collective, and ``communication``, the baseline's collective on the same bytes with no matmul.
+
+    Per device (P the ring size; DESIGN.md's layouts):
+
+    - ``allgather_matmul``: compute ``x [m, k] @ w [k, n/P]`` (x as gathered, held whole); communication
+      the all-gather of ``x [m/P, k]``;
+    - ``matmul_reduce_scatter``: compute ``x [m, k/P] @ w [k/P, n]`` (each device's partial sum, kept as
+      its own block of the output); communication the reduce-scatter of a partial sum ``[m, n]`` to
+      ``[m/P, n]``;
+    - ``allgather_grad_weight``: compute ``u [m, k]ᵀ @ v [m, n/P]`` (u as gathered); communication the
+      all-gather of ``u [m/P, k]``.
+
+    Every output is each device's own block (a gathered copy is not declared replicated: nothing is
+    assumed of it).
+    """
+    m, k, n, size = problem.m, problem.k, problem.n, problem.axis_size
+
+    def gather(x):
+        return lax.all_gather(x, axis, axis=0, tiled=True)
+
+    def scatter(y):
+        return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+
+    if problem.collective == "allgather_matmul":
+        compute = BoundProgram(jnp.matmul, [((m, k), P(None, None)), ((k, n), P(None, axis))], P(None, axis), mesh)
+        communication = BoundProgram(gather, [((m, k), P(axis, None))], P(axis, None), mesh)
+    elif problem.collective == "matmul_reduce_scatter":
+        compute = BoundProgram(jnp.matmul, [((m, k), P(None, axis)), ((k, n), P(axis, None))], P(axis, None), mesh)
+        communication = BoundProgram(scatter, [((size * m, n), P(axis, None))], P(axis, None), mesh)
+    elif problem.collective == "allgather_grad_weight":
+        def contract(u, v):
+            return jnp.tensordot(u, v, axes=((0,), (0,)))
+
+        compute = BoundProgram(contract, [((m, k), P(None, None)), ((m, n), P(None, axis))], P(None, axis), mesh)
+        communication = BoundProgram(gather, [((m, k), P(axis, None))], P(axis, None), mesh)
+    else:
+        raise ValueError(f"no bound programs for the collective {problem.collective!r}")
+    return {"compute": compute, "communication": communication}
 
 
 def ring_mesh(devices=None) -> Mesh:
@@ -202,23 +274,66 @@ class Session:
         )
 
     def _time_pair(self, compiled, started: float, protocol: Protocol) -> tuple[list[float], list[float], bool]:
-        programs = (compiled, self._baseline_program)
-        for _ in range(protocol.warmup):
-            for program in programs:
-                program(self.x, self.w).block_until_ready()
-        samples: tuple[list[float], list[float]] = ([], [])
-        timed_out = False
-        for _ in range(protocol.repeats):
-            for program, out in zip(programs, samples, strict=True):
-                _barrier()
-                t0 = time.perf_counter()
-                program(self.x, self.w).block_until_ready()
-                out.append(time.perf_counter() - t0)
-            # every process must agree to stop, or the SPMD programs would diverge
-            if any_process(time.monotonic() - started > protocol.timeout_s):
-                timed_out = True
-                break
-        return _slowest_process(samples[0]), _slowest_process(samples[1]), timed_out
+        (cand, base), timed_out = _time_rounds([lambda: compiled(self.x, self.w), self._run_baseline], started,
+                                               protocol)
+        return cand, base, timed_out
+
+    def _run_baseline(self) -> jax.Array:
+        return self._baseline_program(self.x, self.w)
+
+    def bounds(self, protocol: Protocol | None = None) -> BoundsMeasurement:
+        """Time the problem's bounds (`bound_programs`): compute, communication and the baseline in turn, each
+        round, by the protocol; failures come back as the record's status.
+
+        The bound programs get their own inputs, seeded from this session's seed, and free them when done.
+        """
+        protocol = protocol or self.protocol
+        started = time.monotonic()
+        record = dict(problem=self.problem, hardware=self.hardware, protocol=protocol)
+        try:
+            programs = bound_programs(self.problem, self.mesh, self.axis)
+            key = jax.random.fold_in(jax.random.key(protocol.seed), 1)
+            dtype = jnp.dtype(self.problem.dtype)
+            runs = []
+            for i, bound in enumerate(programs.values()):
+                inputs = bound.inputs(jax.random.fold_in(key, i), dtype)
+                compiled = jax.jit(bound.program).lower(*inputs).compile()
+                runs.append(lambda compiled=compiled, inputs=inputs: compiled(*inputs))
+        except Exception as exc:  # noqa: BLE001 - a bound program that does not build is a result
+            status = classify_failure(exc)
+            return BoundsMeasurement(**record, status="oom" if status == "oom" else "compile_error",
+                                     message=_message(exc))
+        try:
+            (compute, communication, base), timed_out = _time_rounds([*runs, self._run_baseline], started, protocol)
+        except Exception as exc:  # noqa: BLE001
+            return BoundsMeasurement(**record, status=classify_failure(exc), message=_message(exc))
+        return BoundsMeasurement(
+            **record, status="timeout" if timed_out else "ok",
+            message=f"stopped after {len(base)} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
+            if timed_out else "",
+            compute=Timing.of(compute), communication=Timing.of(communication), baseline=Timing.of(base))
+
+
+def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: Protocol,
+                 ) -> tuple[list[list[float]], bool]:
+    """Warm up, then each of ``runs`` in turn per round (a barrier before each run, `block_until_ready` after);
+    the samples of each, the slowest process's per run, and whether the timeout stopped the rounds early."""
+    for _ in range(protocol.warmup):
+        for run in runs:
+            run().block_until_ready()
+    samples: list[list[float]] = [[] for _ in runs]
+    timed_out = False
+    for _ in range(protocol.repeats):
+        for run, out in zip(runs, samples, strict=True):
+            _barrier()
+            t0 = time.perf_counter()
+            run().block_until_ready()
+            out.append(time.perf_counter() - t0)
+        # every process must agree to stop, or the SPMD programs would diverge
+        if any_process(time.monotonic() - started > protocol.timeout_s):
+            timed_out = True
+            break
+    return [_slowest_process(s) for s in samples], timed_out
 
 
 def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:

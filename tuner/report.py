@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from collective_matmul.wire import Measurement
+from collective_matmul.bounds import Bounds, hidden_fraction
+from collective_matmul.wire import BoundsMeasurement, Measurement
 
 
 def fmt_seconds(seconds: float | None) -> str:
@@ -17,6 +18,29 @@ def fmt_seconds(seconds: float | None) -> str:
     return f"{seconds:.2f} s"
 
 
+def fmt_fraction(fraction: float | None) -> str:
+    """A hidden fraction as a percentage ("-": nothing to hide, or no bounds)."""
+    return "-" if fraction is None else f"{fraction:.0%}"
+
+
+def bounds_of(record: BoundsMeasurement | None) -> Bounds | None:
+    """The medians of an ``ok`` bounds measurement (None otherwise)."""
+    if record is None or not record.ok:
+        return None
+    return Bounds(record.compute.median_s, record.communication.median_s, record.baseline.median_s)
+
+
+def bounds_caption(record: BoundsMeasurement | None) -> str:
+    """One line: the bounds rounds' medians and the bound, or why there are none."""
+    if record is None:
+        return "no bounds measured"
+    b = bounds_of(record)
+    if b is None:
+        return f"bounds: {record.status} {record.message[:200]}"
+    return (f"bounds: compute {fmt_seconds(b.compute_s)}, communication {fmt_seconds(b.communication_s)}, bound "
+            f"{fmt_seconds(b.bound_s)}, against a baseline of {fmt_seconds(b.baseline_s)} in the same rounds")
+
+
 def speedup_text(m: Measurement) -> str:
     """``1.23x ±0.05`` : baseline/candidate from the median paired ratio, and its IQR."""
     if not m.ok or m.ratio is None:
@@ -24,15 +48,20 @@ def speedup_text(m: Measurement) -> str:
     return f"{1 / m.ratio:.2f}x ±{m.speedup_iqr / 2:.2f}"
 
 
-def sweep_table(results: list[Measurement], *, title: str) -> Table:
-    table = Table(title=title)
+def sweep_table(results: list[Measurement], *, title: str, bounds: BoundsMeasurement | None = None) -> Table:
+    """Every candidate timed against the baseline; with the problem's ``bounds``, each ring's hidden fraction
+    (`collective_matmul.bounds`) and the bounds in the caption."""
+    table = Table(title=title, caption=bounds_caption(bounds), caption_justify="left")
     for name, justify in [
         ("decomposition", "left"), ("status", "left"), ("median", "right"), ("IQR", "right"),
-        ("baseline", "right"), ("speedup (IQR)", "right"), ("compile", "right"), ("memory", "right"),
+        ("baseline", "right"), ("speedup (IQR)", "right"), ("hidden", "right"), ("compile", "right"),
+        ("memory", "right"),
     ]:
         table.add_column(name, justify=justify)
+    b = bounds_of(bounds)
     ranked = sorted(results, key=lambda m: (not m.ok, m.ratio or float("inf")))
     for m in ranked:
+        ring = m.decomposition.method == "ring"
         table.add_row(
             m.decomposition.id,
             m.status if m.ok else f"[red]{m.status}[/red]",
@@ -40,6 +69,7 @@ def sweep_table(results: list[Measurement], *, title: str) -> Table:
             fmt_seconds(m.candidate.iqr_s if m.candidate else None),
             fmt_seconds(m.baseline.median_s if m.baseline else None),
             speedup_text(m),
+            fmt_fraction(hidden_fraction(b, m.ratio, ring=True)) if ring and m.ok else "-",
             fmt_seconds(m.compile_s),
             f"{m.memory_bytes / 2**20:.1f} MiB" if m.memory_bytes else "-",
         )
@@ -47,14 +77,17 @@ def sweep_table(results: list[Measurement], *, title: str) -> Table:
 
 
 def tune_table(outcomes, *, title: str) -> Table:
-    """One row per study of `cmtune tune`: the tuned decomposition and its evidence."""
-    table = Table(title=title)
+    """One row per study of `cmtune tune`: the tuned decomposition and its evidence, its bounds (compute,
+    communication, the bound, the hidden fraction) and, in the caption, each problem's reason."""
+    table = Table(title=title, caption_justify="left")
     for name, justify in [
         ("problem", "left"), ("best decomposition", "left"), ("time", "right"), ("baseline", "right"),
-        ("speedup (IQR)", "right"), ("trials", "right"), ("invalid/failed", "right"), ("stopped by", "left"),
+        ("speedup (IQR)", "right"), ("compute", "right"), ("communication", "right"), ("bound", "right"),
+        ("hidden", "right"), ("trials", "right"), ("invalid/failed", "right"), ("stopped by", "left"),
         ("seeded from", "left"),
     ]:
         table.add_column(name, justify=justify)
+    reasons = []
     for o in outcomes:
         t = o.tuned
         neighbours = list(dict.fromkeys(s.neighbour.split(":")[1] for s in o.study.settings.seeds))
@@ -62,10 +95,15 @@ def tune_table(outcomes, *, title: str) -> Table:
             o.study.problem.key, t.decomposition.id if t else f"[red]{o.study.state}[/red]",
             fmt_seconds(t.time_s if t else None), fmt_seconds(t.baseline_s if t else None),
             f"{t.speedup:.2f}x ±{t.speedup_iqr / 2:.2f}" if t else "-",
+            fmt_seconds(t.compute_s if t else None), fmt_seconds(t.communication_s if t else None),
+            fmt_seconds(t.bound_s if t else None), fmt_fraction(t.hidden_fraction if t else None),
             f"{len(o.search)} of {o.study.space_size}",
             f"{t.invalid}/{t.failed}" if t else "-", o.study.stop_reason or "-",
             ", ".join(neighbours) or "-",
         )
+        if t is not None:
+            reasons.append(f"{o.study.problem.key}: {t.reason}")
+    table.caption = "\n".join(reasons) or None
     return table
 
 

@@ -24,6 +24,7 @@ from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import (
+    BoundsMeasurement,
     Measurement,
     Protocol,
     Status,
@@ -115,7 +116,7 @@ class StudyRecord:
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """One trial as stored; ``measurements`` only when asked for (they are large)."""
+    """One trial as stored; ``measurements`` (and ``bounds``) only when asked for (they are large)."""
 
     id: int
     study_id: int
@@ -134,6 +135,7 @@ class TrialRecord:
     finished_at: dt.datetime | None = None
     step: StepMeasurement | None = None  # a step trial's result
     variants: StepVariants | None = None  # a step search round's variants (None: the standard menu)
+    bounds: BoundsMeasurement | None = None  # a confirmation's bounds rounds (with ``measurements`` only)
 
     @property
     def decomposition(self) -> Decomposition:
@@ -283,7 +285,7 @@ class InMemoryStore:
 
     def trials(self, study_id: int, *, measurements: bool = False) -> list[TrialRecord]:
         found = sorted((t for t in self._trials.values() if t.study_id == study_id), key=lambda t: t.number)
-        return found if measurements else [dataclasses.replace(t, measurements=None) for t in found]
+        return found if measurements else [dataclasses.replace(t, measurements=None, bounds=None) for t in found]
 
     def trial(self, trial_id: int, *, lock: bool = False) -> TrialRecord:
         try:

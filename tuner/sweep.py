@@ -15,9 +15,11 @@ def sweep(
     protocol: Protocol = Protocol(),
     configs: Iterable[Decomposition] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
+    session: Session | None = None,
 ) -> list[Measurement]:
-    """Measure ``configs`` (default: the whole space) of ``problem`` in one `Session`."""
-    session = Session(problem, protocol=protocol)
+    """Measure ``configs`` (default: the whole space) of ``problem`` in one `Session` (``session``: this one,
+    whose `Session.bounds` the caller may time too)."""
+    session = session or Session(problem, protocol=protocol)
     results = []
     for config in configs if configs is not None else candidates(problem):
         result = session.measure(config)

@@ -32,10 +32,12 @@ import httpx
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from cmtune.tuner.cluster import EXIT_HUNG, Group
-from cmtune.tuner.local import LocalRunner, Watchdog, follow
+from cmtune.tuner.local import LocalRunner, Watchdog, failed_result, follow
 from collective_matmul.problem import Hardware
 from collective_matmul.wire import (
     WORKER_HEADER,
+    BoundsMeasurement,
+    Confirmation,
     GroupMessage,
     HardwareIn,
     LeaseGranted,
@@ -232,9 +234,13 @@ class WorkerDaemon:
                          v.name, f"{v.speedup:.2f}x the step as written" if v.ok and v.speedup else
                          f"{v.status} {v.message[:200]}")
         else:
-            for m in results:
+            confirmation = results if isinstance(results, Confirmation) else None
+            for m in confirmation.measurements if confirmation else results:
                 log.info("trial %s study %s %s %s: %s", task.id, task.study_id, m.problem.key, m.decomposition.id,
                          _summary(m))
+            if confirmation is not None and confirmation.bounds is not None:
+                log.info("trial %s study %s %s bounds: %s", task.id, task.study_id, task.problem.key,
+                         _bounds_summary(confirmation.bounds))
         return ResultOut.model_validate(response.json()).next
 
 
@@ -247,13 +253,12 @@ def describe(task: TrialTask) -> str:
     return f"{task.problem.key}: {', '.join(d.id for d in task.decompositions)}"
 
 
-def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | StepMeasurement:
-    from cmtune.tuner.measure import failure
+def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | Confirmation | StepMeasurement:
     from cmtune.tuner.step import failed_step
 
     if task.kind == TrialKind.STEP:
         return failed_step(task, status, message)
-    return [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
+    return failed_result(task, status, message)
 
 
 def supervise(argv: list[str], *, max_backoff_s: float = 60.0) -> int:
@@ -285,6 +290,13 @@ def supervise(argv: list[str], *, max_backoff_s: float = 60.0) -> int:
         log.warning("worker exited (%s); starting it again in %.0f s", reason, backoff)
         if stopping.wait(backoff):
             return code
+
+
+def _bounds_summary(b: BoundsMeasurement) -> str:
+    if not b.ok:
+        return f"{b.status}: {b.message[:200]}"
+    return (f"compute {b.compute.median_s * 1e3:.3f} ms, communication {b.communication.median_s * 1e3:.3f} ms, "
+            f"baseline {b.baseline.median_s * 1e3:.3f} ms")
 
 
 def _summary(m: Measurement) -> str:

@@ -172,6 +172,42 @@ function fieldPlot(trials) {
     }));
 }
 
+// One problem's bounds as a picture: compute, communication, the bound, the baseline and the tuned time as
+// horizontal bars on one time scale, with their numbers, the hidden fraction and the reason (all from the API).
+const pct = (v) => (v === null || v === undefined ? "–" : `${(v * 100).toFixed(0)}%`);
+function boundsPicture(c, title) {
+  const rows = [
+    ["compute", "the local matmul alone", c.compute_s],
+    ["communication", "the collective alone", c.communication_s],
+    ["bound", "max(compute, communication)", c.bound_s],
+    ["baseline", "the baseline op", c.baseline_s],
+    ["tuned", c.decomposition_id || "tuned", c.time_s],
+  ].filter(([, , seconds]) => seconds !== null && seconds !== undefined);
+  const width = 520, label = 110, value = 90, row = 22, bars = width - label - value;
+  const scale = Math.max(...rows.map(([, , seconds]) => seconds)) || 1;
+  const picture = svg("svg", { viewBox: `0 0 ${width} ${rows.length * row + 4}`, class: "bounds-bars", role: "img" },
+    rows.map(([name, what, seconds], i) => {
+      const y = i * row + 2, w = Math.max(1, (seconds / scale) * bars);
+      return svg("g", { class: `bounds-row ${name}` },
+        svg("text", { x: 0, y: y + 14 }, name),
+        svg("rect", { x: label, y, width: w.toFixed(2), height: row - 6, rx: 2, class: `bound-bar bar-${name}`,
+                      "data-seconds": seconds }, svg("title", {}, `${name} (${what}): ${ms(seconds)}`)),
+        svg("text", { x: label + w + 4, y: y + 14, class: "bounds-value" }, ms(seconds)));
+    }));
+  const measured = c.compute_s !== null && c.compute_s !== undefined;
+  // the bounds have their own rounds: say so where their baseline differs from the confirmation round's
+  const drift = measured && Math.abs(c.bounds_baseline_s - c.baseline_s) > 0.01 * c.baseline_s
+    ? ` Compute, communication and the bound were timed beside a baseline of ${ms(c.bounds_baseline_s)}; the baseline and tuned bars are the confirmation round's (the hidden fraction compares each with its own).`
+    : "";
+  return el("figure", { class: "bounds" },
+    title ? el("div", { class: "bounds-title" }, title) : null,
+    measured ? picture : el("p", { class: "muted" }, "No bounds measured."),
+    el("figcaption", {},
+      el("strong", { class: "hidden-fraction" }, `hidden: ${pct(c.hidden_fraction)}`), " · ",
+      el("span", { class: "reason" }, c.reason || "–"),
+      el("span", { class: "muted" }, drift)));
+}
+
 // ---- pages ------------------------------------------------------------------------------------
 
 async function overview() {
@@ -238,6 +274,8 @@ async function studyPage(id) {
       study.seeds && study.seeds.length ? [el("span", { class: "muted" }, "seeded with"), el("ul", { id: "study-seeds" }, study.seeds.map((s) => el("li", {},
         `${s.decomposition_id}: the ${s.kind} of ${s.neighbour} (${x(1 / s.ratio)} there), from `,
         s.source === "study" ? el("a", { href: `/ui/studies/${s.study_id}` }, `study #${s.study_id}`) : (s.source === "bundle" ? "a bundle" : "this run"))))] : null),
+    tuned ? el("div", { class: "plot", id: "bounds" }, el("div", { class: "legend" }, "how close to the limit: the bounds of the tuned config"),
+      boundsPicture({ ...tuned, decomposition_id: study.tuned_decomposition_id })) : null,
     el("div", { class: "plots" },
       el("div", { class: "plot" }, el("div", { class: "legend" }, "every finished trial's median time (blue), best so far (green), baseline (red)"), trialPlot(trials)),
       el("div", { class: "plot" }, el("div", { class: "legend" }, "time by chunks: unidirectional (blue), bidirectional (orange)"), fieldPlot(trials))),
@@ -273,6 +311,10 @@ async function configsPage() {
     { key: "time", label: "time", num: true, value: (c) => c.time_s, render: (c) => ms(c.time_s) },
     { key: "baseline", label: "baseline", num: true, value: (c) => c.baseline_s, render: (c) => ms(c.baseline_s) },
     { key: "speedup", label: "speedup", num: true, value: (c) => c.speedup, render: (c) => el("span", { class: c.speedup > 1 ? "good" : "" }, x(c.speedup)) },
+    { key: "compute", label: "compute", num: true, value: (c) => c.compute_s, render: (c) => ms(c.compute_s) },
+    { key: "communication", label: "communication", num: true, value: (c) => c.communication_s, render: (c) => ms(c.communication_s) },
+    { key: "bound", label: "bound", num: true, value: (c) => c.bound_s, render: (c) => ms(c.bound_s) },
+    { key: "hidden", label: "hidden", num: true, value: (c) => c.hidden_fraction, render: (c) => pct(c.hidden_fraction) },
     { key: "trials", label: "trials", num: true, value: (c) => c.trials, render: (c) => `${c.trials} / ${c.space_size}` },
     { key: "software", label: "jax", value: (c) => c.jax_version },
   ];
@@ -288,6 +330,9 @@ async function configsPage() {
       el("button", { type: "button", id: "download", onclick: async () => download(await api(`/v1/bundles?${query}`)) },
         "Download bundle")),
     dataTable("configs", columns, tuned),
+    tuned.length ? el("h2", {}, "How close to the limit, per problem") : null,
+    el("div", { class: "pictures", id: "bounds-pictures" },
+      tuned.map((c) => boundsPicture(c, `${c.problem_key} · ${c.hardware_key}`))),
   ));
 }
 
@@ -308,6 +353,8 @@ async function submissionPage(id) {
     { key: "decomposition", label: "tuned decomposition", value: (e) => e.decomposition_id },
     { key: "per_layer", label: "per layer", num: true, value: (e) => e.count },
     { key: "speedup", label: "speedup", num: true, value: (e) => e.speedup, render: (e) => el("span", { class: e.speedup > 1 ? "good" : "" }, x(e.speedup)) },
+    { key: "bound", label: "bound", num: true, value: (e) => e.bound_s, render: (e) => ms(e.bound_s) },
+    { key: "hidden", label: "hidden", num: true, value: (e) => e.hidden_fraction, render: (e) => pct(e.hidden_fraction) },
     { key: "saved", label: "saved per step", num: true, value: (e) => e.saved_s_per_step, render: (e) => ms(e.saved_s_per_step) },
   ];
   const step = sub.step;
@@ -337,6 +384,9 @@ async function submissionPage(id) {
         el("div", { class: "value", id: "saved-per-step" }, sub.saved_s_per_step === null ? "when every study is done" : ms(sub.saved_s_per_step))),
       ...stepCards),
     dataTable("roles", columns, sub.entries),
+    sub.entries.some((e) => e.decomposition_id) ? el("h2", {}, "How close to the limit, per problem") : null,
+    el("div", { class: "pictures", id: "bounds-pictures" },
+      sub.entries.filter((e) => e.decomposition_id).map((e) => boundsPicture(e, `${e.roles.join(", ")} · ${e.problem_key}`))),
     step ? el("h2", {}, "The whole training step, measured") : null,
     step ? el("p", { class: "muted", id: "step-message" }, step.message || `step study #${step.study_id}: ${step.state}`) : null,
     step && step.variants.length ? dataTable("variants", variantColumns, step.variants) : null,

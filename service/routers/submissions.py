@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from cmtune.service.deps import Id, ReaderDep, StoreDep
 from cmtune.service.errors import NotFoundError, responses
+from cmtune.service.lookup import bounds_fields
 from cmtune.tuner.engine import step_decision, step_task_configs
 from collective_matmul.wire import (
     StepPublic,
@@ -49,6 +50,7 @@ def get_submission(submission_id: Id, store: StoreDep, _: ReaderDep) -> Submissi
                 trials=config.trials if config else None, space_size=config.space_size if config else None,
                 saved_s_per_layer=e.count * (config.baseline_s - config.time_s) if config else None,
                 saved_s_per_step=e.count * layers * (config.baseline_s - config.time_s) if config else None,
+                **(bounds_fields(config) if config else {}),
             ))
         step = step_public(tx, tx.catalog.step_study_of(sub.id), layers)
         overrides = tx.catalog.overrides(model=sub.name, hardware=sub.hardware)

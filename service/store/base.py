@@ -23,6 +23,7 @@ from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire import (
+    BoundsMeasurement,
     Measurement,
     Protocol,
     StepChoice,
@@ -51,6 +52,7 @@ TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.
          trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
          trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at,
          trials.c.variants)
+MEASURED = (trials.c.measurements, trials.c.bounds)  # a trial's results, read with the measurements only
 
 _HARDWARE_ID = Prepared(select(hardware_t.c.id).where(hardware_t.c.key == P("key")))
 _INSERT_HARDWARE = Prepared(insert(hardware_t).returning(hardware_t.c.id))
@@ -206,17 +208,19 @@ def trial_record(row, with_measurements: bool) -> TrialRecord:
         decompositions = (decomposition_of(row.decomposition_id),)
     else:
         decompositions = tuple(Decomposition.model_validate(d) for d in row.decompositions)
-    measurements = step = None
+    measurements = step = bounds = None
     if with_measurements and row.measurements is not None:
         if kind == TrialKind.STEP:
             step = StepMeasurement.model_validate(row.measurements[0])
         else:
             measurements = tuple(Measurement.model_validate(m) for m in row.measurements)
+    if with_measurements and row.bounds is not None:
+        bounds = BoundsMeasurement.model_validate(row.bounds)
     return TrialRecord(
         id=row.id, study_id=row.study_id, number=row.number, kind=kind, decompositions=decompositions,
         state=TrialState(row.state), created_at=row.created_at, attempts=row.attempts, status=row.status,
         ratio=row.ratio, measurements=measurements, message=row.message, worker_id=row.worker_id,
-        result_lease_id=row.result_lease_id, finished_at=row.finished_at, step=step,
+        result_lease_id=row.result_lease_id, finished_at=row.finished_at, step=step, bounds=bounds,
         variants=step_variants_of(row.variants) if kind == TrialKind.STEP else None)
 
 
@@ -227,7 +231,8 @@ def tuned_config_of(row) -> TunedConfig:
         time_s=row.time_s, baseline_s=row.baseline_s, speedup=row.speedup, speedup_iqr=row.speedup_iqr,
         trials=row.trials, invalid=row.invalid, failed=row.failed, space_size=row.space_size,
         jax_version=row.software.get("jax", ""), jaxlib_version=row.software.get("jaxlib", ""),
-        tuned_at=row.updated_at.isoformat(timespec="seconds"))
+        tuned_at=row.updated_at.isoformat(timespec="seconds"), compute_s=row.compute_s,
+        communication_s=row.communication_s, bounds_baseline_s=row.bounds_baseline_s)
 
 
 def tuned_select(*conditions):

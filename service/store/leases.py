@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from sqlalchemy import and_, exists, func, insert, or_, select, true, update
 
 from cmtune.service.store.base import (
+    MEASURED,
     MUTABLE,
     OWNER,
     TRIAL,
@@ -59,7 +60,7 @@ _LEASE = Prepared(_LEASE_SELECT)
 _LEASE_LOCKED = Prepared(_LEASE_SELECT.with_for_update())
 _UPDATE_LEASE = Prepared(update(leases).where(leases.c.id == P("_lease_id")))
 _INSERT_LEASE = Prepared(insert(leases))
-_LEASE_AND_TRIAL = Prepared(select(*TRIAL, trials.c.measurements, leases.c.id.label("lease_id"),
+_LEASE_AND_TRIAL = Prepared(select(*TRIAL, *MEASURED, leases.c.id.label("lease_id"),
                                    leases.c.worker_id.label("lease_worker_id"),
                                    leases.c.expires_at.label("lease_expires_at"),
                                    leases.c.active.label("lease_active"), *OWNER)

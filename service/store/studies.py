@@ -17,6 +17,7 @@ from sqlalchemy import Integer, case, delete, func, insert, null, select, type_c
 
 from cmtune.service.models import RoleOverrideRow
 from cmtune.service.store.base import (
+    MEASURED,
     MUTABLE,
     TRIAL,
     Fixed,
@@ -55,9 +56,9 @@ _BRIEF = (*TRIAL[:4], type_coerce(case((trials.c.kind == TrialKind.SEARCH.value,
                                        else_=trials.c.decompositions), trials.c.decompositions.type)
           .label("decompositions"), *TRIAL[5:])
 _TRIALS = Prepared(select(*_BRIEF).where(trials.c.study_id == P("study_id")).order_by(trials.c.number))
-_TRIALS_MEASURED = Prepared(select(*_BRIEF, trials.c.measurements).where(trials.c.study_id == P("study_id"))
+_TRIALS_MEASURED = Prepared(select(*_BRIEF, *MEASURED).where(trials.c.study_id == P("study_id"))
                             .order_by(trials.c.number))
-_TRIAL_SELECT = select(*TRIAL, trials.c.measurements).where(trials.c.id == P("trial_id"))
+_TRIAL_SELECT = select(*TRIAL, *MEASURED).where(trials.c.id == P("trial_id"))
 _TRIAL = Prepared(_TRIAL_SELECT)
 _TRIAL_LOCKED = Prepared(_TRIAL_SELECT.with_for_update())
 _UPDATE_TRIAL = Prepared(update(trials).where(trials.c.id == P("_trial_id")))
@@ -235,7 +236,8 @@ class Studies:
             baseline_s=config.baseline_s, speedup=config.speedup, speedup_iqr=config.speedup_iqr,
             trials=config.trials, invalid=config.invalid, failed=config.failed, space_size=config.space_size,
             software={"jax": config.jax_version, "jaxlib": config.jaxlib_version},
-            updated_at=dt.datetime.now(dt.UTC), study_id=study_id,
+            updated_at=dt.datetime.now(dt.UTC), study_id=study_id, compute_s=config.compute_s,
+            communication_s=config.communication_s, bounds_baseline_s=config.bounds_baseline_s,
         )
         existing = tx.first(_TUNED_ID, {"problem_id": problem_id, "hardware_id": hardware_id})
         if existing is None:
@@ -262,11 +264,13 @@ def _study_columns(changes: dict) -> dict:
 
 
 def _trial_columns(changes: dict) -> dict:
-    """A trial's changes as its columns hold them (measurements and a step result as JSON)."""
+    """A trial's changes as its columns hold them (measurements, a step result and bounds as JSON)."""
     changes = dict(changes)
     if changes.get("measurements") is not None:
         changes["measurements"] = [m.model_dump(mode="json") for m in changes["measurements"]]
     if changes.get("step") is not None:  # a step trial's result lives where the measurements do
         changes["measurements"] = [changes.pop("step").model_dump(mode="json")]
     changes.pop("step", None)
+    if changes.get("bounds") is not None:
+        changes["bounds"] = changes["bounds"].model_dump(mode="json")
     return changes

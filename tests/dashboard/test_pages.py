@@ -39,8 +39,8 @@ class Seeder:
         self.worker = contract.register(
             httpx.Client(base_url=url, headers={"Authorization": f"Bearer {worker}"}, timeout=30), "seed-worker")
 
-    def run_trial(self) -> dict | None:
-        return contract.run_trial(self.worker)
+    def run_trial(self, bounds_s: tuple[float, float, float] | None = None) -> dict | None:
+        return contract.run_trial(self.worker, bounds_s=bounds_s)
 
 
 @contextmanager
@@ -55,12 +55,15 @@ def submitted_tiny(directory: Path, **options):
         yield server, tokens, seed, seed.admin.post("/v1/studies", json=body).json()
 
 
+BOUNDS = (0.5e-3, 0.3e-3, 1e-3)  # compute, communication, baseline: the bound is half the baseline
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     with submitted_tiny(tmp_path_factory.mktemp("ui"), budget={"trials": 5}) as (server, tokens, seed, created):
         first = created["studies"][0]["id"]
-        # finish the first study completely, and two trials of the second
-        while (grant := seed.run_trial()) is not None and grant["trial"]["study_id"] == first:
+        # finish the first study completely (its confirmation with bounds), and two trials of the second
+        while (grant := seed.run_trial(BOUNDS)) is not None and grant["trial"]["study_id"] == first:
             pass
         seed.run_trial()
         yield {"url": server.url, "tokens": tokens, "seed": seed, "first": first,
@@ -127,6 +130,38 @@ def test_clicking_a_study_opens_it_with_its_trials_and_plots(page, site):
     assert page.locator("#trials tbody tr").count() == len(study)
     assert " ms" in page.locator("#trials").inner_text()
     shot(page, "study")
+
+
+def bar_widths(figure) -> dict[str, float]:
+    return {name: float(figure.locator(f"rect.bar-{name}").get_attribute("width"))
+            for name in ("compute", "communication", "bound", "baseline", "tuned")}
+
+
+def test_a_tuned_config_is_drawn_against_its_bounds(page, site):
+    page.goto(f"{site['url']}/ui/studies/{site['first']}")
+    page.wait_for_selector("#bounds figure.bounds rect.bar-tuned")
+    tuned = site["seed"].admin.get(f"/v1/studies/{site['first']}").json()["tuned"]
+    figure = page.locator("#bounds figure.bounds")
+    widths = bar_widths(figure)
+    # one time scale: communication 0.3 ms < compute = bound 0.5 ms < tuned (0.7-0.8 ms) < baseline 1 ms
+    assert widths["communication"] < widths["compute"] == widths["bound"] < widths["tuned"] < widths["baseline"]
+    assert widths["compute"] / widths["baseline"] == pytest.approx(tuned["compute_s"] / tuned["baseline_s"], rel=1e-3)
+    text = figure.inner_text()
+    assert f"hidden: {tuned['hidden_fraction']:.0%}" in text and tuned["reason"] in text
+    assert "0.500 ms" in text and "0.300 ms" in text  # the numbers beside the bars
+    shot(page, "study-bounds")
+
+    page.goto(f"{site['url']}/ui/configs")
+    page.wait_for_selector("#bounds-pictures figure.bounds rect.bar-tuned")
+    assert page.locator("#bounds-pictures figure.bounds").count() == 1
+    assert bar_widths(page.locator("#bounds-pictures figure.bounds")) == widths
+    assert "hidden" in page.locator("#configs thead").inner_text()
+    assert f"{tuned['hidden_fraction']:.0%}" in page.locator("#configs tbody").inner_text()
+
+    page.goto(f"{site['url']}/ui/submissions/{site['submission']}")
+    page.wait_for_selector("#bounds-pictures figure.bounds rect.bar-tuned")
+    assert page.locator("#bounds-pictures figure.bounds").count() == 1  # the one problem tuned so far
+    assert bar_widths(page.locator("#bounds-pictures figure.bounds")) == widths
 
 
 def test_sorting_and_filtering_the_trials_table(page, site):

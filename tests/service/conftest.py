@@ -16,7 +16,7 @@ from cmtune.service.models import Role
 from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore
 from collective_matmul import Decomposition, Hardware, Problem
-from collective_matmul.wire import Measurement, Timing
+from collective_matmul.wire import BoundsMeasurement, Measurement, Timing
 
 HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process_count": 1}
 PROBLEM = {"collective": "allgather_matmul", "m": 256, "k": 64, "n": 128, "dtype": "float32", "axis_size": 8}
@@ -141,22 +141,35 @@ def register(client, name: str = "w0", hardware: dict = HARDWARE) -> Worker:
     return Worker(body["id"], body["credential"], client)
 
 
-def report(worker: Worker, grant: dict, landscape=cost, *, lease_next: bool = False) -> dict:
-    """Report a synthetic result for a leased search or confirmation trial; the answer."""
+def bounds(problem: dict, compute: float, communication: float, baseline: float, rounds: int = 3,
+           hardware: dict = HARDWARE) -> dict:
+    """A worker's synthetic bounds rounds (seconds of each program, the same every round)."""
+    return BoundsMeasurement(problem=Problem(**problem), hardware=Hardware(**hardware), status="ok",
+                             compute=Timing.of([compute] * rounds), communication=Timing.of([communication] * rounds),
+                             baseline=Timing.of([baseline] * rounds)).model_dump(mode="json")
+
+
+def report(worker: Worker, grant: dict, landscape=cost, *, lease_next: bool = False,
+           bounds: dict | None = None) -> dict:
+    """Report a synthetic result for a leased search or confirmation trial (a confirmation with ``bounds``
+    where given); the answer."""
     trial = grant["trial"]
     configs = [Decomposition.model_validate(d) for d in trial["decompositions"]]
     results = [measurement(trial["problem"], c, landscape(c)) for c in configs]
     body = {"lease_id": grant["lease"]["id"], "lease_next": lease_next}
     body |= {"measurement": results[0]} if trial["kind"] == "search" else {"measurements": results}
+    if bounds is not None and trial["kind"] == "confirm":
+        body["bounds"] = bounds
     reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
-def run_trial(worker: Worker, landscape=cost) -> dict | None:
+def run_trial(worker: Worker, landscape=cost, bounds_s: tuple[float, float, float] | None = None) -> dict | None:
     """Lease one trial and report a synthetic result; None when nothing was leased.
 
     The worker's client is a `TestClient` or an `httpx.Client` on a real server (same interface).
+    ``bounds_s``: a confirmation's bounds (compute, communication, baseline seconds); None: none sent.
     """
     response = worker.post(f"/v1/workers/{worker}/lease")
     if response.status_code == 204:
@@ -169,7 +182,7 @@ def run_trial(worker: Worker, landscape=cost) -> dict | None:
         reply = worker.post(f"/v1/trials/{trial['id']}/result", json=body)
         assert reply.status_code == 200, reply.text
         return grant
-    report(worker, grant, landscape)
+    report(worker, grant, landscape, bounds=bounds(trial["problem"], *bounds_s) if bounds_s else None)
     return grant
 
 

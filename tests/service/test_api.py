@@ -584,3 +584,59 @@ def test_an_override_imported_twice_in_one_bundle_counts_once(api):
     assert api.admin.post("/v1/bundles", json=twice).status_code == 201
     (stored,) = api.reader.get("/v1/overrides", params={"model": "m", **HARDWARE}).json()
     assert stored["reason"] == "second"
+
+
+def test_a_confirmations_bounds_reach_the_study_the_trials_the_answers_and_bundles(api, tmp_path):
+    study_id = create(api.admin, budget={"trials": 4}, confirm_top=1).json()["studies"][0]["id"]
+    worker = register(api.worker)
+    while run_trial(worker, bounds_s=(0.5e-3, 0.3e-3, 1e-3)):
+        pass
+    study = api.reader.get(f"/v1/studies/{study_id}").json()
+    tuned = study["tuned"]
+    assert (tuned["compute_s"], tuned["communication_s"], tuned["bounds_baseline_s"]) == (0.5e-3, 0.3e-3, 1e-3)
+    ratio = tuned["time_s"] / tuned["baseline_s"]
+    assert tuned["bound_s"] == 0.5e-3 and tuned["hidden_fraction"] == pytest.approx((1 - ratio) / 0.5)
+    assert tuned["reason"].startswith("hides ")
+    confirm = api.reader.get(f"/v1/studies/{study_id}/trials").json()[-1]
+    assert confirm["kind"] == "confirm" and confirm["bounds"]["compute"]["median_s"] == 0.5e-3
+    params = {**PROBLEM, "platform": "cpu", "device_kind": "cpu"}
+    answer = api.reader.get("/v1/configs", params=params).json()
+    assert answer["match"] == "exact"
+    for field in ("compute_s", "communication_s", "bounds_baseline_s", "bound_s", "hidden_fraction", "reason"):
+        assert answer[field] == tuned[field], field
+    nearest = api.reader.get("/v1/configs", params=params | {"m": 512}).json()
+    assert nearest["match"] == "nearest" and nearest["bound_s"] is None  # another problem's bounds are not these
+    (listed,) = api.reader.get("/v1/tuned").json()
+    assert listed["hidden_fraction"] == tuned["hidden_fraction"] and listed["reason"] == tuned["reason"]
+    exported = api.reader.get("/v1/bundles").json()
+    assert exported["configs"][0]["bound_s"] == 0.5e-3
+    other = make_api(f"sqlite:///{tmp_path / 'other.sqlite'}")
+    try:
+        assert other.admin.post("/v1/bundles", json=exported).status_code == 201
+        again = other.reader.get("/v1/configs", params=params).json()
+        assert (again["compute_s"], again["hidden_fraction"]) == (0.5e-3, answer["hidden_fraction"])
+    finally:
+        other.db.dispose()
+    spec = api.reader.get("/openapi.json").json()["components"]["schemas"]
+    for schema in ("ConfigAnswer", "SubmissionEntry"):
+        assert {"compute_s", "communication_s", "bound_s", "hidden_fraction", "reason"} <= set(
+            spec[schema]["properties"]), schema
+
+
+def test_a_submissions_entries_carry_their_bounds(api):
+    from collective_matmul import Hardware, Problem
+    from collective_matmul.bundle import TunedConfig
+
+    body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
+            "step": {"measure": False}}
+    created = api.admin.post("/v1/studies", json=body).json()
+    sub = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()
+    with api.store.write() as tx:
+        for e in sub["entries"]:
+            tx.save_tuned(TunedConfig(problem=Problem(**e["problem"]), hardware=Hardware(**HARDWARE),
+                                      decomposition=Decomposition.baseline(), time_s=2e-3, baseline_s=2e-3,
+                                      speedup=1.0, compute_s=1e-3, communication_s=1.2e-3,
+                                      bounds_baseline_s=2.1e-3), study_id=None)
+    entries = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()["entries"]
+    assert {(e["bound_s"], e["hidden_fraction"]) for e in entries} == {(1.2e-3, 0.0)}
+    assert all(e["reason"].startswith("communication-bound") for e in entries)

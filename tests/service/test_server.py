@@ -208,7 +208,7 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
                                         "hardware": HARDWARE, "budget": {"trials": 2}, "confirm_top": 1})
         worker = register(httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['worker']}"},
                                        timeout=30))
-        while run_trial(worker) is not None:
+        while run_trial(worker, bounds_s=(0.5e-3, 0.3e-3, 1e-3)) is not None:
             pass
         token_file = tmp_path / "reader.token"
         token_file.write_text(tok["reader"] + "\n")  # the token stays out of every argv
@@ -224,6 +224,8 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "step:tiny" in run.stdout and "submitted models" in run.stdout
     assert "1.25x" in run.stdout  # the synthetic step: 1.0 s as written, 0.8 s tuned
+    assert "hidden" in run.stdout and "communication" in run.stdout and "500 µs" in run.stdout  # the bounds
+    assert "hides 56% of the hideable time" in run.stdout  # a ring at 0.72 of the baseline, the bound at half
 
 
 def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):

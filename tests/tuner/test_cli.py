@@ -35,6 +35,9 @@ def test_tune_writes_a_bundle_the_ops_accept(tmp_path):
     entry = bundle.lookup(problem, Hardware.detect())
     assert entry is not None and entry.trials == 6 and entry.space_size == 49
     assert entry.speedup > 0 and entry.baseline_s > 0
+    assert entry.compute_s > 0 and entry.communication_s > 0 and entry.bounds_baseline_s > 0  # the bounds came too
+    assert "hidden" in run.stdout and "communication" in run.stdout
+    assert " ".join(entry.reason.split()[:3]) in " ".join(run.stdout.split())  # each problem's reason, printed
 
     mesh = jax.make_mesh((8,), ("model",))
     rng = np.random.default_rng(0)
@@ -52,6 +55,19 @@ def test_tune_model_on_two_processes(tmp_path):
     assert run.returncode == 0, run.stderr
     (entry,) = Bundle.load(bundle_path).configs
     assert entry.hardware.process_count == 2 and entry.hardware.device_count == 8
+    assert entry.bounds is not None  # both processes timed the bounds rounds together
+
+
+def test_bench_times_the_bounds_after_the_candidates(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    run = cmtune("bench", "--problem", "ag:64x8x16:float32:8", "--repeats", "1", "--warmup", "0", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    assert "hidden" in text and "bounds: compute" in text and "communication" in text
+    from collective_matmul.wire import BoundsMeasurement
+
+    bounds = BoundsMeasurement.model_validate_json(out.read_text().splitlines()[-1])
+    assert bounds.ok and bounds.problem == Problem.parse("ag:64x8x16:float32:8")
 
 
 def test_tune_seeds_each_problem_from_the_bundle_and_the_problems_before_it(tmp_path):

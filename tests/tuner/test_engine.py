@@ -27,6 +27,8 @@ from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition, Hardware, MeshSpec, OpConfigs, Problem, TunedConfig, candidates
 from collective_matmul.models import PRESETS, ROLES, SLOTS, role_problems
 from collective_matmul.wire import (
+    BoundsMeasurement,
+    Confirmation,
     Measurement,
     Protocol,
     Status,
@@ -475,3 +477,80 @@ def tx_overrides(tx, store):
     if isinstance(store, InMemoryStore):
         return list(store._overrides.values())
     return tx.catalog.overrides(model="tiny", hardware=HW)
+
+
+# --- bounds: timed with the confirmation, stored on its trial and on the tuned config ---------------
+
+
+def bounds_of(problem: Problem = PROBLEM, compute=0.5e-3, communication=0.3e-3, baseline=1e-3,
+              status: Status = Status.OK) -> BoundsMeasurement:
+    if status != Status.OK:
+        return BoundsMeasurement(problem=problem, hardware=HW, status=status, message="boom")
+    return BoundsMeasurement(problem=problem, hardware=HW, status=status, compute=Timing.of([compute] * 3),
+                             communication=Timing.of([communication] * 3), baseline=Timing.of([baseline] * 3))
+
+
+def confirm_with(driver: Driver, study_id: int, bounds: BoundsMeasurement | None, ratio=None):
+    """Run the search, then report the confirmation with ``bounds`` (every ring at ``ratio`` if given)."""
+    while (trial := driver.claim(study_id)).kind == TrialKind.SEARCH:
+        driver.report(trial)
+    results = [measured(c, ratio=ratio if ratio and c.method == "ring" else None) for c in trial.decompositions]
+    with driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, Confirmation(measurements=results, bounds=bounds), now=driver.tick())
+    return trial
+
+
+def test_a_confirmations_bounds_are_stored_on_its_trial_and_the_tuned_config(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=4, confirm_top=2))
+    trial = confirm_with(driver, study_id, bounds_of())
+    study, trials = driver.study(study_id)
+    assert trials[-1].id == trial.id and trials[-1].bounds == bounds_of()
+    with driver.store.transaction() as tx:
+        assert tx.trial(trial.id).bounds == bounds_of()
+        assert all(t.bounds is None for t in tx.trials(study_id))  # read with the measurements only
+    tuned = driver.tuned(study_id)
+    assert (tuned.compute_s, tuned.communication_s, tuned.bounds_baseline_s) == (0.5e-3, 0.3e-3, 1e-3)
+    assert tuned.bound_s == 0.5e-3 and tuned.ring
+    assert tuned.hidden_fraction == pytest.approx((1 - tuned.time_s / tuned.baseline_s) / 0.5)
+    assert study.message is None  # a ring won: the tuned config says how much it hid
+
+
+def test_a_study_the_baseline_won_says_why_from_its_bounds(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=4, confirm_top=2))
+    confirm_with(driver, study_id, bounds_of(compute=0.6e-3, communication=0.35e-3), ratio=1.1)
+    study, _ = driver.study(study_id)
+    tuned = driver.tuned(study_id)
+    assert not tuned.ring and tuned.hidden_fraction == 0.0
+    assert study.message.startswith("no ring won: the ring's steps cost more than the transfer they hide")
+    assert "0.91x" in study.message  # the best ring of the round
+
+
+def test_failed_or_missing_bounds_leave_the_config_without_them(store):
+    driver = Driver(store)
+    first = driver.create(settings(max_trials=3, confirm_top=1))
+    confirm_with(driver, first, bounds_of(status=Status.OOM), ratio=1.2)
+    tuned = driver.tuned(first)
+    assert tuned.bounds is None and tuned.hidden_fraction is None
+    study, trials = driver.study(first)
+    assert trials[-1].bounds.status == Status.OOM
+    assert study.message.startswith("no ring won: no bounds were measured")
+
+
+def test_bounds_must_be_of_the_studys_problem_and_come_with_a_confirmation(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=3, confirm_top=1))
+    trial = driver.claim(study_id)
+    with pytest.raises(InvalidError, match="bounds come with a confirmation only"), \
+            driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, Confirmation(measurements=[measured(trial.decomposition)]),
+                             now=driver.tick())
+    driver.report(trial)
+    while (trial := driver.claim(study_id)).kind == TrialKind.SEARCH:
+        driver.report(trial)
+    other = bounds_of(problem=Problem.parse("ag:512x64x128:float32:8"))
+    with pytest.raises(InvalidError, match="its bounds are for allgather_matmul:512x64x128"), \
+            driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, Confirmation(measurements=[measured(c) for c in trial.decompositions],
+                                                        bounds=other), now=driver.tick())

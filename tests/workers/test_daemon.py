@@ -151,6 +151,9 @@ def test_two_process_worker_group_completes_a_study(tmp_path):
             stop(group)
         tuned = study_state(api, study_id)["tuned"]
         assert tuned["hardware"]["process_count"] == 2
+        assert tuned["compute_s"] > 0 and tuned["communication_s"] > 0 and tuned["reason"]  # both processes timed
+        confirm = api.get(f"/v1/studies/{study_id}/trials").json()[-1]  # the bounds rounds together
+        assert confirm["kind"] == "confirm" and confirm["bounds"]["status"] == "ok"
 
 
 @pytest.mark.slow
@@ -177,6 +180,7 @@ def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
         assert "the whole training step of tiny, measured" in text and "over the step as written" in text
         assert "timed again after the decision" in text  # the reported speedup is not the deciding rounds
         assert "estimated from the ops" in text
+        assert "communication" in text and "hidden" in text  # every problem's bounds, and why in the caption
         assert "/docs" in text and "/ui/submissions/1#token=cmt_" in text
         url = next(word for line in lines if "serving at" in line for word in line.split() if word.startswith("http"))
         demo.send_signal(signal.SIGTERM)
