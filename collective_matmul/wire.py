@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from collective_matmul.bounds import StepBound
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import Match
@@ -1028,6 +1029,11 @@ class StepChoice(BaseModel):
     search_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
                                    description="wall seconds of the search rounds after the first: what the search "
                                                "cost beside its gain")
+    time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                 description="the chosen step's median (one layer), in the rounds that graded it")
+    bound: StepBound | None = Field(default=None, description="the step against the sum of its collective matmuls' "
+                                                              "bounds: how far it is from overlap-perfect, and why "
+                                                              "the op-level estimate and the measured saving differ")
 
 
 class StepPublic(BaseModel):

@@ -71,7 +71,7 @@ from cmtune.tuner.search import (
 from cmtune.tuner.stepsearch import SearchSpace, StepDecision, StepSearch, replay, step_decision
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
 from cmtune.tuner.variants import variant_configs
-from collective_matmul.bounds import reason
+from collective_matmul.bounds import reason, step_bound
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import Decomposition, OpConfigs
@@ -88,6 +88,7 @@ from collective_matmul.wire import (
     Protocol,
     Seed,
     Status,
+    StepChoice,
     StepMeasurement,
     StepTask,
     StudyKind,
@@ -526,8 +527,10 @@ class Engine:
         model = study.step.block.name
         tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems))
         tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=trial.number)
+        record = with_step_bound(decision.record, [tx.tuned_config(p, study.hardware)
+                                                   for slots in problems.values() for p in slots.values()])
         self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
-                         decision=decision.record, **({"stop_reason": stop_reason} if stop_reason else {}))
+                         decision=record, **({"stop_reason": stop_reason} if stop_reason else {}))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -585,6 +588,18 @@ class Engine:
         to = changes.pop("state", to)
         check_trial_move(trial.id, trial.state, to)
         tx.apply_trial_move(trial.id, to, study_id=trial.study_id, study_changes=study_changes, **changes)
+
+
+def with_step_bound(record: StepChoice | None, tuned: Sequence[TunedConfig | None]) -> StepChoice | None:
+    """``record`` with the step's own bound (`collective_matmul.bounds.step_bound`): ``tuned`` holds the tuned
+    config of each collective matmul one layer of the step runs (None: not tuned, left out), against the graded
+    rounds' all-baseline and chosen steps; unchanged where those rounds did not time the all-baseline step."""
+    if record is None or record.saved_s is None or record.time_s is None:
+        return record
+    entries = [(1, config) for config in tuned if config is not None]
+    if not entries:
+        return record
+    return record.model_copy(update={"bound": step_bound(entries, record.time_s + record.saved_s, record.time_s)})
 
 
 def check_study_move(study_id: int, state: StudyState, to: StudyState) -> None:

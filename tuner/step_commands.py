@@ -242,7 +242,10 @@ def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, 
 
     decision, result = run_search(group, search, measure, say)
     if decision is not None:
-        _write_decision(decision, block.name, hardware, bundle, say)
+        known = {c.key: c for c in Bundle.load(bundle).configs}
+        tuned = [known.get((p.key, hardware.key)) for slots in role_problems(block, spec).values()
+                 for p in slots.values()]
+        _write_decision(decision, block.name, hardware, bundle, say, tuned=tuned)
     return result
 
 
@@ -300,21 +303,31 @@ def decide_user_step(group, session, tuned, per_role, *, model: str, bundle: Pat
             overrides.append(override)
         else:
             dropped.append(override.role)
-    _write_decision(decision, model, hardware, bundle, say, overrides=overrides)
+    known = {c.key: c for c in (tuned.bundle.configs if tuned.bundle is not None else [])}
+    calls = [known.get((p.key, hardware.identity().key)) for site in tuned.report().applied
+             for p in site.problems.values()]  # each call site the step traced, once
+    _write_decision(decision, model, hardware, bundle, say, overrides=overrides, tuned=calls)
     if dropped:
         say(f"[yellow]not written (the decided configs do not fit every problem of the role): "
             f"{', '.join(dropped)}[/yellow]")
     return result
 
 
-def _write_decision(decision, model: str, hardware, bundle: Path, say, overrides=None) -> None:
-    """Say what the search chose and write its overrides (``overrides``: those of ``decision``) into ``bundle``."""
+def _write_decision(decision, model: str, hardware, bundle: Path, say, overrides=None, tuned=()) -> None:
+    """Say what the search chose, and the step against its bound (``tuned``: the tuned config of each collective
+    matmul the step runs, None where untuned), and write its overrides (``overrides``: those of ``decision``)
+    into ``bundle``."""
+    from cmtune.tuner.engine import with_step_bound
+
     if not decision.ok:
         say(f"[red]no decision: {decision.summary}[/red]")
         return
     overrides = decision.role_overrides(model, hardware) if overrides is None else overrides
     save_overrides(bundle, model, hardware, overrides)
     say(f"decision: {decision.summary}")
+    record = with_step_bound(decision.record, list(tuned))
+    if record is not None and record.bound is not None:
+        say(f"against its bound (one layer): {record.bound.summary}")
     say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
         + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
 

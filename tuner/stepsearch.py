@@ -183,7 +183,8 @@ def _choice(graded: StepMeasurement, chosen: str, *, fresh: bool, overrides: dic
                     + (f", {spent:.0f} s after the first round" if spent is not None else ""))
     return StepChoice(variant=chosen, ratio=graded.variant(chosen).ratio, vs_reference=vs_reference,
                       vs_baseline=vs_baseline, saved_s=saved, fresh_rounds=fresh, overrides=overrides,
-                      summary=summary[:2000], seed=seed, vs_seed=vs_seed, **search)
+                      summary=summary[:2000], seed=seed, vs_seed=vs_seed,
+                      time_s=graded.variant(chosen).timing.median_s, **search)
 
 
 # ---- the search --------------------------------------------------------------------------------

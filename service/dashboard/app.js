@@ -389,6 +389,7 @@ async function submissionPage(id) {
       sub.entries.filter((e) => e.decomposition_id).map((e) => boundsPicture(e, `${e.roles.join(", ")} · ${e.problem_key}`))),
     step ? el("h2", {}, "The whole training step, measured") : null,
     step ? el("p", { class: "muted", id: "step-message" }, step.message || `step study #${step.study_id}: ${step.state}`) : null,
+    step && step.decision && step.decision.bound ? el("p", { id: "step-bound" }, `Against its bound (per layer): ${step.decision.bound.summary}.`) : null,
     step && step.variants.length ? dataTable("variants", variantColumns, step.variants) : null,
     step && step.confirmation.length ? el("p", { class: "muted" }, "Timed again after the decision, in fresh rounds: the speedups above come from these.") : null,
     step && step.confirmation.length ? dataTable("confirmation", variantColumns, step.confirmation) : null,

@@ -440,6 +440,11 @@ def test_a_step_study_searches_round_by_round_and_every_store_decides_alike(stor
     # result (round 2's forged one too)
     assert decision.search_s == pytest.approx(3.0 + 2.0)
     assert study.trials_done == 4 and study.best_trial_id == trials[-1].id
+    # the step's own bound: each of the layer's 12 collective matmuls (all tuned) against the graded rounds
+    assert decision.time_s == pytest.approx(driver.seconds(graded["r2-qkv-fw2"]))
+    assert len(decision.bound.terms) == 12 and decision.bound.measured_tuned_s == decision.time_s
+    assert decision.bound.measured_saved_s == pytest.approx(decision.saved_s)
+    assert decision.bound.estimated_saved_s == pytest.approx(sum(t.saved_s for t in decision.bound.terms))
     with store.transaction() as tx:
         overrides = {o.role: o for o in tx_overrides(tx, store)}
     assert set(overrides) == set(ROLES)

@@ -252,6 +252,7 @@ def test_verify_decide_searches_the_block_and_writes_its_overrides(files, tmp_pa
     assert {o.role for o in saved} == {role for role, c in chosen.configs.items()
                                        if c != result.variant("tuned").configs[role]}
     assert f"wrote {len(saved)} per-role override(s) of 'small' on cpu:cpu:8:1" in text
+    assert "against its bound (one layer): " in text and "the op-level estimate" in text  # the bundle's configs
 
 
 @pytest.mark.parametrize("args, message", [
