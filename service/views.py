@@ -19,6 +19,7 @@ from collective_matmul.wire import (
     TrialKind,
     TrialPublic,
     WorkerPublic,
+    reconfirm_outcome,
 )
 
 
@@ -84,7 +85,8 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             if winner and s.best_ratio and s.kind == StudyKind.SEARCH else None,
             tuned=config, tuned_decomposition_id=config.decomposition.id if config else None,
             stop_reason=s.stop_reason, message=s.message, created_at=s.created_at, started_at=s.started_at,
-            finished_at=s.finished_at, decision=s.decision,
+            finished_at=s.finished_at, decision=s.decision, software=s.software, reconfirm=s.reconfirm,
+            outcome=reconfirm_outcome(s.state, s.stop_reason) if s.reconfirm is not None else None,
         ))
     return out
 
@@ -111,7 +113,8 @@ def trial_public(trial: TrialRecord) -> TrialPublic:
 def worker_public(worker: WorkerInfo, *, current_trial_id: int | None, online_after: dt.datetime) -> WorkerPublic:
     return WorkerPublic(
         id=worker.id, name=worker.name, hardware=worker.hardware, hardware_key=worker.hardware.key,
-        software=worker.software, registered_at=worker.registered_at, last_heartbeat=worker.last_heartbeat,
+        software=worker.software, software_key=worker.software.key, registered_at=worker.registered_at,
+        last_heartbeat=worker.last_heartbeat,
         online=worker.active and worker.last_heartbeat >= online_after, active=worker.active,
         current_trial_id=current_trial_id, trials_done=worker.trials_done, memory_bytes=worker.memory_bytes,
     )

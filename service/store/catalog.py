@@ -34,7 +34,7 @@ from cmtune.service.store.studies import Studies, overrides_t
 from cmtune.tuner.store import StudyRecord
 from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyKind, StudyState, TrialState
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,12 @@ class Catalog:
     # --- tuned configs and overrides ------------------------------------------------------------
 
     def tuned(self, problem: Problem, hardware: Hardware) -> TunedRow | None:
-        """The tuned config of (problem, hardware) and its study (`StoreTx.tuned_config` without it)."""
+        """The newest tuned config of (problem, hardware), of any stack, and its study (`StoreTx.tuned_config`
+        without it)."""
         if self._tx.problem_id(problem) is None:
             return None
         found = self._tuned(problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key)
-        return found[0] if found else None
+        return max(reversed(found), key=lambda row: row.config.tuned_at) if found else None
 
     def tuned_of_studies(self, study_ids: Sequence[int]) -> dict[int, TunedConfig]:
         """The tuned configs written by these studies."""
@@ -156,11 +157,36 @@ class Catalog:
                     model=r.model, role=r.role, hardware=hardware_of(r), configs=OpConfigs.model_validate(r.configs),
                     reason=r.reason, step_speedup=r.step_speedup,
                     problems=None if r.problems is None else {s: Problem.model_validate(p)
-                                                              for s, p in r.problems.items()}))
+                                                              for s, p in r.problems.items()},
+                    software=Software.of(r.software) if r.software is not None else None))
             except ValidationError as exc:  # stored before its checks existed: never served
                 log.warning("override of %s role %s on %s:%s does not fit its problems, not served: %s",
                             r.model, r.role, r.platform, r.device_kind, exc.errors()[0]["msg"])
         return found
+
+
+    # --- re-confirmation -----------------------------------------------------------------------
+
+    def reconfirmations(self, hardware: Hardware, software: Software) -> list[StudyRecord]:
+        """The re-confirmation studies (any state) on ``hardware`` for the stack ``software``, oldest first."""
+        ids = self._tx.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
+                               .where(hardware_t.c.key == hardware.identity().key, studies.c.reconfirm.is_not(None),
+                                      studies.c.software_key == software.key).order_by(studies.c.id)).scalars()
+        return [self._studies.study(i) for i in ids]
+
+    def step_studies(self, hardware: Hardware, *, software: Software | None = None) -> list[StudyRecord]:
+        """The step studies on ``hardware`` (of the stack ``software`` only, where given), newest first."""
+        query = select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id).where(
+            hardware_t.c.key == hardware.identity().key, studies.c.kind == StudyKind.STEP.value)
+        if software is not None:
+            query = query.where(studies.c.software_key == software.key)
+        return [self._studies.study(i) for i in self._tx.execute(query.order_by(studies.c.id.desc())).scalars()]
+
+    def override_models(self, hardware: Hardware) -> list[str]:
+        """The models with per-role overrides on ``hardware``."""
+        return list(self._tx.execute(
+            select(overrides_t.c.model).join(hardware_t, hardware_t.c.id == overrides_t.c.hardware_id)
+            .where(hardware_t.c.key == hardware.identity().key).distinct().order_by(overrides_t.c.model)).scalars())
 
 
 def _hardware_filter(platform: str | None, device_kind: str | None, key: str | None) -> list:
