@@ -329,12 +329,11 @@ class Software(BaseModel):
                    flags=flags_digest(environ))
 
     def __str__(self) -> str:
-        parts = [f"jax {self.jax or '?'}", f"jaxlib {self.jaxlib or '?'}"]
-        if self.platform_version:
-            parts.append(self.platform_version)
-        if self.flags:
-            parts.append(f"flags {self.flags}")
-        return ", ".join(parts)
+        """e.g. ``jax 0.10.2, jaxlib 0.10.2, cpu, flags 1f0c...`` (what is known of it)."""
+        parts = [f"{name} {value}" for name, value in (("jax", self.jax), ("jaxlib", self.jaxlib)) if value]
+        parts += [self.platform_version] if self.platform_version else []
+        parts += [f"flags {self.flags}"] if self.flags else []
+        return ", ".join(parts) or "an unnamed stack"
 
 
 class Hardware(BaseModel):

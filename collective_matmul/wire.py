@@ -491,11 +491,19 @@ class Reconfirmation(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     config: TunedConfig = Field(description="the stored config, as it was (with the stack that measured it)")
+    decomposition_id: str = Field(max_length=64, description="the stored winner's id")
     runner_up: Decomposition | None = Field(
         default=None, description="the best other candidate of the study that tuned it (None: none is known, e.g. "
                                   "a config imported from a bundle; the cost model's first ring runs instead)")
     contenders: list[Decomposition] = Field(max_length=8, description="what the round times, the baseline first")
     study_id: int | None = Field(default=None, description="the study that tuned the stored config")
+
+    @model_validator(mode="after")
+    def _of_the_config(self) -> Reconfirmation:
+        if self.decomposition_id != self.config.decomposition.id:
+            raise ValueError(f"decomposition_id={self.decomposition_id!r} is not the stored winner's "
+                             f"({self.config.decomposition.id!r})")
+        return self
 
 
 Outcome = Literal["waiting", "re-confirmed", "replaced", "failed", "cancelled"]

@@ -78,7 +78,8 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             problem_key=s.problem.key if s.problem is not None else f"step:{s.step.block.name}", hardware=s.hardware,
             hardware_key=s.hardware.key, settings=s.settings.model_dump(mode="json"), space_size=s.space_size,
             trials_done=s.trials_done,
-            trials_budget=1 if s.kind == StudyKind.STEP else min(s.settings.max_trials or s.space_size, s.space_size),
+            trials_budget=1 if s.kind == StudyKind.STEP or s.reconfirm is not None  # one step trial, one round
+            else min(s.settings.max_trials or s.space_size, s.space_size),
             trials_running=leased.get(s.id, 0),
             best=BestSoFar(decomposition=winner, decomposition_id=winner.id, ratio=s.best_ratio,
                            speedup=1 / s.best_ratio, trial_id=s.best_trial_id)

@@ -373,7 +373,7 @@ class Engine:
         if len(contenders) < 3 and runner_up is None:  # something to compare the stored winner with
             searcher = _searcher(problem, settings.profile or profile_name_for(hardware), settings)
             contenders += [d for d in searcher.by_model if d.method == "ring" and d not in contenders][:1]
-        record = Reconfirmation(config=config, runner_up=runner_up, contenders=contenders,
+        record = Reconfirmation(config=config, decomposition_id=winner.id, runner_up=runner_up, contenders=contenders,
                                 study_id=origin.id if origin is not None else None)
         study = tx.add_study(problem=problem, hardware=hardware, settings=settings, protocol=protocol,
                              space_size=len(candidates(problem)), now=now, software=software, reconfirm=record)
@@ -511,7 +511,7 @@ class Engine:
             note = f"{outcome['message']}; {note}" if note else outcome["message"]
         tx.save_tuned(config.model_copy(update={"hardware": study.hardware.identity()}), study_id=study_id)
         self._move_study(tx, study, S.COMPLETED, finished_at=now, message=note,
-                         **({"stop_reason": outcome["stop_reason"]} if outcome else {}))
+                         **({"stop_reason": outcome["stop_reason"], "trials_done": 1} if outcome else {}))
         self._wake_step_studies(tx, study.hardware, now=now)
 
     @staticmethod

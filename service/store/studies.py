@@ -106,9 +106,9 @@ class Studies:
             settings=settings.model_dump(mode="json"), protocol=protocol.model_dump(mode="json"),
             space_size=space_size, created_at=now, trials_done=0, kind=kind,
             step=step.to_json() if step is not None else None, submission_id=submission_id,
-            software=software.model_dump(mode="json") if software is not None else None,
+            software=software.model_dump(mode="json") if software is not None else null(),  # SQL NULL, not JSON null
             software_key=software.key if software is not None else None,
-            reconfirm=reconfirm.model_dump(mode="json") if reconfirm is not None else None,
+            reconfirm=reconfirm.model_dump(mode="json") if reconfirm is not None else null(),
         ))
         # what never changes is what was just written (no read back)
         tx.store.fixed[row.id] = Fixed(problem, hardware.identity(), hardware_id, problem_id, settings, protocol,

@@ -210,6 +210,10 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
                                        timeout=30))
         while run_trial(worker) is not None:
             pass
+        # a worker of a new jax: the configs are re-confirmed on it, one done here, the others waiting
+        upgraded = register(httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['worker']}"},
+                                         timeout=30), "upgraded", software={"jax": "0.11.0", "jaxlib": "0.11.0"})
+        run_trial(upgraded)
         token_file = tmp_path / "reader.token"
         token_file.write_text(tok["reader"] + "\n")  # the token stays out of every argv
 
@@ -224,6 +228,10 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "step:tiny" in run.stdout and "submitted models" in run.stdout
     assert "1.25x" in run.stdout  # the synthetic step: 1.0 s as written, 0.8 s tuned
+    assert "re-confirmations on a new software stack" in run.stdout
+    # the column "re-confirmed on" and the one done; the others wait for a worker of the new stack
+    assert run.stdout.count("re-confirmed") >= 2 and "waiting" in run.stdout
+    assert "jax 0.11.0, jaxlib 0.11.0" in run.stdout and "software stacks online" in run.stdout
 
 
 def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):
