@@ -459,8 +459,8 @@ class Engine:
             if decision.ok:
                 model = study.step.block.name
                 stack = study.software or result.hardware.software  # the overrides say which stack decided them
-                tx.save_overrides(model, study.hardware, [o.model_copy(update={"software": stack}) for o in
-                                                          decision.role_overrides(model, study.hardware, problems)])
+                tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems,
+                                                                                 software=stack))
                 tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=1)
                 self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
                                  stop_reason="measured", decision=decision.record)
@@ -653,12 +653,16 @@ class StepDecision:
     record: StepChoice | None = None  # what is stored and served (None: no decision could be made)
 
     def role_overrides(self, model: str, hardware: Hardware,
-                       problems: dict[str, dict[str, Problem]] | None = None) -> list[RoleOverride]:
+                       problems: dict[str, dict[str, Problem]] | None = None, *,
+                       software: Software | None = None) -> list[RoleOverride]:
         """The decision's changes as the per-role overrides of ``model`` on ``hardware``, each with its
-        role's three problems where ``problems`` has them (each config is checked against its own)."""
+        role's three problems where ``problems`` has them (each config is checked against its own) and the
+        stack that measured them (``software``, default ``hardware.software``)."""
         problems = problems or {}
+        software = software or hardware.software
         return [RoleOverride(model=model, role=role, hardware=hardware.identity(), configs=configs,
-                             reason=self.reasons[role], step_speedup=1 / self.ratio, problems=problems.get(role))
+                             reason=self.reasons[role], step_speedup=1 / self.ratio, problems=problems.get(role),
+                             software=software)
                 for role, configs in self.overrides.items()]
 
 

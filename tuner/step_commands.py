@@ -225,7 +225,8 @@ def _decide(group, session, result, variants, per_role, tuned, model, bundle, sa
         sites.setdefault(site.role, []).append(site)
     hardware = next(iter(sites.values()))[0].hardware
     overrides, dropped = [], []
-    for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()}):
+    for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()},
+                                            software=result.hardware.software):
         calls = sites.get(override.role, [])
         if all(p.accepts(getattr(override.configs, slot)) for site in calls for slot, p in site.problems.items()):
             overrides.append(override)

@@ -99,7 +99,8 @@ def test_a_jax_upgrade_turns_exact_into_stale_until_a_worker_of_it_reconfirms_th
     assert (before["match"], before["software"]["jax"]) == ("exact", "0.10.2")
     stored = api.reader.get("/v1/tuned").json()
     assert sorted(c["software"]["jax"] for c in stored) == ["0.10.2", "0.11.0"]
-    assert len({c["software_key"] for c in stored}) == 2 and {c["problem_key"] for c in stored} == {study["problem_key"]}
+    assert len({c["software_key"] for c in stored}) == 2
+    assert {c["problem_key"] for c in stored} == {study["problem_key"]}
     bundle = api.reader.get("/v1/bundles").json()
     assert bundle["version"] == 3 and sorted(c["software"]["jax"] for c in bundle["configs"]) == ["0.10.2", "0.11.0"]
     workers = {w["name"]: w for w in api.reader.get("/v1/workers").json()}
@@ -185,9 +186,9 @@ def test_migration_0008_keys_stored_configs_by_their_versions_and_downgrades_to_
                        "VALUES ('cpu:cpu:8:1', 'cpu', 'cpu', 8, 1)"))
         c.execute(text("INSERT INTO problems (key, collective, m, k, n, dtype, axis_size) VALUES "
                        "(:key, 'allgather_matmul', 256, 64, 128, 'float32', 8)"), {"key": Problem(**PROBLEM).key})
-        c.execute(text("INSERT INTO tuned_configs (problem_id, hardware_id, decomposition, time_s, baseline_s, speedup, "
-                       "speedup_iqr, trials, invalid, failed, space_size, software, updated_at) VALUES (1, 1, :d, 1e-3, "
-                       "1e-3, 1, 0, 4, 0, 0, 49, :s, :u)"),
+        c.execute(text("INSERT INTO tuned_configs (problem_id, hardware_id, decomposition, time_s, baseline_s, "
+                       "speedup, speedup_iqr, trials, invalid, failed, space_size, software, updated_at) "
+                       "VALUES (1, 1, :d, 1e-3, 1e-3, 1, 0, 4, 0, 0, 49, :s, :u)"),
                   {"d": json.dumps({"method": "baseline"}), "s": json.dumps(OLD), "u": when})
     migrate.upgrade(engine)
     with engine.connect() as c:
