@@ -35,8 +35,8 @@ from collective_matmul.lookup import (
     MEASURED,
     by_problem,
     from_tuned,
-    note,
     override_note,
+    stack_note,
     untuned,
     weight_gradient,
 )
@@ -273,7 +273,7 @@ class Tuned:
             return None
         match, config = found
         return Lookup(config.decomposition, match, "bundle", config.speedup if match in ("exact", "stale") else None,
-                      config.software, note(match, config, software) or "")
+                      config.software, stack_note(match, config, software) or "")
 
     def override(self, role: str, hardware: Hardware) -> _Override | None:
         """This model's override of ``role`` on ``hardware`` (server first, then the bundle), or None.

@@ -59,7 +59,7 @@ def from_tuned(problem: Problem, configs: Mapping[str, Sequence[TunedConfig]], s
     return ("nearest", close) if close is not None else None
 
 
-def note(match: str, config: TunedConfig | None, software: Software | None) -> str | None:
+def stack_note(match: str, config: TunedConfig | None, software: Software | None) -> str | None:
     """What an answer says about the stacks: a look-up that named none, or a config measured on another."""
     if software is None:
         return NO_STACK if config is not None else None

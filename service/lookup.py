@@ -16,7 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import by_problem, from_tuned, note, untuned
+from collective_matmul.lookup import by_problem, from_tuned, stack_note, untuned
 from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ConfigAnswer
 
@@ -32,7 +32,7 @@ def answer(problem: Problem, hardware: Hardware, tuned: Mapping[str, Sequence[Tu
     if found is not None:
         return _from_tuned(problem, hardware, found[1], found[0], software)
     match, decomposition = untuned(problem, hardware)
-    return _answer(problem, hardware, decomposition, match, note=note(match, None, software))
+    return _answer(problem, hardware, decomposition, match, note=stack_note(match, None, software))
 
 
 def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, match: str, **extra) -> ConfigAnswer:
@@ -49,7 +49,7 @@ def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match
         baseline_s=config.baseline_s if measured else None,
         speedup=config.speedup if measured else None,
         source_problem=config.problem if match == "nearest" else None,
-        software=config.software, note=note(match, config, software),
+        software=config.software, note=stack_note(match, config, software),
     )
 
 

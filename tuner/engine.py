@@ -494,7 +494,8 @@ class Engine:
             reasons = "; ".join(f"{t.decomposition.id}: {t.status or t.state} {t.message or ''}".strip()
                                 for t in search if t.state in (T.COMPLETED, T.FAILED))
             if study.reconfirm is not None:  # no search of its own: the round is all it had
-                reasons = f"the re-confirmation round on {study.software}: {note or 'every measurement failed'}"
+                said = "; ".join(f"{m.decomposition.id}: {m.status} {m.message}".strip() for m in confirmation or ())
+                reasons = f"the re-confirmation round on {study.software}: {said or 'it got no result'}"
             self._move_study(tx, study, S.FAILED, finished_at=now,
                              message=("no candidate, not even the baseline, ran successfully: " + reasons)[:2000])
             self._wake_step_studies(tx, study.hardware, now=now)

@@ -5,8 +5,10 @@
   software_key), so a config measured on a new stack is a row of its own and the old stack's stays.
   Existing rows get the key of their stored jax and jaxlib versions with an empty platform version
   and an empty flags digest (`_software_key` computes it as `Software.key` does): they were recorded
-  before the flags and the platform version were, so a stack that sets code-generation flags sees
-  them as another stack's (``stale``) until they are re-confirmed.
+  before the flags and the platform version were.  A running stack always reports a platform version
+  (``cpu`` on CPU), so a look-up that names its stack answers these rows ``stale`` until they are
+  re-confirmed on it, which the first worker to register with that stack queues (one confirmation
+  round per config); a look-up that names no stack is answered from them as before.
 - role_overrides.software: the stack of the step measurement that decided an override (NULL for
   overrides decided before this revision).
 - studies.software / studies.software_key: the stack a study's trials must run on (only workers of

@@ -33,9 +33,10 @@ def register(body: WorkerCreate, state: StateDep, _: WorkerRoleDep) -> WorkerReg
     now = utcnow()
     with state.store.write() as tx:
         hardware = body.hardware.to_hardware()
+        # first: it locks the hardware's row (PostgreSQL), which the worker's row then refers to
+        reconfirming.on_register(tx, state.engine, hardware, body.software, now=now)
         worker_id, credential = tx.workers.add(name=body.name, hardware=hardware, software=body.software,
                                                memory_bytes=body.memory_bytes, now=now)
-        reconfirming.on_register(tx, state.engine, hardware, body.software, now=now)
         public = worker_public(tx.workers.get(worker_id), current_trial_id=None, online_after=_online_after(state))
         return WorkerRegistered(**dict(public), credential=credential)
 

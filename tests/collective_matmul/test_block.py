@@ -262,14 +262,15 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path, m
 
     monkeypatch.setattr(costmodel, "model_choice", lambda problem, hardware: None)  # no cost-model profile
     mesh = mesh_1d()
-    hw = ring_hardware(mesh, "model").identity()
+    ring = ring_hardware(mesh, "model")
+    hw = ring.identity()
     tokens = MHA_GATED.global_batch * MHA_GATED.seq_len
     down = Problem(collective="matmul_reduce_scatter", m=tokens, k=128, n=64, dtype="float32", axis_size=8)
     down_gi = Problem(collective="allgather_matmul", m=tokens, k=64, n=128, dtype="float32", axis_size=8)
     up_gw = Problem(collective="allgather_grad_weight", m=tokens, k=64, n=256, dtype="float32", axis_size=8)
     entries = {down: D("ring-bi-c1-full-in"), down_gi: D("ring-uni-c2-full-dus"), up_gw: D("baseline")}
     bundle = Bundle(configs=[TunedConfig(problem=p, hardware=hw, decomposition=d, time_s=1.0, baseline_s=1.0,
-                                         speedup=1.0) for p, d in entries.items()])
+                                         speedup=1.0, software=ring.software) for p, d in entries.items()])
     bundle.save(tmp_path / "b.json")
     tuned = Tuned(bundle=tmp_path / "b.json")
     configs = configs_per_role(tuned, MHA_GATED, mesh=mesh, axis="model")

@@ -11,7 +11,7 @@ import pytest
 
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Problem, Tuned, TunedConfig, ring_hardware
 from collective_matmul.bundle import RoleOverride
-from collective_matmul.lookup import MATCHES, NO_STACK, by_problem, from_tuned, note, untuned
+from collective_matmul.lookup import MATCHES, NO_STACK, by_problem, from_tuned, stack_note, untuned
 from collective_matmul.models import slot_problems
 from collective_matmul.problem import Software, flags_digest, platform_version_of
 
@@ -88,9 +88,9 @@ def test_each_match_kind_in_the_look_up_order():
     newer = Software(jax="0.12.0")
     match, config = from_tuned(AG, configs, newer)
     assert match == "stale" and config.software == NEW  # another stack's, the newest
-    assert "another software stack (jax 0.11.0, jaxlib 0.11.0)" in note(match, config, newer)
+    assert "another software stack (jax 0.11.0, jaxlib 0.11.0)" in stack_note(match, config, newer)
     assert from_tuned(AG, configs, None) == ("exact", configs[AG.key][1])  # no stack named: the newest
-    assert note("exact", config, None) == NO_STACK
+    assert stack_note("exact", config, None) == NO_STACK
     # nearest: a tuned problem of the same collective, by its config of the caller's stack where it has one
     bigger = AG.model_copy(update={"m": 512})
     assert from_tuned(bigger, configs, OLD) == ("nearest", configs[AG.key][0])

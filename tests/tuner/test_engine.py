@@ -263,6 +263,12 @@ def test_a_reconfirmation_whose_runner_up_wins_replaces_the_config_and_one_witho
     assert study.reconfirm.runner_up is None and study.reconfirm.study_id is None
     baseline, ring = study.reconfirm.contenders
     assert baseline == Decomposition.baseline() and ring.method == "ring"
+    # a round that gets no result fails the re-confirmation, and the old stack's config is all there is
+    with driver.store.transaction(write=True) as tx:
+        trial = driver.engine.claim(tx, study_ids=[study.id], now=driver.tick())
+        driver.engine.abandon(tx, trial, status=Status.TIMEOUT, message="lease expired 3 times", now=driver.tick())
+        failed = tx.study(study.id)
+    assert failed.state == StudyState.FAILED and "the re-confirmation round on jax 0.11.0" in failed.message
 
 
 def test_an_abandoned_search_trial_counts_and_the_study_goes_on(store):
