@@ -6,9 +6,9 @@ newest of its problem) is re-timed on the new stack by a re-confirmation study
 (`Engine.create_reconfirmation`: the stored winner, its runner-up and the baseline in one confirmation
 round, leased only to workers of that stack).  It is then re-confirmed (the same decomposition, now
 ``exact`` for the new stack) or replaced by the new winner.  A model with per-role overrides on that
-hardware has its step measured again on the new stack (a step study made as a submission makes it,
-waiting for those re-confirmations), once per stack.  The old stack's configs stay, served to
-old-stack look-ups.
+hardware decided on another stack has its step measured again on the new stack (a step study made as
+a submission makes it, waiting for those re-confirmations), once per stack.  The old stack's configs
+stay, served to old-stack look-ups.
 
 Idempotent: a (problem, stack) is re-confirmed once, whatever became of it (a failed one is tuned afresh
 by submitting the problem with ``force``), so a second worker of the same stack, or one that restarts,
@@ -76,11 +76,15 @@ def on_register(tx: SqlTx, engine: Engine, hardware: Hardware, software: Softwar
 
 def _steps_again(tx: SqlTx, engine: Engine, hardware: Hardware, software: Software, *,
                  now: dt.datetime) -> list[StudyRecord]:
-    """A step study on ``software`` for each model with overrides on ``hardware`` whose step the service measured
-    (its newest step study: block, mesh, protocol) and has not measured on ``software``; it waits for the
-    re-confirmations of its problems.  A user's own step (`cmtune verify --step`) is measured where it runs."""
-    models = tx.catalog.override_models(hardware)
-    if not models:
+    """A step study on ``software`` for each model with overrides on ``hardware`` decided on another stack
+    (overrides of an unrecorded stack, from before stacks were: where some of the model's problems are
+    re-confirmed on ``software``), whose step the service measured (its newest step study gives the block, mesh
+    and protocol) and has not measured on ``software``; it waits for the re-confirmations of its problems.  A
+    user's own step (`cmtune verify --step`) is measured where it runs."""
+    decided: dict[str, set[str | None]] = {}  # model -> the stacks its overrides were decided on (None: unknown)
+    for override in tx.catalog.overrides(hardware=hardware):
+        decided.setdefault(override.model, set()).add(override.software.key if override.software else None)
+    if not decided:
         return []
     measured: dict[str, StudyRecord] = {}
     again: set[str] = set()
@@ -91,14 +95,16 @@ def _steps_again(tx: SqlTx, engine: Engine, hardware: Hardware, software: Softwa
         measured.setdefault(name, study)
     reconfirming = {s.problem.key: s.id for s in tx.catalog.reconfirmations(hardware, software)}
     created = []
-    for model in models:
+    for model, stacks in decided.items():
         last = measured.get(model)
-        if last is None or model in again:
+        if last is None or model in again or stacks == {software.key}:
             continue
         spec = last.step
         keys = {p.key for slots in role_problems(spec.block, spec.mesh).values() for p in slots.values()}
+        waits_for = sorted(reconfirming[k] for k in keys if k in reconfirming)
+        if stacks == {None} and not waits_for:
+            continue  # decided on an unrecorded stack, and nothing of the model is re-confirmed on this one
         created.append(engine.create_step_study(
             tx, block=spec.block, mesh=spec.mesh, hardware=hardware, now=now, protocol=last.protocol,
-            depends_on=sorted(reconfirming[k] for k in keys if k in reconfirming), submission_id=last.submission_id,
-            ablation=spec.ablation, software=software))
+            depends_on=waits_for, submission_id=last.submission_id, ablation=spec.ablation, software=software))
     return created

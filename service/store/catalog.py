@@ -182,12 +182,6 @@ class Catalog:
             query = query.where(studies.c.software_key == software.key)
         return [self._studies.study(i) for i in self._tx.execute(query.order_by(studies.c.id.desc())).scalars()]
 
-    def override_models(self, hardware: Hardware) -> list[str]:
-        """The models with per-role overrides on ``hardware``."""
-        return list(self._tx.execute(
-            select(overrides_t.c.model).join(hardware_t, hardware_t.c.id == overrides_t.c.hardware_id)
-            .where(hardware_t.c.key == hardware.identity().key).distinct().order_by(overrides_t.c.model)).scalars())
-
 
 def _hardware_filter(platform: str | None, device_kind: str | None, key: str | None) -> list:
     conditions = []

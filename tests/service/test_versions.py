@@ -161,6 +161,8 @@ def test_a_model_with_overrides_has_its_step_measured_again_on_the_new_stack(api
     run_all(old, seconds)
     (override,) = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()["overrides"]
     assert override["role"] == "mlp_up" and override["software"]["jax"] == "0.10.2"
+    register(api.worker, "old-2", software=OLD)  # the stack that decided them: nothing to measure again
+    assert [s["kind"] for s in api.reader.get("/v1/studies").json()["items"]].count("step") == 1
     new = register(api.worker, "new", software=NEW)
     studies = api.reader.get("/v1/studies").json()["items"]
     queued = [s for s in studies if s["reconfirm"] is not None]
