@@ -193,9 +193,31 @@ def status(
                       f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned,
                       *_bounds_cells(t), _neighbours(s) or "-")
     console.print(table)
+    reconfirming = [s for s in studies.items if s.reconfirm is not None]
+    if reconfirming:
+        console.print(_reconfirm_table(reconfirming))
     if models:
         console.print(_models_table(models))
     console.print(f"workers online: {sum(w.online for w in workers)} of {len(workers)} registered")
+    stacks = sorted({str(w.software) for w in workers if w.online})
+    if stacks:
+        console.print(f"software stacks online: {'; '.join(stacks)}")
+
+
+def _reconfirm_table(studies):
+    """Configs re-confirmed on a new software stack: waiting for a worker of it, re-confirmed, or replaced."""
+    from rich.table import Table
+
+    table = Table(title="re-confirmations on a new software stack")
+    for col in ("study", "problem", "hardware", "measured on", "re-confirmed on", "stored", "outcome", "now"):
+        table.add_column(col)
+    for s in studies:
+        stored = s.reconfirm.config
+        style = {"re-confirmed": "green", "replaced": "yellow", "waiting": "dim"}.get(s.outcome, "red")
+        table.add_row(str(s.id), s.problem_key, s.hardware_key, str(stored.software), str(s.software),
+                      f"{stored.decomposition.id} {stored.speedup:.2f}x", f"[{style}]{s.outcome}[/{style}]",
+                      f"{s.tuned_decomposition_id} {s.tuned.speedup:.2f}x" if s.tuned else "-")
+    return table
 
 
 def _neighbours(study) -> str:

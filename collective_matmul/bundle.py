@@ -5,18 +5,18 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from collective_matmul import bounds as _bounds
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
-from collective_matmul.problem import Hardware, Problem, Version, log_distance
+from collective_matmul.problem import Hardware, Problem, Software, Version, log_distance
 from collective_matmul.text import label, message
 
 BUNDLE_FORMAT = "cmtune.bundle"
-BUNDLE_VERSION = 2  # 2 adds per-model, per-role overrides; version 1 files still load
+BUNDLE_VERSION = 3  # 2 adds per-model, per-role overrides; 3 the software stack of each; versions 1 and 2 still load
 
 
 Timestamp = label(64)  # ISO 8601, as `utc_now` writes it
@@ -46,8 +46,8 @@ class TunedConfig(BaseModel):
     invalid: Count = 0
     failed: Count = 0
     space_size: Count = 0
-    jax_version: Version = ""
-    jaxlib_version: Version = ""
+    jax_version: Version = Field(default="", description="software.jax (kept for bundles before version 3)")
+    jaxlib_version: Version = Field(default="", description="software.jaxlib (kept for bundles before version 3)")
     tuned_at: Timestamp = Field(default_factory=utc_now)
     compute_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                     description="the local matmul alone (median of the bounds rounds; None: not "
@@ -58,6 +58,9 @@ class TunedConfig(BaseModel):
     bounds_baseline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                             description="the baseline timed in the bounds rounds (the hidden "
                                                         "fraction compares each time with its own round's baseline)")
+    software: Software = Field(default_factory=Software,
+                               description="the stack that measured it, part of its key (an entry of a version 1 "
+                                           "or 2 bundle: its jax_version and jaxlib_version, no flags)")
 
     @model_validator(mode="before")
     @classmethod
@@ -67,12 +70,37 @@ class TunedConfig(BaseModel):
             data = {k: v for k, v in data.items() if k not in DERIVED}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stack(cls, data: Any) -> Any:
+        """``software`` from ``jax_version``/``jaxlib_version`` where a record has none (bundles before version 3,
+        as migration 0008 does for stored configs); where it has one, those two from it where they are empty."""
+        if not isinstance(data, dict):
+            return data
+        stack = data.get("software")
+        if stack is None:
+            return {**data, "software": {"jax": data.get("jax_version") or "",
+                                         "jaxlib": data.get("jaxlib_version") or ""}}
+        if isinstance(stack, dict):
+            stack = {name: stack.get(name, "") for name in ("jax", "jaxlib")}
+        elif isinstance(stack, Software):
+            stack = {"jax": stack.jax, "jaxlib": stack.jaxlib}
+        else:
+            return data  # the field's own validation says what is wrong
+        return {**data, "jax_version": data.get("jax_version") or stack["jax"],
+                "jaxlib_version": data.get("jaxlib_version") or stack["jaxlib"]}
+
     @model_validator(mode="after")
     def _fits(self) -> TunedConfig:
         try:
             self.problem.check(self.decomposition)
         except ValueError as exc:
             raise ValueError(f"tuned config of {self.problem.key}: {exc}") from None
+        for name in ("jax", "jaxlib"):
+            recorded, stack = getattr(self, f"{name}_version"), getattr(self.software, name)
+            if recorded != stack:
+                raise ValueError(f"tuned config of {self.problem.key}: {name}_version={recorded!r} is not its "
+                                 f"software's {name}={stack!r}; give one of them, or the same in both")
         given = [self.compute_s is not None, self.communication_s is not None, self.bounds_baseline_s is not None]
         if any(given) and not all(given):
             raise ValueError(f"tuned config of {self.problem.key}: give all three bounds (compute_s, communication_s, "
@@ -109,8 +137,14 @@ class TunedConfig(BaseModel):
         return _bounds.verdict(self.bounds, self.time_s / self.baseline_s, ring=self.ring)
 
     @property
-    def key(self) -> tuple[str, str]:
-        return self.problem.key, self.hardware.key
+    def key(self) -> tuple[str, str, str]:
+        """(problem, hardware, software stack): one config per stack."""
+        return self.problem.key, self.hardware.key, self.software.key
+
+    def measured_on(self, software: Software) -> TunedConfig:
+        """This config recorded as measured on ``software`` (its version fields follow)."""
+        return self.model_copy(update={"software": software, "jax_version": software.jax,
+                                       "jaxlib_version": software.jaxlib})
 
 
 def nearest(problem: Problem, configs: Iterable[TunedConfig]) -> TunedConfig | None:
@@ -147,6 +181,9 @@ class RoleOverride(BaseModel):
     problems: dict[Literal["forward", "grad_input", "grad_weight"], Problem] | None = Field(
         default=None, description="the role's three problems (a user's step; the block's are derived from its "
                                   "shapes): each config is checked against its own")
+    software: Software | None = Field(
+        default=None, description="the stack of the step measurement that decided it (None: not recorded, before "
+                                  "bundle version 3); an override of another stack is still applied, and reported so")
 
     @model_validator(mode="after")
     def _configs_fit(self) -> RoleOverride:
@@ -171,22 +208,24 @@ class Bundle(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["cmtune.bundle"] = BUNDLE_FORMAT
-    version: Literal[1, 2] = BUNDLE_VERSION
+    version: Literal[1, 2, 3] = BUNDLE_VERSION
     created_at: Timestamp = Field(default_factory=utc_now)
     configs: list[TunedConfig] = Field(default_factory=list, max_length=100_000)
     overrides: list[RoleOverride] = Field(default_factory=list, max_length=100 * MAX_ROLES)
 
     def add(self, config: TunedConfig) -> None:
-        """Add or replace the entry for the same (problem, hardware)."""
+        """Add or replace the entry for the same (problem, hardware, software stack): another stack's stays."""
         self.configs = [c for c in self.configs if c.key != config.key] + [config]
 
     def add_override(self, override: RoleOverride) -> None:
         """Add or replace the override for the same (model, role, hardware)."""
         self.overrides = [o for o in self.overrides if o.key != override.key] + [override]
 
-    def lookup(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
-        key = (problem.key, hardware.key)
-        return next((c for c in self.configs if c.key == key), None)
+    def lookup(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> TunedConfig | None:
+        """The entry of (problem, hardware) measured on ``software``; without one, the newest of any stack."""
+        found = [c for c in self.configs if c.key[:2] == (problem.key, hardware.key)
+                 and (software is None or c.software.key == software.key)]
+        return max(reversed(found), key=lambda c: c.tuned_at) if found else None
 
     def override(self, model: str, role: str, hardware: Hardware) -> RoleOverride | None:
         key = (model, role, hardware.identity().key)
@@ -207,5 +246,5 @@ class Bundle(BaseModel):
         try:
             return cls.model_validate_json(text)
         except ValueError as exc:
-            raise ValueError(f"{path}: not a cmtune bundle (format {BUNDLE_FORMAT!r}, version 1 or "
+            raise ValueError(f"{path}: not a cmtune bundle (format {BUNDLE_FORMAT!r}, version 1 to "
                              f"{BUNDLE_VERSION}): {exc}") from None

@@ -1,8 +1,11 @@
 """`Tuned`: how training code gets tuned configs and runs the ops with them.
 
 Look-ups fall back in a stated order and say which they used: the model's per-role override,
-the server's answer (exact or nearest), the bundle's (exact or nearest), the cost model's choice
-for the hardware, the baseline.  Each (problem, hardware) is looked up once per process; a server
+the server's answer (exact, stale or nearest), the bundle's (the same, its stacks compared with this
+process's), the cost model's choice for the hardware, the baseline.  Every look-up sends this
+process's software stack (`collective_matmul.problem.Software`): a config measured on another stack
+answers ``stale`` and the report says which stack measured it; an override of another stack is
+still applied, and noted so.  Each (problem, hardware, stack) is looked up once per process; a server
 that is down or errs is reported by one warning and never breaks the training step, and a served
 config that does not fit its problem is skipped and reported, never raised inside the step.
 
@@ -27,10 +30,19 @@ from jax.sharding import Mesh
 from collective_matmul import roles
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.lookup import MATCHES, MEASURED, from_tuned, untuned, weight_gradient
+from collective_matmul.lookup import (
+    MATCHES,
+    MEASURED,
+    by_problem,
+    from_tuned,
+    override_note,
+    stack_note,
+    untuned,
+    weight_gradient,
+)
 from collective_matmul.models import SLOTS, rings, slot_problems
 from collective_matmul.ops import OPS, BatchAxis, problem_of
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ConfigAnswer, Pin
 
 logger = logging.getLogger("collective_matmul")
@@ -51,9 +63,11 @@ class Lookup:
     """The answer to one look-up: the config, and where it came from."""
 
     decomposition: Decomposition
-    match: str  # override | exact | nearest | model | baseline | fixed
+    match: str  # override | exact | stale | nearest | model | baseline | fixed
     source: str  # server | bundle | costmodel | baseline | variant | process 0
     speedup: float | None = None
+    software: Software | None = None  # the stack that measured the config it came from
+    note: str = ""  # what the answer says of the stacks (a stale one: which stack measured it)
 
 
 @dataclass
@@ -86,7 +100,9 @@ class CallSite:
         if not self.applied:
             return f"{where}: fell back to lax.dot_general: {self.reason}"
         forward = self.problems["forward"]
-        slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source})" for slot, f in self.found.items())
+        slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source}"
+                          + (f", measured on {f.software}" if f.match == "stale" and f.software else "") + ")"
+                          for slot, f in self.found.items())
         notes = f"; {'; '.join(self.notes)}" if self.notes else ""
         return f"{where}: {forward.key}: {slots}{notes}"
 
@@ -102,8 +118,15 @@ class Report(list):
     def fell_back(self) -> list[CallSite]:
         return [s for s in self if not s.applied]
 
+    @property
+    def stale(self) -> list[CallSite]:
+        """The applied call sites that run a config measured on another software stack."""
+        return [s for s in self.applied if any(f.match == "stale" for f in s.found.values())]
+
     def __str__(self) -> str:
         head = f"{len(self.applied)} call site(s) run cmtune's ops, {len(self.fell_back)} fell back"
+        if self.stale:
+            head += f"; {len(self.stale)} run configs measured on another software stack (stale)"
         return "\n".join([head, *(f"  {s.line()}" for s in self)])
 
 
@@ -127,8 +150,9 @@ class Tuned:
         self.model = model
         self.timeout_s = timeout_s
         self.name = "tuned"
-        self._cache: dict[tuple[str, str], Lookup] = {}
-        self._bundle_configs: dict[str, dict[str, TunedConfig]] = {}  # hardware key -> problem key -> config
+        self._cache: dict[tuple[str, str, str], Lookup] = {}
+        # hardware key -> problem key -> its configs, one per stack (`collective_matmul.lookup.by_problem`)
+        self._bundle_configs: dict[str, dict[str, list[TunedConfig]]] = {}
         self._overrides: dict[str, dict[str, RoleOverride]] = {}
         self._warned: set[str] = set()
         self._client = None
@@ -189,36 +213,41 @@ class Tuned:
     # -- look-ups ------------------------------------------------------------------------------
 
     def lookup(self, problem: Problem, hardware: Hardware) -> Lookup:
-        """The config for ``problem`` on ``hardware`` (cached per process)."""
-        key = (problem.key, hardware.key)
+        """The config for ``problem`` on ``hardware``, for the stack ``hardware.software`` (`Hardware.detect`
+        fills it; None: no stack, the newest measurement of any answers ``exact``), cached per process."""
+        software = hardware.software
+        key = (problem.key, hardware.key, software.key if software is not None else "")
         found = self._cache.get(key)
         if found is None:
-            found = self._resolve(problem, hardware.identity())
+            found = self._resolve(problem, hardware.identity(), software)
             if len(self._cache) < 1 << 16:
                 self._cache[key] = found
         return found
 
-    def _resolve(self, problem: Problem, hardware: Hardware) -> Lookup:
+    def _resolve(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> Lookup:
         """The first answer in the look-up order (`collective_matmul.lookup`): the server's and the
         bundle's measured answers (the server's first at the same match), then the cost model or the baseline."""
-        measured = [a for a in (self._from_server(problem, hardware), self._from_bundle(problem, hardware))
+        measured = [a for a in (self._from_server(problem, hardware, software),
+                                self._from_bundle(problem, hardware, software))
                     if a is not None and a.match in MEASURED and problem.accepts(a.decomposition)]
         if measured:
             return min(measured, key=lambda a: MATCHES.index(a.match))  # stable: the server first
         match, decomposition = untuned(problem, hardware)
         return Lookup(decomposition, match, "costmodel" if match == "model" else "baseline")
 
-    def _from_server(self, problem: Problem, hardware: Hardware) -> Lookup | None:
+    def _from_server(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> Lookup | None:
         if self.server is None:
             return None
         params = problem.model_dump() | {"platform": hardware.platform, "device_kind": hardware.device_kind,
                                          "device_count": hardware.device_count,
                                          "process_count": hardware.process_count}
+        if software is not None:
+            params |= software.model_dump()
         try:
             response = self._http().get("/v1/configs", params=params)
             response.raise_for_status()
             body = ConfigAnswer.model_validate_json(response.content)
-            return Lookup(body.decomposition, body.match, "server", body.speedup)
+            return Lookup(body.decomposition, body.match, "server", body.speedup, body.software, body.note or "")
         except Exception as exc:  # noqa: BLE001 - the training step must go on
             self._warn_once("server", f"cmtune server {self.server} unavailable ({type(exc).__name__}: {exc}); "
                                       "falling back to the bundle, the cost model or the baseline")
@@ -232,18 +261,19 @@ class Tuned:
             self._client = httpx.Client(base_url=self.server, headers=headers, timeout=self.timeout_s)
         return self._client
 
-    def _from_bundle(self, problem: Problem, hardware: Hardware) -> Lookup | None:
+    def _from_bundle(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> Lookup | None:
         if self.bundle is None:
             return None
         configs = self._bundle_configs.get(hardware.key)
         if configs is None:  # indexed once per hardware, not once per look-up
-            configs = self._bundle_configs[hardware.key] = {c.problem.key: c for c in self.bundle.configs
-                                                            if c.hardware.key == hardware.key}
-        found = from_tuned(problem, configs)
+            configs = self._bundle_configs[hardware.key] = by_problem(c for c in self.bundle.configs
+                                                                      if c.hardware.key == hardware.key)
+        found = from_tuned(problem, configs, software)
         if found is None:
             return None
         match, config = found
-        return Lookup(config.decomposition, match, "bundle", config.speedup if match == "exact" else None)
+        return Lookup(config.decomposition, match, "bundle", config.speedup if match in ("exact", "stale") else None,
+                      config.software, stack_note(match, config, software) or "")
 
     def override(self, role: str, hardware: Hardware) -> _Override | None:
         """This model's override of ``role`` on ``hardware`` (server first, then the bundle), or None.
@@ -439,7 +469,11 @@ class Tuned:
             if override is not None:  # the step measurement decided this role for this model
                 chosen = getattr(override.configs, slot)
                 if problem.accepts(chosen):
-                    found[slot] = Lookup(chosen, "override", override.source)
+                    stack = override_note(override.software, hardware.software)
+                    if stack is not None and stack not in notes:
+                        notes.append(stack)  # still applied: a new stack's step measurement replaces it
+                    found[slot] = Lookup(chosen, "override", override.source, software=override.software,
+                                         note=stack or "")
                     continue
                 note = f"override {slot} {chosen.id} does not fit {problem.key}: skipped"
                 notes.append(note)
@@ -472,10 +506,11 @@ class _Override:
     configs: OpConfigs
     source: str
     reason: str
+    software: Software | None = None  # the stack of the step measurement that decided it
 
 
 def _override_of(found: RoleOverride, source: str) -> _Override:
-    return _Override(found.configs, source, found.reason)
+    return _Override(found.configs, source, found.reason, found.software)
 
 
 def ring_hardware(mesh: Mesh, axis: str) -> Hardware:

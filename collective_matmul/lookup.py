@@ -1,40 +1,80 @@
-"""The look-up order, in one place: what answers a problem on one hardware, and how it says so.
+"""The look-up order, in one place: what answers a problem on one hardware and software stack, and how it says so.
 
 1. ``override``: the model's per-role decision from its step measurement (`Tuned`, for a call
-   with a role);
-2. ``exact``: the tuned config of this problem and hardware;
-3. ``nearest``: the tuned problem of the same collective, dtype and ring size closest in
-   log-distance over (m, k, n) whose decomposition is valid here (`collective_matmul.bundle.nearest`);
-4. ``model``: the cost model's favourite on the hardware's published profile;
-5. ``baseline``: no profile for the platform.
+   with a role); one measured on another stack is still applied, and reported so (`override_note`);
+2. ``exact``: the tuned config of this problem and hardware measured on the look-up's stack (a
+   look-up that names no stack: the newest measurement of any stack, and the answer says so);
+3. ``stale``: the tuned config of this problem and hardware measured on another stack (the newest),
+   with the stack that measured it (`note`): until a worker of this stack re-confirms it;
+4. ``nearest``: the tuned problem of the same collective, dtype and ring size closest in
+   log-distance over (m, k, n) whose decomposition is valid here (`collective_matmul.bundle.nearest`),
+   each tuned problem by its config of this stack where it has one, else its newest;
+5. ``model``: the cost model's favourite on the hardware's published profile;
+6. ``baseline``: no profile for the platform.
 
-The service answers 2-5 from its tuned configs (`cmtune.service.lookup`); `Tuned` answers 1, then
-2-3 from the server and its bundle, then 4-5, with the same functions.  A weight gradient runs
-what `weight_gradient` makes of its answer.
+The service answers 2-6 from its tuned configs (`cmtune.service.lookup`); `Tuned` answers 1, then
+2-4 from the server and its bundle (comparing a bundle's stacks with its own), then 5-6, with the
+same functions.  A weight gradient runs what `weight_gradient` makes of its answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from collective_matmul.bundle import TunedConfig, nearest
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 
-Match = Literal["exact", "nearest", "model", "baseline"]  # what a config look-up answers with (2-5)
-MATCHES: tuple[str, ...] = ("override", "exact", "nearest", "model", "baseline")  # the order, first wins
-MEASURED = ("override", "exact", "nearest")  # answers that come from a measurement
+Match = Literal["exact", "stale", "nearest", "model", "baseline"]  # what a config look-up answers with (2-6)
+MATCHES: tuple[str, ...] = ("override", "exact", "stale", "nearest", "model", "baseline")  # the order, first wins
+MEASURED = ("override", "exact", "stale", "nearest")  # answers that come from a measurement
+NO_STACK = ("the look-up named no software stack: answered with the newest measurement of any stack; send jax, "
+            "jaxlib, platform_version and flags (collective_matmul.problem.Software) to tell exact from stale")
 
 
-def from_tuned(problem: Problem, configs: Mapping[str, TunedConfig]) -> tuple[Match, TunedConfig] | None:
-    """The ``exact`` config of ``problem`` among ``configs`` (of one hardware, by problem key), else the
-    ``nearest``; None if neither."""
-    exact = configs.get(problem.key)
-    if exact is not None:
-        return "exact", exact
-    close = nearest(problem, configs.values())
+def by_problem(configs: Iterable[TunedConfig]) -> dict[str, list[TunedConfig]]:
+    """``configs`` (of one hardware) by problem key: each problem's configs, one per stack, the newest last."""
+    found: dict[str, list[TunedConfig]] = {}
+    for config in configs:
+        found.setdefault(config.problem.key, []).append(config)
+    return {key: sorted(group, key=lambda c: c.tuned_at) for key, group in found.items()}  # stable: ties keep order
+
+
+def _of_stack(configs: Sequence[TunedConfig], software: Software | None) -> TunedConfig | None:
+    """The newest of ``configs`` measured on ``software`` (any stack when None)."""
+    same = [c for c in configs if software is None or c.software.key == software.key]
+    return same[-1] if same else None
+
+
+def from_tuned(problem: Problem, configs: Mapping[str, Sequence[TunedConfig]], software: Software | None = None,
+               ) -> tuple[Match, TunedConfig] | None:
+    """The ``exact`` config of ``problem`` among ``configs`` (of one hardware, `by_problem`) measured on
+    ``software``, else the ``stale`` one of another stack, else the ``nearest``; None if none of these."""
+    own = configs.get(problem.key) or ()
+    if own:
+        exact = _of_stack(own, software)
+        return ("exact", exact) if exact is not None else ("stale", own[-1])
+    close = nearest(problem, [_of_stack(group, software) or group[-1] for group in configs.values() if group])
     return ("nearest", close) if close is not None else None
+
+
+def stack_note(match: str, config: TunedConfig | None, software: Software | None) -> str | None:
+    """What an answer says about the stacks: a look-up that named none, or a config measured on another."""
+    if software is None:
+        return NO_STACK if config is not None else None
+    if config is not None and config.software.key != software.key:
+        what = "stale" if match == "stale" else f"{match}, from a config"
+        return (f"{what}: measured on another software stack ({config.software}), not on this look-up's "
+                f"({software}): until it is re-confirmed on this stack")
+    return None
+
+
+def override_note(measured_on: Software | None, software: Software | None) -> str | None:
+    """An override decided on another stack than ``software``: still applied, and said so."""
+    if measured_on is None or software is None or measured_on.key == software.key:
+        return None
+    return f"override measured on another software stack ({measured_on}), applied on {software}"
 
 
 def untuned(problem: Problem, hardware: Hardware) -> tuple[Match, Decomposition]:

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
-from typing import Literal
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from collective_matmul.decomposition import (
     ALLGATHER_ACCUMULATE,
     REDUCE_SCATTER_ACCUMULATE,
     Decomposition,
 )
-from collective_matmul.text import label
+from collective_matmul.text import as_label, label
 
 Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -242,12 +245,108 @@ Platform = label(64)
 DeviceKind = label(128)
 Version = label(128, min_length=0)
 HardwareKey = label(300)  # hardware.key (`Hardware.key`)
+PLATFORM_VERSION_LENGTH = 200
+PlatformVersion = label(PLATFORM_VERSION_LENGTH, min_length=0)
+FlagsDigest = Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{16})?$")]  # `flags_digest`: empty, or 16 hex
+
+# The code-generation flags are read from these variables, merged as JAX's own compilation cache key merges them
+FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# Flags that leave the compiled program as it is, left out of `flags_digest`: the virtual device count of the
+# host platform (what a test or a CPU worker sets), and the dump flags that only write files (JAX's compilation
+# cache leaves out the same ones: `jax._src.cache_key.xla_flags_to_exclude_from_cache_key`)
+DEVICE_COUNT_FLAGS = frozenset({"--xla_force_host_platform_device_count"})
+FILE_ONLY_FLAG_PREFIXES = ("--xla_dump_",)
+
+
+def flags_digest(environ: Mapping[str, str] | None = None) -> str:
+    """A digest of the code-generation flags in ``environ`` (default `os.environ`): `FLAG_VARIABLES` split
+    into flags, those that set device counts or only dump files left out, each flag's last value kept, in
+    name order (so their order does not count); empty when no flag is left.
+
+    Examples: ``XLA_FLAGS="--xla_force_host_platform_device_count=8"`` gives ``""``;
+    ``"--a=1 --b=2"`` and ``"--b=2 --a=1"`` give the same digest.
+    """
+    environ = os.environ if environ is None else environ
+    chosen: dict[str, str] = {}
+    for variable in FLAG_VARIABLES:
+        for flag in environ.get(variable, "").split():
+            name = flag.split("=", 1)[0]
+            if name in DEVICE_COUNT_FLAGS or name.startswith(FILE_ONLY_FLAG_PREFIXES):
+                continue
+            chosen.pop(name, None)
+            chosen[name] = flag  # the last one counts, as the flag parser takes it
+    if not chosen:
+        return ""
+    return hashlib.sha256("\n".join(chosen[name] for name in sorted(chosen)).encode()).hexdigest()[:16]
+
+
+def platform_version_of(text: str) -> str:
+    """The backend's platform version as one bounded label (a TPU's spans several lines)."""
+    text = as_label(" ".join(text.split()))
+    return text[:PLATFORM_VERSION_LENGTH]
+
+
+class Software(BaseModel):
+    """The software stack that compiles and runs a program: part of a tuned config's identity.
+
+    A config measured on one stack is ``stale`` on another (see `collective_matmul.lookup`).  `key` is
+    the short stable key the service stores configs under (tuned_configs.software_key).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    jax: Version = ""
+    jaxlib: Version = ""
+    platform_version: PlatformVersion = Field(
+        default="", description="the backend's platform version where JAX reports one (e.g. a TPU runtime's build)")
+    flags: FlagsDigest = Field(default="", description="digest of XLA_FLAGS and LIBTPU_INIT_ARGS without the flags "
+                                                       "that set device counts or only dump files (`flags_digest`)")
+
+    @property
+    def key(self) -> str:
+        """16 hex digits of the SHA-256 of the canonical JSON (migration 0008 computes the same for stored
+        versions)."""
+        return hashlib.sha256(_canonical(self).encode()).hexdigest()[:16]
+
+    @property
+    def known(self) -> bool:
+        """Whether anything of the stack is known (an old worker or record may say nothing)."""
+        return self != Software()
+
+    def canonical_json(self) -> str:
+        return _canonical(self)
+
+    @classmethod
+    def of(cls, stored: Mapping | None) -> Software:
+        """From a stored record (a worker's ``software``, a config's): its known fields, others left out."""
+        stored = stored or {}
+        return cls(**{name: str(stored[name]) for name in cls.model_fields if stored.get(name)})
+
+    @classmethod
+    def detect(cls, device=None, environ: Mapping[str, str] | None = None) -> Software:
+        """The running stack: jax, jaxlib, the platform version of ``device``'s backend (the default
+        backend's without one), and the flags of ``environ`` (`flags_digest`)."""
+        import jax
+        import jaxlib
+
+        device = device if device is not None else jax.devices()[0]
+        version = getattr(getattr(device, "client", None), "platform_version", "") or ""
+        return cls(jax=jax.__version__, jaxlib=jaxlib.__version__, platform_version=platform_version_of(version),
+                   flags=flags_digest(environ))
+
+    def __str__(self) -> str:
+        """e.g. ``jax 0.10.2, jaxlib 0.10.2, cpu, flags 1f0c...`` (what is known of it)."""
+        parts = [f"{name} {value}" for name, value in (("jax", self.jax), ("jaxlib", self.jaxlib)) if value]
+        parts += [self.platform_version] if self.platform_version else []
+        parts += [f"flags {self.flags}"] if self.flags else []
+        return ", ".join(parts) or "an unnamed stack"
 
 
 class Hardware(BaseModel):
     """Where a decomposition runs: the key half that is not the problem.
 
-    ``jax_version``/``jaxlib_version`` travel with results but are not part of `key`.
+    ``jax_version``/``jaxlib_version`` and ``software`` travel with results but are not part of `key`
+    (a tuned config carries its stack beside its hardware: `collective_matmul.bundle.TunedConfig`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -258,6 +357,7 @@ class Hardware(BaseModel):
     process_count: int = Field(default=1, gt=0, le=1 << 16)
     jax_version: Version = ""
     jaxlib_version: Version = ""
+    software: Software | None = Field(default=None, description="the stack that measured (`Hardware.detect`)")
 
     @property
     def key(self) -> str:
@@ -265,11 +365,12 @@ class Hardware(BaseModel):
         return f"{self.platform}:{self.device_kind}:{self.device_count}:{self.process_count}"
 
     def identity(self) -> Hardware:
-        """This hardware without software versions (what configs are keyed by)."""
-        return self.model_copy(update={"jax_version": "", "jaxlib_version": ""})
+        """This hardware without software versions (what configs are keyed by, with their `Software` beside)."""
+        return self.model_copy(update={"jax_version": "", "jaxlib_version": "", "software": None})
 
     def canonical_json(self) -> str:
-        return _canonical(self.identity())
+        return json.dumps(self.identity().model_dump(mode="json", exclude={"software"}), sort_keys=True,
+                          separators=(",", ":"))
 
     @classmethod
     def detect(cls, devices=None) -> Hardware:
@@ -293,6 +394,7 @@ class Hardware(BaseModel):
             process_count=len({d.process_index for d in devices}),
             jax_version=jax.__version__,
             jaxlib_version=jaxlib.__version__,
+            software=Software.detect(devices[0]),
         )
 
     def __str__(self) -> str:

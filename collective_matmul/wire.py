@@ -28,12 +28,13 @@ from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import Match
 from collective_matmul.models import MAX_ROLE_LENGTH, MAX_ROLES, MODEL_NAME_LENGTH, ModelName, Role, TransformerBlock
-from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Version
+from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Software
 from collective_matmul.text import label, message
 
 __all__ = [
     "BoundsMeasurement", "Bundle", "Confirmation", "Decomposition", "Hardware", "Measurement", "OpConfigs", "Problem",
-    "Protocol", "RoleOverride", "Status", "StepMeasurement", "StepVariant", "StudyKind", "StudyState", "Timing",
+    "Protocol", "Reconfirmation", "RoleOverride", "Software", "Status", "StepMeasurement", "StepVariant", "StudyKind",
+    "StudyState", "Timing",
     "TrialKind", "TrialState", "TunedConfig",
 ]
 
@@ -583,6 +584,41 @@ class StudyCreate(BaseModel):
         return self
 
 
+class Reconfirmation(BaseModel):
+    """What a re-confirmation study re-times on a new software stack: a stored config of another stack, its
+    runner-up and the baseline, in one confirmation round (`cmtune.tuner.engine.Engine.create_reconfirmation`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: TunedConfig = Field(description="the stored config, as it was (with the stack that measured it)")
+    decomposition_id: str = Field(max_length=64, description="the stored winner's id")
+    runner_up: Decomposition | None = Field(
+        default=None, description="the best other candidate of the study that tuned it (None: none is known, e.g. "
+                                  "a config imported from a bundle; the cost model's first ring runs instead)")
+    contenders: list[Decomposition] = Field(max_length=8, description="what the round times, the baseline first")
+    study_id: int | None = Field(default=None, description="the study that tuned the stored config")
+
+    @model_validator(mode="after")
+    def _of_the_config(self) -> Reconfirmation:
+        if self.decomposition_id != self.config.decomposition.id:
+            raise ValueError(f"decomposition_id={self.decomposition_id!r} is not the stored winner's "
+                             f"({self.config.decomposition.id!r})")
+        return self
+
+
+Outcome = Literal["waiting", "re-confirmed", "replaced", "failed", "cancelled"]
+
+
+def reconfirm_outcome(state: StudyState, stop_reason: str | None) -> Outcome:
+    """What became of a re-confirmation: still waiting (for a worker of its stack), the same config
+    re-confirmed, replaced by a new winner, or failed / cancelled."""
+    if state.active:
+        return "waiting"
+    if state == StudyState.COMPLETED:
+        return "replaced" if stop_reason == "replaced" else "re-confirmed"
+    return "failed" if state == StudyState.FAILED else "cancelled"
+
+
 class BestSoFar(BaseModel):
     decomposition: Decomposition
     decomposition_id: str
@@ -615,6 +651,12 @@ class StudyPublic(BaseModel):
     decision: StepChoice | None = Field(default=None, description="a completed step study's decision")
     seeds: list[SeedPublic] = Field(default_factory=list, description="what the search times first, after the "
                                                                       "baseline, and where each came from (warm start)")
+    software: Software | None = Field(default=None, description="the software stack its trials run on (only "
+                                      "workers of that stack lease them); None: any worker of the hardware")
+    reconfirm: Reconfirmation | None = Field(default=None, description="a re-confirmation study: the stored config "
+                                             "it re-times on its stack")
+    outcome: Outcome | None = Field(default=None, description="a re-confirmation's: waiting, re-confirmed, "
+                                    "replaced, failed or cancelled")
 
 
 class Skipped(BaseModel):
@@ -667,13 +709,15 @@ class TrialPublic(BaseModel):
 
 class WorkerCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"name": "tpu-vm-0", "hardware": EXAMPLE_HARDWARE, "software": {"jax": "0.10.2", "jaxlib": "0.10.2"},
+        {"name": "tpu-vm-0", "hardware": EXAMPLE_HARDWARE, "software": {"jax": "0.10.2", "jaxlib": "0.10.2",
+                                                                        "platform_version": "cpu", "flags": ""},
          "memory_bytes": 17179869184}]})
 
     name: Name
     hardware: HardwareIn
-    software: dict[ShortText, Version] = Field(default_factory=dict, max_length=16,
-                                               description="package -> version, e.g. jax, jaxlib")
+    software: Software = Field(default_factory=Software, description="the worker's stack (`Software.detect`): "
+                               "configs the service holds only for other stacks of this hardware are re-confirmed "
+                               "on it, and only workers of a study's stack lease its trials")
     memory_bytes: int | None = Field(default=None, gt=0, le=1 << 50,
                                      description="memory of one device (what a trial's inputs must fit)")
 
@@ -683,7 +727,8 @@ class WorkerPublic(BaseModel):
     name: str
     hardware: Hardware
     hardware_key: str
-    software: dict[str, str]
+    software: Software
+    software_key: str
     registered_at: dt.datetime
     last_heartbeat: dt.datetime
     online: bool
@@ -883,6 +928,9 @@ class ConfigQuery(BaseModel):
     device_kind: DeviceKind
     device_count: int | None = Field(default=None, gt=0, le=1 << 20)
     process_count: int = Field(default=1, gt=0, le=1 << 16)
+    software: Software | None = Field(default=None, description="the caller's stack: a config measured on another "
+                                      "is 'stale' (None: the newest of any stack answers 'exact', and the answer's "
+                                      "note says so)")
 
     def hardware(self) -> Hardware:
         return Hardware(platform=self.platform, device_kind=self.device_kind,
@@ -904,7 +952,9 @@ class ConfigAnswer(BaseModel):
     baseline_s: float | None = None
     speedup: float | None = None
     source_problem: Problem | None = Field(default=None, description="the tuned problem a 'nearest' answer came from")
-    software: dict[str, str] = Field(default_factory=dict)
+    software: Software | None = Field(default=None, description="the stack that measured the answer's config")
+    note: str | None = Field(default=None, description="what the answer says of the stacks: the look-up named none, "
+                             "or the config was measured on another (a 'stale' answer)")
     compute_s: float | None = Field(default=None, description="the local matmul alone (bounds rounds)")
     communication_s: float | None = Field(default=None, description="the collective alone (bounds rounds)")
     bounds_baseline_s: float | None = Field(default=None, description="the baseline in the bounds rounds")
@@ -920,13 +970,14 @@ class TunedPublic(TunedConfig):
 
     problem_key: str
     hardware_key: str
+    software_key: str
     decomposition_id: str
     study_id: int | None = Field(description="the study that tuned it (None: imported from a bundle)")
 
     @classmethod
     def of(cls, config: TunedConfig, study_id: int | None) -> TunedPublic:
         return cls(**dict(config), problem_key=config.problem.key, hardware_key=config.hardware.key,
-                   decomposition_id=config.decomposition.id, study_id=study_id)
+                   software_key=config.software.key, decomposition_id=config.decomposition.id, study_id=study_id)
 
 
 MAX_BATCH = 1_000  # look-ups per batch: about 0.1-0.4 s of one core at most (cost-model choices of unseen shapes)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from cmtune.service.settings import Settings
 from cmtune.service.store import LeaseInfo, SqlTx, WorkerInfo
 from cmtune.tuner.engine import Engine, task_for
-from cmtune.tuner.errors import ConflictError
+from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.store import TrialRecord
+from collective_matmul.problem import Hardware
 from collective_matmul.wire import (
     Confirmation,
     LeaseGranted,
@@ -82,8 +83,8 @@ def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
     """Claim one trial for ``worker``, or None if no study on its hardware has one to give; ``ending``: the
     worker's lease whose result was just stored ends first (`Leases.claim_leased`)."""
     expire(tx, engine, settings, now)
-    claim = functools.partial(tx.leases.claim_leased, hardware=worker.hardware, worker_id=worker.id, now=now,
-                              seconds=settings.lease_seconds)
+    claim = functools.partial(tx.leases.claim_leased, hardware=worker.hardware, software=worker.software,
+                              worker_id=worker.id, now=now, seconds=settings.lease_seconds)
     claimed = claim(ending=ending)
     if claimed is None and _refill_starving(tx, engine, worker, now):
         claimed = claim()
@@ -175,11 +176,32 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
     if held.expires_at < now:
         _expire_one(tx, engine, settings, held, now)
         return Reported(tx.trial(trial_id), expired=True)
+    results = _on_stack(results, tx.workers.touch(held.worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS))
     stored = engine.record(tx, trial, results, now=now, lease_id=held.id, kind=kind)
     if lease_next:
         return Reported(stored, next=grant(tx, engine, settings, held.worker_id, now, ending=held.id))
     tx.leases.end(held.id)
     return Reported(stored)
+
+
+def _on_stack(results: list[Measurement] | StepMeasurement, worker: WorkerInfo) -> list[Measurement] | StepMeasurement:
+    """``results`` as measured on the stack the worker registered with: a record that names none gets it, one
+    that names another is refused (a worker's stack is what decides which configs its results make).
+
+    Raises:
+        InvalidError: a record names another stack than its worker's.
+    """
+    def stamped(hardware: Hardware) -> Hardware:
+        if hardware.software is None:
+            return hardware.model_copy(update={"software": worker.software})
+        if hardware.software.key != worker.software.key:
+            raise InvalidError(f"the result was measured on {hardware.software}, but worker {worker.id} registered "
+                               f"with {worker.software}: register again from the stack that measures")
+        return hardware
+
+    if isinstance(results, StepMeasurement):
+        return results.model_copy(update={"hardware": stamped(results.hardware)})
+    return [m.model_copy(update={"hardware": stamped(m.hardware)}) for m in results]
 
 
 def release_worker(tx: SqlTx, engine: Engine, worker_id: int) -> int:

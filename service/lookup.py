@@ -1,7 +1,7 @@
-"""Config look-up in the stated order (`collective_matmul.lookup`): exact, nearest, model, baseline.
+"""Config look-up in the stated order (`collective_matmul.lookup`): exact, stale, nearest, model, baseline.
 
-Tuned configs of a hardware are cached per replica for ``config_cache_seconds`` (writes from
-this replica clear the cache at once; other replicas see them within that time).
+Tuned configs of a hardware (every stack's) are cached per replica for ``config_cache_seconds`` (writes
+from this replica clear the cache at once; other replicas see them within that time).
 """
 
 from __future__ import annotations
@@ -9,28 +9,30 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi.concurrency import run_in_threadpool
 
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import from_tuned, untuned
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.lookup import by_problem, from_tuned, stack_note, untuned
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ConfigAnswer
 
 if TYPE_CHECKING:
     from cmtune.service.store import SqlStore
 
 
-def answer(problem: Problem, hardware: Hardware, tuned: dict[str, TunedConfig]) -> ConfigAnswer:
-    """Pick from ``tuned`` (problem key -> config, one hardware) in the look-up order
-    (`collective_matmul.lookup`)."""
-    found = from_tuned(problem, tuned)
+def answer(problem: Problem, hardware: Hardware, tuned: Mapping[str, Sequence[TunedConfig]],
+           software: Software | None = None) -> ConfigAnswer:
+    """Pick from ``tuned`` (one hardware's configs, `collective_matmul.lookup.by_problem`) in the look-up order
+    (`collective_matmul.lookup`) for a caller on ``software`` (None: it named no stack)."""
+    found = from_tuned(problem, tuned, software)
     if found is not None:
-        return _from_tuned(problem, hardware, found[1], found[0])
+        return _from_tuned(problem, hardware, found[1], found[0], software)
     match, decomposition = untuned(problem, hardware)
-    return _answer(problem, hardware, decomposition, match)
+    return _answer(problem, hardware, decomposition, match, note=stack_note(match, None, software))
 
 
 def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, match: str, **extra) -> ConfigAnswer:
@@ -38,16 +40,17 @@ def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, 
                         decomposition_id=decomposition.id, match=match, **extra)
 
 
-def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match: str) -> ConfigAnswer:
-    exact = match == "exact"  # the evidence (times, bounds) is of this problem only then
+def _from_tuned(problem: Problem, hardware: Hardware, config: TunedConfig, match: str,
+                software: Software | None) -> ConfigAnswer:
+    measured = match in ("exact", "stale")  # this problem's own times (a stale one's on the stack that measured it)
     return _answer(
         problem, hardware, config.decomposition, match,
-        time_s=config.time_s if exact else None,
-        baseline_s=config.baseline_s if exact else None,
-        speedup=config.speedup if exact else None,
+        time_s=config.time_s if measured else None,
+        baseline_s=config.baseline_s if measured else None,
+        speedup=config.speedup if measured else None,
         source_problem=config.problem if match == "nearest" else None,
-        software={"jax": config.jax_version, "jaxlib": config.jaxlib_version},
-        **(bounds_fields(config) if exact else {}),
+        software=config.software, note=stack_note(match, config, software),
+        **(bounds_fields(config) if measured else {}),
     )
 
 
@@ -71,8 +74,8 @@ class ConfigCache:
 
     def __init__(self, store: SqlStore, ttl_s: float):
         self.store, self.ttl_s = store, ttl_s
-        self._entries: dict[str, tuple[float, dict[str, TunedConfig]]] = {}
-        self._answers: dict[tuple[str, str], tuple[float, bytes]] = {}
+        self._entries: dict[str, tuple[float, dict[str, list[TunedConfig]]]] = {}
+        self._answers: dict[tuple[str, str, str], tuple[float, bytes]] = {}
         self._lock = threading.Lock()
         self._refreshing: set[str] = set()
         self._loading: dict[str, asyncio.Lock] = {}
@@ -113,14 +116,14 @@ class ConfigCache:
         entry = self._entries.get(hardware.identity().key)
         return entry is not None and time.monotonic() - entry[0] < self.ttl_s
 
-    def tuned_for(self, hardware: Hardware) -> dict[str, TunedConfig]:
+    def tuned_for(self, hardware: Hardware) -> dict[str, list[TunedConfig]]:
         key = hardware.identity().key
         now = time.monotonic()
         entry = self._entries.get(key)
         if entry is not None and now - entry[0] < self.ttl_s:
             return entry[1]
         with self.store.read() as tx:
-            configs = {config.problem.key: config for config in tx.catalog.list_tuned(hardware=key)}
+            configs = by_problem(tx.catalog.list_tuned(hardware=key))
         with self._lock:
             self._entries.pop(key, None)
             self._entries[key] = (now, configs)
@@ -133,14 +136,14 @@ class ConfigCache:
             self._entries.clear()
             self._answers.clear()
 
-    def lookup_json(self, problem: Problem, hardware: Hardware) -> bytes:
+    def lookup_json(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> bytes:
         """`lookup` as JSON bytes, memoised as long as the hardware's configs are cached."""
-        key = (problem.key, hardware.identity().key)
+        key = (problem.key, hardware.identity().key, software.key if software is not None else "")
         loaded_at = self._entries.get(key[1], (None,))[0]
         hit = self._answers.get(key)
         if hit is not None and hit[0] == loaded_at:
             return hit[1]
-        body = self.lookup(problem, hardware).model_dump_json().encode()
+        body = self.lookup(problem, hardware, software).model_dump_json().encode()
         loaded_at = self._entries.get(key[1], (None,))[0]
         if loaded_at is not None:
             with self._lock:
@@ -149,8 +152,9 @@ class ConfigCache:
                     self._answers.pop(next(iter(self._answers)))
         return body
 
-    def lookup(self, problem: Problem, hardware: Hardware) -> ConfigAnswer:
-        """Answer from the cached configs (loading them if absent; stale ones are used as they are)."""
+    def lookup(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> ConfigAnswer:
+        """Answer a caller on ``software`` from the cached configs (loading them if absent; an entry past its time
+        is used as it is)."""
         entry = self._entries.get(hardware.identity().key)
         configs = entry[1] if entry is not None else self.tuned_for(hardware)
-        return answer(problem, hardware.identity(), configs)
+        return answer(problem, hardware.identity(), configs, software)

@@ -127,6 +127,12 @@ class Study(Base):
     step: Mapped[dict[str, Any] | None]
     # a completed step study: what its measurement decided (collective_matmul.wire.StepChoice)
     decision: Mapped[dict[str, Any] | None]
+    # the software stack its trials run on (collective_matmul.problem.Software; None: any worker of the
+    # hardware), and its key, which the lease compares with a worker's
+    software: Mapped[dict[str, Any] | None]
+    software_key: Mapped[str | None] = mapped_column(String(64), index=True)
+    # a re-confirmation study: the stored config it re-times on its stack (collective_matmul.wire.Reconfirmation)
+    reconfirm: Mapped[dict[str, Any] | None]
     submission_id: Mapped[int | None] = mapped_column(ForeignKey("submissions.id", ondelete="SET NULL"))
     # the transitions: cmtune.tuner.engine.STUDY_MOVES
     state: Mapped[StudyState] = mapped_column(enum_column(StudyState, "study_state"), index=True,
@@ -232,8 +238,10 @@ class Lease(Base):
 
 
 class TunedConfigRow(Base):
+    """The tuned config of one (problem, hardware, software stack)."""
+
     __tablename__ = "tuned_configs"
-    __table_args__ = (UniqueConstraint("problem_id", "hardware_id"),)
+    __table_args__ = (UniqueConstraint("problem_id", "hardware_id", "software_key"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     problem_id: Mapped[int] = mapped_column(ForeignKey("problems.id"))
@@ -253,7 +261,8 @@ class TunedConfigRow(Base):
     compute_s: Mapped[float | None] = mapped_column(Float)
     communication_s: Mapped[float | None] = mapped_column(Float)
     bounds_baseline_s: Mapped[float | None] = mapped_column(Float)
-    software: Mapped[dict[str, Any]]
+    software: Mapped[dict[str, Any]]  # the stack that measured it (collective_matmul.problem.Software)
+    software_key: Mapped[str] = mapped_column(String(64))  # Software.key of ``software``
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     problem: Mapped[ProblemRow] = relationship()
@@ -274,6 +283,7 @@ class RoleOverrideRow(Base):
     problems: Mapped[dict[str, Any] | None]  # the role's forward / grad_input / grad_weight problems
     reason: Mapped[str] = mapped_column(String(2000))
     step_speedup: Mapped[float | None] = mapped_column(Float)
+    software: Mapped[dict[str, Any] | None]  # the stack of the step measurement that decided it
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 

@@ -20,6 +20,7 @@ from collective_matmul.wire import (
     TrialKind,
     TrialPublic,
     WorkerPublic,
+    reconfirm_outcome,
 )
 
 
@@ -78,7 +79,7 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             problem_key=s.problem.key if s.problem is not None else f"step:{s.step.block.name}", hardware=s.hardware,
             hardware_key=s.hardware.key, settings=s.settings.model_dump(mode="json"), space_size=s.space_size,
             trials_done=s.trials_done,
-            trials_budget=_step_budget(s) if s.kind == StudyKind.STEP
+            trials_budget=_step_budget(s) if s.kind == StudyKind.STEP else 1 if s.reconfirm is not None
             else min(s.settings.max_trials or s.space_size, s.space_size),
             trials_running=leased.get(s.id, 0),
             best=BestSoFar(decomposition=winner, decomposition_id=winner.id, ratio=s.best_ratio,
@@ -86,7 +87,8 @@ def studies_public(tx: SqlTx, records: list[StudyRecord]) -> list[StudyPublic]:
             if winner and s.best_ratio and s.kind == StudyKind.SEARCH else None,
             tuned=config, tuned_decomposition_id=config.decomposition.id if config else None,
             stop_reason=s.stop_reason, message=s.message, created_at=s.created_at, started_at=s.started_at,
-            finished_at=s.finished_at, decision=s.decision,
+            finished_at=s.finished_at, decision=s.decision, software=s.software, reconfirm=s.reconfirm,
+            outcome=reconfirm_outcome(s.state, s.stop_reason) if s.reconfirm is not None else None,
             seeds=[SeedPublic(**seed.model_dump(), decomposition_id=seed.decomposition.id)
                    for seed in s.settings.seeds],
         ))
@@ -120,7 +122,8 @@ def trial_public(trial: TrialRecord) -> TrialPublic:
 def worker_public(worker: WorkerInfo, *, current_trial_id: int | None, online_after: dt.datetime) -> WorkerPublic:
     return WorkerPublic(
         id=worker.id, name=worker.name, hardware=worker.hardware, hardware_key=worker.hardware.key,
-        software=worker.software, registered_at=worker.registered_at, last_heartbeat=worker.last_heartbeat,
+        software=worker.software, software_key=worker.software.key, registered_at=worker.registered_at,
+        last_heartbeat=worker.last_heartbeat,
         online=worker.active and worker.last_heartbeat >= online_after, active=worker.active,
         current_trial_id=current_trial_id, trials_done=worker.trials_done, memory_bytes=worker.memory_bytes,
     )

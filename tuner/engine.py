@@ -42,6 +42,13 @@ over the in-memory store) and a restart loses nothing.  The lifecycle:
    choice's changes become per-model, per-role overrides (`RoleOverride`) with their reasons, and
    the study records the measured speedup of what will run (`StepChoice`).
 
+8. A re-confirmation (`create_reconfirmation`) re-times a stored config on another software stack:
+   a study created straight into its confirmation round (the stored winner, its runner-up from the
+   study that tuned it, and the baseline), whose trial only workers of that stack lease.  `_finish`
+   saves the round's winner for the new stack, ``re-confirmed`` (the same decomposition) or
+   ``replaced`` (a new winner), which the study's stop reason and message say; the old stack's
+   config stays.
+
 Every state change goes through `_move_study` / `_move_trial`, which refuse transitions that are
 not in `STUDY_MOVES` / `TRIAL_MOVES` (`check_study_move`, `check_trial_move`; the database's CHECK
 constraints hold the same states) and are the only callers of the store's `apply_study_move` /
@@ -77,7 +84,7 @@ from collective_matmul.costmodel import PROFILES, profile_for
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import weight_gradient
 from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     STEP_ROUND_VARIANTS,
@@ -86,6 +93,7 @@ from collective_matmul.wire import (
     Confirmation,
     Measurement,
     Protocol,
+    Reconfirmation,
     Seed,
     Status,
     StepChoice,
@@ -372,14 +380,59 @@ class Engine:
             self._wake_step_studies(tx, study.hardware, now=now)
         return tx.study(study_id)
 
+    # -- re-confirmation on a new software stack ----------------------------------------------
+
+    def create_reconfirmation(self, tx: StoreTx, *, config: TunedConfig, software: Software, now: dt.datetime,
+                              study_id: int | None = None) -> StudyRecord:
+        """A study that re-times the stored ``config`` on the stack ``software``, straight into its confirmation
+        round: the stored winner, its runner-up (the best other candidate of the study ``study_id`` that tuned
+        it; without one, the cost model's first ring) and the baseline, with that study's settings and protocol.
+        Only workers of ``software`` lease its trial (`StoreTx.claim`); `_finish` saves its winner for
+        ``software``.
+
+        Raises:
+            InvalidError: ``config`` was measured on ``software`` already, or no ring fits its problem.
+        """
+        problem, hardware = config.problem, config.hardware.identity()
+        if config.software.key == software.key:
+            raise InvalidError(f"{problem.key} was measured on {software} already: nothing to re-confirm")
+        if not has_ring(problem):
+            raise InvalidError(f"{problem.key}: nothing to re-confirm: {no_ring_reason(problem)}")
+        origin = tx.study(study_id) if study_id is not None else None
+        settings = origin.settings if origin is not None else study_settings(problem, hardware)
+        protocol = origin.protocol if origin is not None else Protocol()
+        winner = config.decomposition
+        runner_up = self._runner_up(tx, origin, winner) if origin is not None else None
+        contenders = [Decomposition.baseline(),
+                      *(d for d in (winner, runner_up) if d is not None and d.method == "ring")]
+        if len(contenders) < 3 and runner_up is None:  # something to compare the stored winner with
+            searcher = _searcher(problem, settings.profile or profile_name_for(hardware), settings)
+            contenders += [d for d in searcher.by_model if d.method == "ring" and d not in contenders][:1]
+        record = Reconfirmation(config=config, decomposition_id=winner.id, runner_up=runner_up, contenders=contenders,
+                                study_id=origin.id if origin is not None else None)
+        study = tx.add_study(problem=problem, hardware=hardware, settings=settings, protocol=protocol,
+                             space_size=len(candidates(problem)), now=now, software=software, reconfirm=record)
+        self._move_study(tx, study, S.CONFIRMING, started_at=now)
+        tx.add_trials(study.id, TrialKind.CONFIRM, [contenders], now, after=0)
+        return tx.study(study.id)
+
+    @staticmethod
+    def _runner_up(tx: StoreTx, origin: StudyRecord, winner: Decomposition) -> Decomposition | None:
+        """The best ring of ``origin``'s search other than ``winner`` (of a re-confirmation: its other contenders)."""
+        ranked = sorted((f for f in History.of(tx.trials(origin.id)).finished
+                         if f.ratio is not None and f.config.method == "ring"), key=lambda f: f.ratio)
+        others = [f.config for f in ranked] + list(origin.reconfirm.contenders if origin.reconfirm else ())
+        return next((d for d in others if d.method == "ring" and d != winner), None)
+
     # -- the step study ---------------------------------------------------------------------
 
     def create_step_study(self, tx: StoreTx, *, block: TransformerBlock, mesh: MeshSpec, hardware: Hardware,
                           depends_on: Sequence[int], protocol: Protocol, now: dt.datetime,
                           submission_id: int | None = None, ablation: bool = True,
                           search_rounds: int = STEP_SEARCH_ROUNDS, round_variants: int = STEP_ROUND_VARIANTS,
-                          ) -> StudyRecord:
-        """A study of a model's whole step, run once the search studies ``depends_on`` are final.
+                          software: Software | None = None) -> StudyRecord:
+        """A study of a model's whole step, run once the search studies ``depends_on`` are final (on the stack
+        ``software`` only, with its configs, where given: a model's step again after a software upgrade).
 
         Args:
             search_rounds: the step search's budget of rounds, the seeds' included (0 or 1: one round of
@@ -389,7 +442,8 @@ class Engine:
         role_problems(block, mesh)  # the model must fit the mesh (ValueError otherwise)
         spec = StepSpec(block, mesh, tuple(depends_on), ablation, max(search_rounds, 1), round_variants)
         study = tx.add_study(problem=None, hardware=hardware.identity(), settings=SearchSettings(), protocol=protocol,
-                             space_size=0, now=now, kind=StudyKind.STEP, submission_id=submission_id, step=spec)
+                             space_size=0, now=now, kind=StudyKind.STEP, submission_id=submission_id, step=spec,
+                             software=software)
         self._refill_step(tx, study, now=now)
         return tx.study(study.id)
 
@@ -406,13 +460,15 @@ class Engine:
 
         A problem without a tuned config runs the baseline; a weight gradient what
         `collective_matmul.lookup.weight_gradient` makes of its tuned config (a tuned ring runs unfused: the
-        step trial also times it fused).
+        step trial also times it fused).  A step study of one stack takes that stack's configs (another's
+        newest where it has none); of none, the newest of any stack.
         """
         configs = {}
         for role, problems in role_problems(study.step.block, study.step.mesh).items():
             chosen = {}
             for slot, problem in problems.items():
-                tuned = tx.tuned_config(problem, study.hardware)
+                tuned = (study.software is not None and tx.tuned_config(problem, study.hardware, study.software)) \
+                    or tx.tuned_config(problem, study.hardware)
                 found = tuned.decomposition if tuned is not None else None
                 chosen[slot] = weight_gradient(found) if slot == "grad_weight" else found or Decomposition.baseline()
             configs[role] = OpConfigs(**chosen)
@@ -471,7 +527,8 @@ class Engine:
                     step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
         self._move_trial(tx, trial, **done)
         if study.state.active:
-            self._conclude_step(tx, study, trial, decision, problems, now=now, stop_reason="measured")
+            self._conclude_step(tx, study, trial, decision, problems, now=now, stop_reason="measured",
+                                software=study.software or result.hardware.software)
         return dataclasses.replace(trial, **done)
 
     def _advance_step(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result: StepMeasurement | None,
@@ -494,7 +551,8 @@ class Engine:
                             step=result, message=decision.summary[:2000], finished_at=now, result_lease_id=lease_id)
                 self._move_trial(tx, trial, **done)
             if study.state.active:
-                self._conclude_step(tx, study, trial, decision, problems, now=now, stop_reason=None)
+                self._conclude_step(tx, study, trial, decision, problems, now=now, stop_reason=None,
+                                    software=study.software or (result.hardware.software if result else None))
             return done
         previous = earlier[-1].finished_at if earlier else None
         search.record(trial.variants, result, wall_s=(now - previous).total_seconds() if previous else None)
@@ -518,16 +576,19 @@ class Engine:
         return done
 
     def _conclude_step(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, decision: StepDecision,
-                       problems: dict[str, dict[str, Problem]], *, now: dt.datetime, stop_reason: str | None) -> None:
-        """Complete a step study with its decision (its overrides replace the model's), or fail it."""
+                       problems: dict[str, dict[str, Problem]], *, now: dt.datetime, stop_reason: str | None,
+                       software: Software | None) -> None:
+        """Complete a step study with its decision (its overrides replace the model's, and say which stack,
+        ``software``, decided them), or fail it."""
         study = tx.study(study.id, lock=True)
         if not decision.ok:
             self._move_study(tx, study, S.FAILED, finished_at=now, message=decision.summary[:2000])
             return
         model = study.step.block.name
-        tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems))
+        tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems,
+                                                                         software=software))
         tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=trial.number)
-        record = with_step_bound(decision.record, [tx.tuned_config(p, study.hardware)
+        record = with_step_bound(decision.record, [tx.tuned_config(p, study.hardware, software=study.software)
                                                    for slots in problems.values() for p in slots.values()])
         self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
                          decision=record, **({"stop_reason": stop_reason} if stop_reason else {}))
@@ -558,6 +619,9 @@ class Engine:
         if winner is None:
             reasons = "; ".join(f"{t.decomposition.id}: {t.status or t.state} {t.message or ''}".strip()
                                 for t in search if t.state in (T.COMPLETED, T.FAILED))
+            if study.reconfirm is not None:  # no search of its own: the round is all it had
+                said = "; ".join(f"{m.decomposition.id}: {m.status} {m.message}".strip() for m in confirmation or ())
+                reasons = f"the re-confirmation round on {study.software}: {said or 'it got no result'}"
             self._move_study(tx, study, S.FAILED, finished_at=now,
                              message=("no candidate, not even the baseline, ran successfully: " + reasons)[:2000])
             self._wake_step_studies(tx, study.hardware, now=now)
@@ -568,12 +632,19 @@ class Engine:
                               space_size=study.space_size)
         config = TunedConfig(**{**dict(config), "hardware": study.hardware.identity(),
                                 **((bounds.medians or {}) if bounds is not None else {})})
+        outcome = {}
+        if study.software is not None:  # a study of one stack saves its config for that stack
+            config = config.measured_on(study.software)
+        if study.reconfirm is not None:
+            config, outcome = _reconfirmed(study, config)
+            note = f"{outcome['message']}; {note}" if note else outcome["message"]
         tx.save_tuned(config, study_id=study_id)
-        if not config.ring:
+        if not config.ring and study.reconfirm is None:
             rings = [m.ratio for m in pool if m.ok and m.decomposition.method == "ring"]
             why = reason(config.bounds, best_ring_ratio=min(rings, default=None))
             note = f"no ring won: {why}" + (f" ({note})" if note else "")
-        self._move_study(tx, study, S.COMPLETED, finished_at=now, message=note[:2000] if note else None)
+        self._move_study(tx, study, S.COMPLETED, finished_at=now, message=note[:2000] if note else None,
+                         **({"stop_reason": outcome["stop_reason"], "trials_done": 1} if outcome else {}))
         self._wake_step_studies(tx, study.hardware, now=now)
 
     @staticmethod
@@ -600,6 +671,21 @@ def with_step_bound(record: StepChoice | None, tuned: Sequence[TunedConfig | Non
     if not entries:
         return record
     return record.model_copy(update={"bound": step_bound(entries, record.time_s + record.saved_s, record.time_s)})
+
+
+def _reconfirmed(study: StudyRecord, config: TunedConfig) -> tuple[TunedConfig, dict]:
+    """A re-confirmation's config (the round's times on the new stack, the search's evidence of the stored
+    config) and its outcome: stop reason ``re-confirmed`` or ``replaced``, and a message saying which."""
+    stored = study.reconfirm.config
+    config = config.model_copy(update={"trials": stored.trials, "invalid": stored.invalid, "failed": stored.failed,
+                                       "space_size": stored.space_size})
+    if config.decomposition == stored.decomposition:
+        message = (f"re-confirmed on {study.software}: {config.decomposition.id} still wins ({config.speedup:.2f}x; "
+                   f"{stored.speedup:.2f}x on {stored.software})")
+        return config, {"stop_reason": "re-confirmed", "message": message}
+    message = (f"replaced on {study.software}: {config.decomposition.id} ({config.speedup:.2f}x) beat the stored "
+               f"{stored.decomposition.id} ({stored.speedup:.2f}x on {stored.software})")
+    return config, {"stop_reason": "replaced", "message": message}
 
 
 def check_study_move(study_id: int, state: StudyState, to: StudyState) -> None:
@@ -696,3 +782,6 @@ def _check_matches(study: StudyRecord, trial: TrialRecord, results: Sequence[Mea
     for m in results:
         if m.problem != study.problem:
             raise InvalidError(f"trial {trial.id} is for {study.problem.key}, the result is for {m.problem.key}")
+        stack = m.hardware.software
+        if study.software is not None and stack is not None and stack.key != study.software.key:
+            raise InvalidError(f"trial {trial.id} runs on {study.software}, the result was measured on {stack}")

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.costmodel import PROFILES, HardwareProfile, rank
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Problem
+from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import candidates
 from collective_matmul.wire import Measurement, Seed, TunedConfig
 
@@ -361,7 +361,15 @@ def tuned_config(problem: Problem, winner: Measurement, *, trials: int, invalid:
         problem=problem, hardware=winner.hardware.identity(), decomposition=winner.decomposition,
         time_s=time_s, baseline_s=baseline_s, speedup=speedup,
         speedup_iqr=winner.speedup_iqr, trials=trials, invalid=invalid, failed=failed,
-        space_size=space_size, jax_version=winner.hardware.jax_version, jaxlib_version=winner.hardware.jaxlib_version,
+        space_size=space_size, **_stack_of(winner.hardware),
     )
+
+
+def _stack_of(hardware: Hardware) -> dict:
+    """A tuned config's software fields from the hardware of its measurement: its stack, or (a record without
+    one) its versions."""
+    if hardware.software is not None:
+        return {"software": hardware.software}
+    return {"jax_version": hardware.jax_version, "jaxlib_version": hardware.jaxlib_version}
 
 

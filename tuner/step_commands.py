@@ -242,11 +242,20 @@ def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, 
 
     decision, result = run_search(group, search, measure, say)
     if decision is not None:
-        known = {c.key: c for c in Bundle.load(bundle).configs}
-        tuned = [known.get((p.key, hardware.key)) for slots in role_problems(block, spec).values()
+        tuned = [_tuned_here(Bundle.load(bundle).configs, p, hardware) for slots in role_problems(block, spec).values()
                  for p in slots.values()]
         _write_decision(decision, block.name, hardware, bundle, say, tuned=tuned)
     return result
+
+
+def _tuned_here(history, problem, hardware):
+    """``problem``'s tuned config on ``hardware`` in a bundle's entries (the one of this process's stack, else the
+    newest of any: `collective_matmul.lookup.from_tuned`'s exact-or-stale), None if it has none."""
+    from collective_matmul.lookup import by_problem, from_tuned
+
+    here = [c for c in history if c.hardware.key == hardware.identity().key and c.problem == problem]
+    found = from_tuned(problem, by_problem(here), hardware.software) if here else None
+    return found[1] if found is not None and found[0] in ("exact", "stale") else None
 
 
 def _measured(history, problem) -> list:
@@ -297,14 +306,15 @@ def decide_user_step(group, session, tuned, per_role, *, model: str, bundle: Pat
         return result
     hardware = next(iter(sites.values()))[0].hardware
     overrides, dropped = [], []
-    for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()}):
+    for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()},
+                                            software=result.hardware.software):
         calls = sites.get(override.role, [])
         if all(p.accepts(getattr(override.configs, slot)) for site in calls for slot, p in site.problems.items()):
             overrides.append(override)
         else:
             dropped.append(override.role)
-    known = {c.key: c for c in (tuned.bundle.configs if tuned.bundle is not None else [])}
-    calls = [known.get((p.key, hardware.identity().key)) for site in tuned.report().applied
+    history = tuned.bundle.configs if tuned.bundle is not None else []
+    calls = [_tuned_here(history, p, hardware) for site in tuned.report().applied
              for p in site.problems.values()]  # each call site the step traced, once
     _write_decision(decision, model, hardware, bundle, say, overrides=overrides, tuned=calls)
     if dropped:

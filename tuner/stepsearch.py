@@ -46,7 +46,7 @@ from typing import Literal
 from cmtune.tuner.variants import REFERENCE, cost_model_configs, ring_everywhere, ring_fill, slot_candidates
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import MAX_VARIANT_NAME, Speedup, StepChoice, StepMeasurement, StepVariant
 
 Setting = Mapping[str, OpConfigs]  # a variant's configs per role; a role it does not name runs its op-level winners
@@ -100,12 +100,16 @@ class StepDecision:
     record: StepChoice | None = None  # what is stored and served (None: no decision could be made)
 
     def role_overrides(self, model: str, hardware: Hardware,
-                       problems: dict[str, dict[str, Problem]] | None = None) -> list[RoleOverride]:
+                       problems: dict[str, dict[str, Problem]] | None = None, *,
+                       software: Software | None = None) -> list[RoleOverride]:
         """The decision's changes as the per-role overrides of ``model`` on ``hardware``, each with its
-        role's three problems where ``problems`` has them (each config is checked against its own)."""
+        role's three problems where ``problems`` has them (each config is checked against its own) and the
+        stack that measured them (``software``, default ``hardware.software``)."""
         problems = problems or {}
+        software = software or hardware.software
         return [RoleOverride(model=model, role=role, hardware=hardware.identity(), configs=configs,
-                             reason=self.reasons[role], step_speedup=1 / self.ratio, problems=problems.get(role))
+                             reason=self.reasons[role], step_speedup=1 / self.ratio, problems=problems.get(role),
+                             software=software)
                 for role, configs in self.overrides.items()]
 
 

@@ -22,11 +22,12 @@ from cmtune.tuner.search import SearchSettings
 from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MeshSpec, TransformerBlock
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Measurement,
     Protocol,
+    Reconfirmation,
     Status,
     StepChoice,
     StepMeasurement,
@@ -112,6 +113,8 @@ class StudyRecord:
     step: StepSpec | None = None
     submission_id: int | None = None
     decision: StepChoice | None = None  # a completed step study's (`cmtune.tuner.engine.step_decision`)
+    software: Software | None = None  # the stack its trials run on (None: any worker of the hardware)
+    reconfirm: Reconfirmation | None = None  # a re-confirmation study's (`Engine.create_reconfirmation`)
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ class StoreTx(TypingProtocol):
 
     def add_study(self, *, problem: Problem | None, hardware: Hardware, settings: SearchSettings,
                   protocol: Protocol, space_size: int, now: dt.datetime, kind: StudyKind = StudyKind.SEARCH,
-                  step: StepSpec | None = None, submission_id: int | None = None) -> StudyRecord: ...
+                  step: StepSpec | None = None, submission_id: int | None = None, software: Software | None = None,
+                  reconfirm: Reconfirmation | None = None) -> StudyRecord: ...
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:
         """The pending step studies on ``hardware`` (they wait for their search studies), locked."""
@@ -164,7 +168,10 @@ class StoreTx(TypingProtocol):
         """The step studies on ``hardware`` that are not final (pending, running or confirming)."""
         ...
 
-    def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None: ...
+    def tuned_config(self, problem: Problem, hardware: Hardware, software: Software | None = None
+                     ) -> TunedConfig | None:
+        """The tuned config of (problem, hardware) measured on ``software``; without one, the newest of any stack."""
+        ...
 
     def save_overrides(self, model: str, hardware: Hardware, overrides: Sequence[RoleOverride]) -> None:
         """Replace every override of (model, hardware) with ``overrides``."""
@@ -196,8 +203,9 @@ class StoreTx(TypingProtocol):
               now: dt.datetime) -> TrialRecord | None:
         """Atomically move the oldest pending trial to leased (attempts + 1, worker set), or None.
 
-        Candidates: trials of ``study_ids``, else of every active study on ``hardware``; the
-        oldest study first, then trial number.  Concurrent claims never get the same trial.
+        Candidates: trials of ``study_ids``, else of every active study on ``hardware`` (where
+        ``hardware.software`` is set, only studies of that stack or of none); the oldest study first,
+        then trial number.  Concurrent claims never get the same trial.
         """
         ...
 
@@ -219,7 +227,8 @@ class StoreTx(TypingProtocol):
         ...
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
-        """Store (or replace) the tuned config of ``config``'s (problem, hardware)."""
+        """Store (or replace) the tuned config of ``config``'s (problem, hardware, software stack): another
+        stack's stays."""
         ...
 
 
@@ -246,7 +255,7 @@ class InMemoryStore:
         self._lock = threading.RLock()
         self._studies: dict[int, StudyRecord] = {}
         self._trials: dict[int, TrialRecord] = {}
-        self._tuned: dict[tuple[str, str], TunedConfig] = {}
+        self._tuned: dict[tuple[str, str, str], TunedConfig] = {}
         self._overrides: dict[tuple[str, str, str], RoleOverride] = {}
 
     @contextmanager
@@ -255,10 +264,10 @@ class InMemoryStore:
             yield self
 
     def add_study(self, *, problem, hardware, settings, protocol, space_size, now, kind=StudyKind.SEARCH, step=None,
-                  submission_id=None) -> StudyRecord:
+                  submission_id=None, software=None, reconfirm=None) -> StudyRecord:
         study = StudyRecord(id=len(self._studies) + 1, problem=problem, hardware=hardware, settings=settings,
                             protocol=protocol, space_size=space_size, state=StudyState.PENDING, created_at=now,
-                            kind=kind, step=step, submission_id=submission_id)
+                            kind=kind, step=step, submission_id=submission_id, software=software, reconfirm=reconfirm)
         self._studies[study.id] = study
         return study
 
@@ -269,8 +278,11 @@ class InMemoryStore:
         return [s for s in self._studies.values() if s.kind == StudyKind.STEP and s.state.active
                 and s.hardware.key == hardware.identity().key]
 
-    def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
-        return self._tuned.get((problem.key, hardware.identity().key))
+    def tuned_config(self, problem: Problem, hardware: Hardware, software: Software | None = None
+                     ) -> TunedConfig | None:
+        found = [c for (p, h, s), c in self._tuned.items() if (p, h) == (problem.key, hardware.identity().key)
+                 and (software is None or s == software.key)]
+        return max(reversed(found), key=lambda c: c.tuned_at) if found else None
 
     def save_overrides(self, model: str, hardware: Hardware, overrides) -> None:
         key = hardware.identity().key
@@ -318,7 +330,9 @@ class InMemoryStore:
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
         studies = [s for s in sorted(self._studies.values(), key=lambda s: s.id) if s.state.active
                    and (study_ids is None or s.id in study_ids)
-                   and (hardware is None or s.hardware.key == hardware.identity().key)]
+                   and (hardware is None or s.hardware.key == hardware.identity().key)
+                   and (hardware is None or hardware.software is None or s.software is None
+                        or s.software.key == hardware.software.key)]
         for study in studies:
             pending = [t for t in self.trials(study.id) if t.state == TrialState.PENDING]
             if pending:
@@ -347,4 +361,5 @@ class InMemoryStore:
         self._trials[trial_id] = dataclasses.replace(self.trial(trial_id), **changes)
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
+        self._tuned.pop(config.key, None)  # the newest last
         self._tuned[config.key] = config

@@ -33,7 +33,7 @@ from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponenti
 
 from cmtune.tuner.cluster import EXIT_HUNG, Group
 from cmtune.tuner.local import LocalRunner, Watchdog, failed_result, follow
-from collective_matmul.problem import Hardware
+from collective_matmul.problem import Hardware, Software
 from collective_matmul.wire import (
     WORKER_HEADER,
     BoundsMeasurement,
@@ -162,7 +162,8 @@ class WorkerDaemon:
     def register(self, hardware: Hardware) -> None:
         """Register (again); every later call carries the worker credential the answer holds."""
         body = WorkerCreate(name=self.name, hardware=HardwareIn.of(hardware), memory_bytes=self._runner.device_memory,
-                            software={"jax": hardware.jax_version, "jaxlib": hardware.jaxlib_version})
+                            software=hardware.software or Software(jax=hardware.jax_version,
+                                                                   jaxlib=hardware.jaxlib_version))
         self.client.http.headers.pop(WORKER_HEADER, None)
         response = self.client.call("POST", "/v1/workers", json=body.model_dump(mode="json"))
         response.raise_for_status()

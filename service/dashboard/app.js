@@ -27,6 +27,14 @@ const x = (v) => (v === null || v === undefined ? "–" : `${v.toFixed(2)}×`);
 // Keys, ids and savings come from the API (problem_key, hardware_key, decomposition_id, saved_s_*):
 // the page never re-derives them.
 const stateBadge = (state) => el("span", { class: `state ${state}` }, state);
+// A software stack in words, as the service writes it (collective_matmul.problem.Software): what is known of it.
+function stack(software) {
+  if (!software) return "any stack";
+  const parts = [["jax", software.jax], ["jaxlib", software.jaxlib]].filter(([, v]) => v).map(([k, v]) => `${k} ${v}`);
+  if (software.platform_version) parts.push(software.platform_version);
+  if (software.flags) parts.push(`flags ${software.flags}`);
+  return parts.join(", ") || "an unnamed stack";
+}
 function ago(iso) {
   const seconds = (Date.now() - new Date(iso).getTime()) / 1000;
   return seconds < 90 ? `${seconds.toFixed(0)} s ago` : `${(seconds / 60).toFixed(0)} min ago`;
@@ -214,10 +222,15 @@ async function overview() {
   const [studies, workers, models] = await Promise.all([api("/v1/studies?limit=500"), api("/v1/workers"),
                                                         api("/v1/submissions")]);
   const online = workers.filter((w) => w.online).length;
+  const reconfirms = studies.items.filter((s) => s.reconfirm);
+  const outcomes = {};
+  for (const s of reconfirms) outcomes[s.outcome] = (outcomes[s.outcome] || 0) + 1;
   const columns = [
     { key: "id", label: "study", num: true, value: (s) => s.id, render: (s) => el("a", { href: `/ui/studies/${s.id}` }, `#${s.id}`) },
     { key: "state", label: "state", value: (s) => s.state, render: (s) => stateBadge(s.state) },
-    { key: "problem", label: "problem (or step of a model)", value: (s) => s.problem_key },
+    { key: "problem", label: "problem (or step of a model)",
+      value: (s) => (s.reconfirm ? `${s.problem_key} (re-confirmation on ${stack(s.software)})`
+        : s.software ? `${s.problem_key} (on ${stack(s.software)})` : s.problem_key) },
     { key: "hardware", label: "hardware", value: (s) => s.hardware_key },
     { key: "progress", label: "progress (trials)", value: (s) => s.trials_done / s.trials_budget,
       render: (s) => el("span", { class: "progress" }, el("span", { class: "bar" }, el("span", { style: `width:${Math.min(100, 100 * s.trials_done / s.trials_budget)}%` })),
@@ -233,10 +246,18 @@ async function overview() {
       el("div", { class: "card" }, el("div", { class: "muted" }, "completed"), el("div", { class: "value" }, studies.items.filter((s) => s.state === "completed").length)),
       el("div", { class: "card" }, el("div", { class: "muted" }, "workers online"), el("div", { class: "value", id: "workers-online" }, online))),
     dataTable("studies", columns, studies.items, { onclick: (s) => go(`/ui/studies/${s.id}`), filter: (s) => `${s.state} ${s.problem_key} ${s.hardware_key}` }),
-    models.length ? el("h2", {}, "Submitted models") : null,
-    models.length ? el("ul", { id: "models" }, models.map((m) => el("li", {},
-      el("a", { href: `/ui/submissions/${m.id}` }, `${m.name} on ${Object.entries(m.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
-      el("span", { class: "muted" }, ` · ${m.problems} problems · ${m.hardware_key}`)))) : null,
+    ...(reconfirms.length ? [  // what a worker of a new software stack queued: re-confirmed, replaced or waiting
+      el("h2", {}, "Re-confirmations on a new software stack"),
+      el("p", { id: "reconfirm-counts", class: "muted" },
+        ["re-confirmed", "replaced", "waiting", "failed", "cancelled"].filter((o) => outcomes[o]).map((o) => `${outcomes[o]} ${o}`).join(" · ")),
+      el("ul", { id: "reconfirmations" }, reconfirms.map((s) => el("li", {},
+        el("a", { href: `/ui/studies/${s.id}` }, `#${s.id}`), ` ${s.problem_key}: ${s.reconfirm.decomposition_id} measured on `,
+        `${stack(s.reconfirm.config.software)}, on ${stack(s.software)} `, stateBadge(s.outcome),
+        s.tuned && s.outcome !== "waiting" ? ` ${s.tuned_decomposition_id} · ${x(s.tuned.speedup)}` : "")))] : []),
+    ...(models.length ? [el("h2", {}, "Submitted models"),
+      el("ul", { id: "models" }, models.map((m) => el("li", {},
+        el("a", { href: `/ui/submissions/${m.id}` }, `${m.name} on ${Object.entries(m.mesh.axes).map(([k, v]) => `${k}=${v}`).join(",")}`),
+        el("span", { class: "muted" }, ` · ${m.problems} problems · ${m.hardware_key}`))))] : []),
   ));
 }
 
@@ -269,6 +290,10 @@ async function studyPage(id) {
       el("span", { class: "muted" }, "progress"), el("span", {}, `${study.trials_done} of ${study.trials_budget} trials (space ${study.space_size})`),
       el("span", { class: "muted" }, "best so far"), el("span", {}, study.best ? `${study.best.decomposition_id} · ${x(study.best.speedup)}` : "–"),
       el("span", { class: "muted" }, "tuned config"), el("span", { id: "tuned" }, tuned ? `${study.tuned_decomposition_id} · ${ms(tuned.time_s)} vs baseline ${ms(tuned.baseline_s)} · ${x(tuned.speedup)}` : "not yet"),
+      study.software ? [el("span", { class: "muted" }, "software stack"), el("span", { id: "study-software" }, `${stack(study.software)} (only its workers run the trials)`)] : null,
+      study.reconfirm ? [el("span", { class: "muted" }, "re-confirms"), el("span", { id: "reconfirm" },
+        `${study.reconfirm.decomposition_id} · ${x(study.reconfirm.config.speedup)} measured on ${stack(study.reconfirm.config.software)} · `,
+        stateBadge(study.outcome))] : null,
       study.stop_reason ? [el("span", { class: "muted" }, "stopped by"), el("span", {}, study.stop_reason)] : null,
       study.message ? [el("span", { class: "muted" }, "note"), el("span", { id: "study-message" }, study.message)] : null,
       study.seeds && study.seeds.length ? [el("span", { class: "muted" }, "seeded with"), el("ul", { id: "study-seeds" }, study.seeds.map((s) => el("li", {},
@@ -294,7 +319,7 @@ async function workersPage() {
     { key: "heartbeat", label: "last heartbeat", value: (w) => w.last_heartbeat, render: (w) => ago(w.last_heartbeat) },
     { key: "trial", label: "current trial", num: true, value: (w) => w.current_trial_id },
     { key: "done", label: "trials done", num: true, value: (w) => w.trials_done },
-    { key: "software", label: "software", value: (w) => Object.entries(w.software).map(([k, v]) => `${k} ${v}`).join(", ") },
+    { key: "software", label: "software", value: (w) => stack(w.software) },
   ];
   keepFocus(() => main.replaceChildren(el("h1", {}, "Workers"), dataTable("workers", columns, workers)));
 }
@@ -303,7 +328,12 @@ async function configsPage() {
   const params = new URLSearchParams(location.search);
   const query = new URLSearchParams();
   for (const key of ["platform", "device_kind"]) if (params.get(key)) query.set(key, params.get(key));
-  const tuned = await api(`/v1/tuned?${query}`);
+  const [tuned, workers] = await Promise.all([api(`/v1/tuned?${query}`), api("/v1/workers")]);
+  // the stacks of the registered workers: a problem with no config of one of them is stale there
+  const stacks = new Map(workers.map((w) => [`${w.hardware_key}|${w.software_key}`, w]));
+  const have = new Set(tuned.map((c) => `${c.problem_key}|${c.hardware_key}|${c.software_key}`));
+  const staleFor = (c) => [...stacks.values()].filter((w) => w.hardware_key === c.hardware_key
+    && !have.has(`${c.problem_key}|${c.hardware_key}|${w.software_key}`)).map((w) => stack(w.software));
   const columns = [
     { key: "problem", label: "problem", value: (c) => c.problem_key },
     { key: "hardware", label: "hardware", value: (c) => c.hardware_key },
@@ -316,7 +346,9 @@ async function configsPage() {
     { key: "bound", label: "bound", num: true, value: (c) => c.bound_s, render: (c) => ms(c.bound_s) },
     { key: "hidden", label: "hidden", num: true, value: (c) => c.hidden_fraction, render: (c) => pct(c.hidden_fraction) },
     { key: "trials", label: "trials", num: true, value: (c) => c.trials, render: (c) => `${c.trials} / ${c.space_size}` },
-    { key: "software", label: "jax", value: (c) => c.jax_version },
+    { key: "software", label: "measured on", value: (c) => stack(c.software) },
+    { key: "stale", label: "stale for", value: (c) => staleFor(c).join("; "),
+      render: (c) => (staleFor(c).length ? el("span", { class: "state stale" }, staleFor(c).join("; ")) : "–") },
   ];
   const field = (name, label) => el("input", { name, placeholder: label, value: params.get(name) || "" });
   keepFocus(() => main.replaceChildren(

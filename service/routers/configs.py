@@ -11,7 +11,16 @@ from pydantic import ValidationError
 from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
 from cmtune.service.errors import InvalidError, responses
 from collective_matmul.models import ModelName
-from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem
+from collective_matmul.problem import (
+    DeviceKind,
+    FlagsDigest,
+    Hardware,
+    Platform,
+    PlatformVersion,
+    Problem,
+    Software,
+    Version,
+)
 from collective_matmul.text import label
 from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, ShortText, TunedPublic
 
@@ -36,13 +45,23 @@ async def get_config(
     device_kind: Annotated[DeviceKind, Query(examples=["TPU v5p"])],
     device_count: Annotated[int | None, Query(gt=0, description="default: axis_size")] = None,
     process_count: Annotated[int, Query(gt=0)] = 1,
+    jax: Annotated[Version | None, Query(description="the caller's software stack (collective_matmul.problem."
+                                                      "Software): jax, jaxlib, platform_version, flags")] = None,
+    jaxlib: Annotated[Version | None, Query()] = None,
+    platform_version: Annotated[PlatformVersion | None, Query()] = None,
+    flags: Annotated[FlagsDigest | None, Query(description="flags_digest of XLA_FLAGS and LIBTPU_INIT_ARGS")] = None,
 ) -> ConfigAnswer:
-    """The config for one problem: ``match`` says whether it is exact, nearest, model or baseline."""
+    """The config for one problem: ``match`` says whether it is exact, stale (measured on another software stack
+    than the caller's), nearest, model or baseline; a look-up that names no stack is answered from the newest
+    measurement of any stack, and its ``note`` says so."""
     problem = _validated(Problem, collective=collective, m=m, k=k, n=n, dtype=dtype, axis_size=axis_size)
     hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count or axis_size,
                           process_count=process_count)
+    stack = {name: value for name, value in (("jax", jax), ("jaxlib", jaxlib), ("platform_version", platform_version),
+                                             ("flags", flags)) if value is not None}
+    software = _validated(Software, **stack) if stack else None
     await state.cache.ensure(hardware)
-    return Response(state.cache.lookup_json(problem, hardware), media_type="application/json")
+    return Response(state.cache.lookup_json(problem, hardware, software), media_type="application/json")
 
 
 @router.post("/v1/configs/query", response_model=list[ConfigAnswer])
@@ -54,18 +73,19 @@ async def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep) -
     """
     queries = [(q.problem, _validated(Hardware, platform=q.platform, device_kind=q.device_kind,
                                       device_count=q.device_count or q.problem.axis_size,
-                                      process_count=q.process_count)) for q in body.queries]
+                                      process_count=q.process_count), q.software) for q in body.queries]
     async with state.batch_turn:
-        for hardware in {h.key: h for _, h in queries}.values():
+        for hardware in {h.key: h for _, h, _ in queries}.values():
             await state.cache.ensure(hardware)
-        answers = await run_in_threadpool(lambda: [state.cache.lookup_json(p, h) for p, h in queries])
+        answers = await run_in_threadpool(lambda: [state.cache.lookup_json(*query) for query in queries])
     return Response(b"[" + b",".join(answers) + b"]", media_type="application/json")
 
 
 @router.get("/v1/tuned", response_model=list[TunedPublic])
 def list_tuned(store: StoreDep, _: ReaderDep, platform: Annotated[Platform | None, Query()] = None,
                device_kind: Annotated[DeviceKind | None, Query()] = None) -> list[TunedPublic]:
-    """Every tuned config (filtered by hardware), with keys, ids and the study that tuned it."""
+    """Every tuned config (filtered by hardware), one per software stack, with keys, ids and the study that
+    tuned it."""
     with store.read() as tx:
         return [TunedPublic.of(row.config, row.study_id)
                 for row in tx.catalog.tuned_rows(platform=platform, device_kind=device_kind)]
@@ -96,7 +116,8 @@ def export_bundle(store: StoreDep, _: ReaderDep, platform: Annotated[Platform | 
 
 @router.post("/v1/bundles", status_code=201)
 def import_bundle(bundle: Bundle, state: StateDep, _: AdminDep) -> dict:
-    """Store every config and override of a bundle (replacing entries with the same keys), all or nothing.
+    """Store every config and override of a bundle (replacing entries with the same keys: a config's are its
+    problem, hardware and software stack), all or nothing.
 
     Each override must carry its role's problems (bundles written by cmtune 0.3 and later do): its
     configs are checked against them here, as a worker's step result is, and again where they are applied.

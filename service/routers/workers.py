@@ -6,7 +6,7 @@ import datetime as dt
 
 from fastapi import APIRouter, Response
 
-from cmtune.service import leasing
+from cmtune.service import leasing, reconfirming
 from cmtune.service.deps import Id, ReaderDep, StateDep, WorkerDep, WorkerRoleDep
 from cmtune.service.errors import responses
 from cmtune.service.models import utcnow
@@ -27,10 +27,16 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=responses(4
 @router.post("", response_model=WorkerRegistered, status_code=201)
 def register(body: WorkerCreate, state: StateDep, _: WorkerRoleDep) -> WorkerRegistered:
     """Register a worker; the answer holds its own ``credential`` (shown once), which every later call of
-    this worker sends in the ``X-Cmtune-Worker`` header."""
+    this worker sends in the ``X-Cmtune-Worker`` header.  A worker of a software stack the service holds
+    configs for only under other stacks of its hardware queues their re-confirmation on its stack
+    (`cmtune.service.reconfirming`)."""
+    now = utcnow()
     with state.store.write() as tx:
-        worker_id, credential = tx.workers.add(name=body.name, hardware=body.hardware.to_hardware(),
-                                               software=body.software, memory_bytes=body.memory_bytes, now=utcnow())
+        hardware = body.hardware.to_hardware()
+        # first: it locks the hardware's row (PostgreSQL), which the worker's row then refers to
+        reconfirming.on_register(tx, state.engine, hardware, body.software, now=now)
+        worker_id, credential = tx.workers.add(name=body.name, hardware=hardware, software=body.software,
+                                               memory_bytes=body.memory_bytes, now=now)
         public = worker_public(tx.workers.get(worker_id), current_trial_id=None, online_after=_online_after(state))
         return WorkerRegistered(**dict(public), credential=credential)
 

@@ -21,11 +21,12 @@ from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord, step_variants_of
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Measurement,
     Protocol,
+    Reconfirmation,
     StepChoice,
     StepMeasurement,
     StudyKind,
@@ -45,7 +46,8 @@ MUTABLE = (studies.c.id, studies.c.created_at, studies.c.state, studies.c.stop_r
 OWNER = tuple(c.label(f"owner_{c.name}") for c in MUTABLE)  # a trial's study beside it, in one row
 # what `Fixed.of` reads (with `PROBLEM` and `HARDWARE`): a study's columns that never change
 FIXED = (studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c.created_at, studies.c.kind,
-         studies.c.step, studies.c.submission_id, studies.c.hardware_id, studies.c.problem_id)
+         studies.c.step, studies.c.submission_id, studies.c.hardware_id, studies.c.problem_id, studies.c.software,
+         studies.c.reconfirm)
 PROBLEM = (problems.c.collective, problems.c.m, problems.c.k, problems.c.n, problems.c.dtype, problems.c.axis_size)
 HARDWARE = (hardware_t.c.platform, hardware_t.c.device_kind, hardware_t.c.device_count, hardware_t.c.process_count)
 TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
@@ -81,6 +83,8 @@ class Fixed:
     kind: StudyKind
     step: StepSpec | None
     submission_id: int | None
+    software: Software | None = None
+    reconfirm: Reconfirmation | None = None
 
     @classmethod
     def of(cls, row) -> Fixed:
@@ -88,7 +92,9 @@ class Fixed:
         return cls(problem_of(row) if row.problem_id is not None else None, hardware_of(row), row.hardware_id,
                    row.problem_id, SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
                    row.space_size, row.created_at, StudyKind(row.kind),
-                   StepSpec.from_json(row.step) if row.step else None, row.submission_id)
+                   StepSpec.from_json(row.step) if row.step else None, row.submission_id,
+                   Software.of(row.software) if row.software is not None else None,
+                   Reconfirmation.model_validate(row.reconfirm) if row.reconfirm is not None else None)
 
 
 class Tx:
@@ -195,7 +201,8 @@ def study_record(fixed: Fixed, row, prefix: str = "") -> StudyRecord:
         created_at=fixed.created_at, stop_reason=get("stop_reason"), message=get("message"),
         started_at=get("started_at"), finished_at=get("finished_at"), trials_done=get("trials_done"),
         best_trial_id=get("best_trial_id"), best_ratio=get("best_ratio"), kind=fixed.kind, step=fixed.step,
-        submission_id=fixed.submission_id, decision=_decision(get("decision")))
+        submission_id=fixed.submission_id, decision=_decision(get("decision")), software=fixed.software,
+        reconfirm=fixed.reconfirm)
 
 
 def _decision(stored: dict | None) -> StepChoice | None:
@@ -230,9 +237,8 @@ def tuned_config_of(row) -> TunedConfig:
         decomposition=Decomposition.model_validate(row.decomposition),
         time_s=row.time_s, baseline_s=row.baseline_s, speedup=row.speedup, speedup_iqr=row.speedup_iqr,
         trials=row.trials, invalid=row.invalid, failed=row.failed, space_size=row.space_size,
-        jax_version=row.software.get("jax", ""), jaxlib_version=row.software.get("jaxlib", ""),
-        tuned_at=row.updated_at.isoformat(timespec="seconds"), compute_s=row.compute_s,
-        communication_s=row.communication_s, bounds_baseline_s=row.bounds_baseline_s)
+        software=Software.of(row.software), tuned_at=row.updated_at.isoformat(timespec="seconds"),
+        compute_s=row.compute_s, communication_s=row.communication_s, bounds_baseline_s=row.bounds_baseline_s)
 
 
 def tuned_select(*conditions):

@@ -35,7 +35,7 @@ from cmtune.tuner.store import StudyRecord
 from cmtune.tuner.warm import Known
 from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, Status, StudyKind, StudyState, TrialKind, TrialState
 
 log = logging.getLogger(__name__)
@@ -119,11 +119,12 @@ class Catalog:
     # --- tuned configs and overrides ------------------------------------------------------------
 
     def tuned(self, problem: Problem, hardware: Hardware) -> TunedRow | None:
-        """The tuned config of (problem, hardware) and its study (`StoreTx.tuned_config` without it)."""
+        """The newest tuned config of (problem, hardware), of any stack, and its study (`StoreTx.tuned_config`
+        without it)."""
         if self._tx.problem_id(problem) is None:
             return None
         found = self._tuned(problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key)
-        return found[0] if found else None
+        return max(reversed(found), key=lambda row: row.config.tuned_at) if found else None
 
     def neighbours(self, problem: Problem, hardware: Hardware) -> list[Known]:
         """The tuned configs on ``hardware`` of ``problem``'s collective, dtype and ring size, each with the
@@ -178,11 +179,30 @@ class Catalog:
                     model=r.model, role=r.role, hardware=hardware_of(r), configs=OpConfigs.model_validate(r.configs),
                     reason=r.reason, step_speedup=r.step_speedup,
                     problems=None if r.problems is None else {s: Problem.model_validate(p)
-                                                              for s, p in r.problems.items()}))
+                                                              for s, p in r.problems.items()},
+                    software=Software.of(r.software) if r.software is not None else None))
             except ValidationError as exc:  # stored before its checks existed: never served
                 log.warning("override of %s role %s on %s:%s does not fit its problems, not served: %s",
                             r.model, r.role, r.platform, r.device_kind, exc.errors()[0]["msg"])
         return found
+
+
+    # --- re-confirmation -----------------------------------------------------------------------
+
+    def reconfirmations(self, hardware: Hardware, software: Software) -> list[StudyRecord]:
+        """The re-confirmation studies (any state) on ``hardware`` for the stack ``software``, oldest first."""
+        ids = self._tx.execute(select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
+                               .where(hardware_t.c.key == hardware.identity().key, studies.c.reconfirm.is_not(None),
+                                      studies.c.software_key == software.key).order_by(studies.c.id)).scalars()
+        return [self._studies.study(i) for i in ids]
+
+    def step_studies(self, hardware: Hardware, *, software: Software | None = None) -> list[StudyRecord]:
+        """The step studies on ``hardware`` (of the stack ``software`` only, where given), newest first."""
+        query = select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id).where(
+            hardware_t.c.key == hardware.identity().key, studies.c.kind == StudyKind.STEP.value)
+        if software is not None:
+            query = query.where(studies.c.software_key == software.key)
+        return [self._studies.study(i) for i in self._tx.execute(query.order_by(studies.c.id.desc())).scalars()]
 
 
 def _hardware_filter(platform: str | None, device_kind: str | None, key: str | None) -> list:

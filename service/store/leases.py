@@ -39,7 +39,7 @@ from cmtune.service.store.base import (
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.engine import check_trial_move
 from cmtune.tuner.store import TrialRecord
-from collective_matmul.problem import Hardware
+from collective_matmul.problem import Hardware, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyState, TrialState
 
 ACTIVE = [s.value for s in ACTIVE_STUDY_STATES]
@@ -78,17 +78,21 @@ _END_LEASE_COUNTED = Prepared(update(workers).where(workers.c.id == _ENDED.c.wor
 
 
 @functools.cache
-def _claim(by_studies: bool, by_hardware: bool, with_study: bool) -> Prepared:
+def _claim(by_studies: bool, by_hardware: bool, with_study: bool, by_software: bool = False) -> Prepared:
     """The claim: the oldest pending trial (of the studies ``study_ids``, or on ``hardware_key``) becomes
-    leased by ``claimer``, in one statement; ``with_study`` (PostgreSQL: SQLite's RETURNING names only
-    the updated table) returns its study's `MUTABLE` columns too, as `OWNER`."""
+    leased by ``claimer``, in one statement; ``by_software`` (with ``by_hardware``): only of studies whose
+    stack is ``software_key`` or none; ``with_study`` (PostgreSQL: SQLite's RETURNING names only the updated
+    table) returns its study's `MUTABLE` columns too, as `OWNER`."""
     pending = trials.alias("pending")
     # whether a pending trial's study may give it out, asked per trial (a subquery the planner cannot
     # turn into a join): the claim walks the pending index in order and usually stops at its first entry,
     # where a join would visit every active study and sort all their pending trials
     claimable = select(or_(*(studies.c.state == s for s in ACTIVE))).where(studies.c.id == pending.c.study_id)
     if by_hardware:
-        claimable = select(and_(or_(*(studies.c.state == s for s in ACTIVE)), hardware_t.c.key == P("hardware_key"))) \
+        stack = [or_(studies.c.software_key.is_(None), studies.c.software_key == P("software_key"))] \
+            if by_software else []
+        claimable = select(and_(or_(*(studies.c.state == s for s in ACTIVE)), hardware_t.c.key == P("hardware_key"),
+                                *stack)) \
             .join_from(studies, hardware_t, hardware_t.c.id == studies.c.hardware_id) \
             .where(studies.c.id == pending.c.study_id)
     query = select(pending.c.id).where(pending.c.state == TrialState.PENDING, claimable.scalar_subquery()) \
@@ -109,11 +113,12 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool) -> Prepared:
 
 @functools.cache
 def _claim_leased(ending: bool) -> Prepared:
-    """PostgreSQL: `_claim` on ``hardware_key`` (with its study) and the lease of what it claims, in one
+    """PostgreSQL: `_claim` on ``hardware_key`` and ``software_key`` (with its study) and the lease of what it
+    claims, in one
     statement (``lease_id``, ``now``, ``until``; nothing is inserted when there is nothing to claim);
     ``ending``: the lease ``_lease_id`` ends and its worker counts a trial done, whatever is claimed (a
     data-modifying WITH always runs)."""
-    claimed = _claim(False, True, True).statement.cte("claimed")
+    claimed = _claim(False, True, True, True).statement.cte("claimed")
     leased = insert(leases).from_select(
         ["id", "trial_id", "worker_id", "created_at", "expires_at", "active"],
         select(P("lease_id", type_=leases.c.id.type), claimed.c.id, claimed.c.worker_id,
@@ -132,17 +137,20 @@ class Leases:
         self._tx = tx
 
     def claim(self, *, study_ids: Sequence[int] | None = None, hardware: Hardware | None = None,
-              worker_id: int | None = None) -> TrialRecord | None:
-        """The oldest pending trial (of ``study_ids``, else of the active studies on ``hardware``), moved to
-        leased by ``worker_id`` (attempts + 1) in one statement, or None (`StoreTx.claim`: the engine's
-        `Engine.claim` checks the move first)."""
+              worker_id: int | None = None, software: Software | None = None) -> TrialRecord | None:
+        """The oldest pending trial (of ``study_ids``, else of the active studies on ``hardware`` whose stack is
+        ``software`` or none), moved to leased by ``worker_id`` (attempts + 1) in one statement, or None
+        (`StoreTx.claim`: the engine's `Engine.claim` checks the move first)."""
         parameters = {"claimer": worker_id}
         if study_ids is not None:
             parameters["study_ids"] = list(study_ids)
         if hardware is not None:
             parameters["hardware_key"] = hardware.identity().key
+        by_software = hardware is not None and software is not None
+        if by_software:
+            parameters["software_key"] = software.key
         with_study = self._tx.is_postgres
-        row = self._tx.first(_claim(study_ids is not None, hardware is not None, with_study), parameters)
+        row = self._tx.first(_claim(study_ids is not None, hardware is not None, with_study, by_software), parameters)
         if row is None:
             return None
         if with_study:
@@ -150,26 +158,28 @@ class Leases:
         return trial_record(row, False)
 
     def claim_leased(self, *, hardware: Hardware, worker_id: int, now: dt.datetime, seconds: float,
-                     ending: str | None = None) -> tuple[TrialRecord, LeaseInfo] | None:
-        """`claim` the oldest pending trial on ``hardware`` for ``worker_id`` and lease it to the worker for
-        ``seconds`` (on PostgreSQL one statement), or None; ``ending``: a lease that ends first, as by
+                     ending: str | None = None, software: Software | None = None,
+                     ) -> tuple[TrialRecord, LeaseInfo] | None:
+        """`claim` the oldest pending trial on ``hardware`` of a study of the worker's ``software`` stack (or of
+        none) for ``worker_id`` and lease it to the worker for ``seconds`` (on PostgreSQL one statement), or
+        None (a worker that names no stack: ``Software()``); ``ending``: a lease that ends first, as by
         `end` (in the same statement).  The caller's engine takes the claimed trial's study through its own
         moves (`Engine.claimed`)."""
         check_trial_move(None, TrialState.PENDING, TrialState.LEASED)  # the engine's guard, once per claim
-        tx = self._tx
+        tx, software = self._tx, software or Software()
         lease_id, expires_at = str(uuid.uuid4()), now + dt.timedelta(seconds=seconds)
         lease = LeaseInfo(id=lease_id, trial_id=0, worker_id=worker_id, expires_at=expires_at, active=True)
         if not tx.is_postgres:
             if ending is not None:
                 self.end(ending)
-            trial = self.claim(hardware=hardware, worker_id=worker_id)
+            trial = self.claim(hardware=hardware, worker_id=worker_id, software=software)
             if trial is None:
                 return None
             lease = dataclasses.replace(lease, trial_id=trial.id)
             tx.rows(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
             return trial, lease
-        parameters = {"claimer": worker_id, "hardware_key": hardware.identity().key, "lease_id": lease_id,
-                      "now": now, "until": expires_at}
+        parameters = {"claimer": worker_id, "hardware_key": hardware.identity().key, "software_key": software.key,
+                      "lease_id": lease_id, "now": now, "until": expires_at}
         if ending is not None:
             parameters["_lease_id"] = ending
         row = tx.first(_claim_leased(ending is not None), parameters)

@@ -39,7 +39,7 @@ from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.store import StudyRecord, TrialRecord, refuse_state, step_variants_json
 from collective_matmul.bundle import RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, Status, StudyKind, StudyState, TrialKind, TrialState
 
 overrides_t = RoleOverrideRow.__table__
@@ -74,7 +74,8 @@ _BEST_SEARCH_TRIALS = select(trials.c.decomposition_id).select_from(trials) \
     .group_by(trials.c.decomposition_id).order_by(func.min(trials.c.ratio), trials.c.decomposition_id) \
     .limit(P("limit", type_=Integer))
 _TUNED_ID = Prepared(select(tuned_t.c.id).where(tuned_t.c.problem_id == P("problem_id"),
-                                                tuned_t.c.hardware_id == P("hardware_id")).with_for_update())
+                                                tuned_t.c.hardware_id == P("hardware_id"),
+                                                tuned_t.c.software_key == P("software_key")).with_for_update())
 _INSERT_TUNED = Prepared(insert(tuned_t))
 _UPDATE_TUNED = Prepared(update(tuned_t).where(tuned_t.c.id == P("_tuned_id")))
 
@@ -107,7 +108,7 @@ class Studies:
         self.leases = Leases(tx)
 
     def add_study(self, *, problem, hardware, settings, protocol, space_size, now, kind=StudyKind.SEARCH, step=None,
-                  submission_id=None) -> StudyRecord:
+                  submission_id=None, software=None, reconfirm=None) -> StudyRecord:
         tx = self._tx
         hardware_id = tx.hardware_id(hardware, create=True)
         problem_id = tx.problem_id(problem, create=True) if problem is not None else None
@@ -116,10 +117,14 @@ class Studies:
             settings=settings.model_dump(mode="json"), protocol=protocol.model_dump(mode="json"),
             space_size=space_size, created_at=now, trials_done=0, kind=kind,
             step=step.to_json() if step is not None else None, submission_id=submission_id,
+            software=software.model_dump(mode="json") if software is not None else null(),  # SQL NULL, not JSON null
+            software_key=software.key if software is not None else None,
+            reconfirm=reconfirm.model_dump(mode="json") if reconfirm is not None else null(),
         ))
         # what never changes is what was just written (no read back)
         tx.store.fixed[row.id] = Fixed(problem, hardware.identity(), hardware_id, problem_id, settings, protocol,
-                                       space_size, row.created_at, StudyKind(kind), step, submission_id)
+                                       space_size, row.created_at, StudyKind(kind), step, submission_id, software,
+                                       reconfirm)
         tx.locked.add(row.id)  # a row this transaction inserted is its own until it commits
         return tx.remember_study(row)
 
@@ -191,7 +196,8 @@ class Studies:
         return [decomposition_of(i) for i in ids]
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
-        return self.leases.claim(study_ids=study_ids, hardware=hardware, worker_id=worker_id)
+        return self.leases.claim(study_ids=study_ids, hardware=hardware, worker_id=worker_id,
+                                 software=hardware.software if hardware is not None else None)
 
     def update_study(self, study_id: int, **changes) -> None:
         self._update_study(study_id, refuse_state(changes))
@@ -220,11 +226,15 @@ class Studies:
                 {"_trial_id": trial_id, **{f"trial_{k}": v for k, v in trial_changes.items()},
                  "_study_id": study_id, **{f"study_{k}": v for k, v in study_changes.items()}})
 
-    def tuned_config(self, problem: Problem, hardware: Hardware) -> TunedConfig | None:
+    def tuned_config(self, problem: Problem, hardware: Hardware, software: Software | None = None
+                     ) -> TunedConfig | None:
         if self._tx.problem_id(problem) is None:
             return None
-        row = self._tx.execute(tuned_select(problems.c.key == problem.key,
-                                            hardware_t.c.key == hardware.identity().key)).first()
+        conditions = [problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key]
+        if software is not None:
+            conditions.append(tuned_t.c.software_key == software.key)
+        row = self._tx.execute(tuned_select(*conditions).order_by(None).order_by(
+            tuned_t.c.updated_at.desc(), tuned_t.c.id.desc()).limit(1)).first()
         return tuned_config_of(row) if row is not None else None
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
@@ -235,13 +245,14 @@ class Studies:
             decomposition=config.decomposition.model_dump(mode="json"), time_s=config.time_s,
             baseline_s=config.baseline_s, speedup=config.speedup, speedup_iqr=config.speedup_iqr,
             trials=config.trials, invalid=config.invalid, failed=config.failed, space_size=config.space_size,
-            software={"jax": config.jax_version, "jaxlib": config.jaxlib_version},
+            software=config.software.model_dump(mode="json"),
             updated_at=dt.datetime.now(dt.UTC), study_id=study_id, compute_s=config.compute_s,
             communication_s=config.communication_s, bounds_baseline_s=config.bounds_baseline_s,
         )
-        existing = tx.first(_TUNED_ID, {"problem_id": problem_id, "hardware_id": hardware_id})
+        key = config.software.key
+        existing = tx.first(_TUNED_ID, {"problem_id": problem_id, "hardware_id": hardware_id, "software_key": key})
         if existing is None:
-            tx.rows(_INSERT_TUNED, dict(problem_id=problem_id, hardware_id=hardware_id, **values))
+            tx.rows(_INSERT_TUNED, dict(problem_id=problem_id, hardware_id=hardware_id, software_key=key, **values))
         else:
             tx.rows(_UPDATE_TUNED, {"_tuned_id": existing.id, **values})
 
@@ -253,7 +264,8 @@ class Studies:
             tx.execute(insert(overrides_t).values(
                 model=model, role=o.role, hardware_id=hardware_id, configs=o.configs.model_dump(mode="json"),
                 problems=None if o.problems is None else {s: p.model_dump(mode="json") for s, p in o.problems.items()},
-                reason=o.reason, step_speedup=o.step_speedup, updated_at=dt.datetime.now(dt.UTC)))
+                reason=o.reason, step_speedup=o.step_speedup, updated_at=dt.datetime.now(dt.UTC),
+                software=o.software.model_dump(mode="json") if o.software is not None else None))
 
 
 def _study_columns(changes: dict) -> dict:

@@ -18,7 +18,7 @@ from cmtune.service.models import Role, Token
 from cmtune.service.store.base import HARDWARE, P, Tx, hardware_of, hardware_t, workers
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
-from collective_matmul.problem import Hardware
+from collective_matmul.problem import Hardware, Software
 
 tokens = Token.__table__
 MAX_TOUCHED = 100_000  # workers one process remembers marking alive
@@ -38,7 +38,7 @@ class WorkerInfo:
     id: int
     name: str
     hardware: Hardware
-    software: dict
+    software: Software
     registered_at: dt.datetime
     last_heartbeat: dt.datetime
     active: bool
@@ -59,7 +59,7 @@ def _not_registered(worker_id: int) -> NotFoundError:
 
 
 def _worker(row, hardware: Hardware) -> WorkerInfo:
-    return WorkerInfo(id=row.id, name=row.name, hardware=hardware, software=row.software,
+    return WorkerInfo(id=row.id, name=row.name, hardware=hardware, software=Software.of(row.software),
                       registered_at=row.registered_at, last_heartbeat=row.last_heartbeat, active=row.active,
                       trials_done=row.trials_done, memory_bytes=row.memory_bytes)
 
@@ -70,14 +70,14 @@ class Workers:
     def __init__(self, tx: Tx):
         self._tx = tx
 
-    def add(self, *, name: str, hardware: Hardware, software: dict, memory_bytes: int | None,
+    def add(self, *, name: str, hardware: Hardware, software: Software, memory_bytes: int | None,
             now: dt.datetime) -> tuple[int, str]:
         """A new worker and its credential (``cmw_<id>_<secret>``, shown once; only its hash is stored)."""
         tx = self._tx
         worker_id = tx.execute(insert(workers).values(
-            name=name, hardware_id=tx.hardware_id(hardware, create=True), software=software, registered_at=now,
-            last_heartbeat=now, active=True, trials_done=0, memory_bytes=memory_bytes).returning(workers.c.id)
-        ).scalar_one()
+            name=name, hardware_id=tx.hardware_id(hardware, create=True), software=software.model_dump(mode="json"),
+            registered_at=now, last_heartbeat=now, active=True, trials_done=0, memory_bytes=memory_bytes,
+        ).returning(workers.c.id)).scalar_one()
         credential = f"cmw_{worker_id}_{secrets.token_urlsafe(32)}"
         tx.execute(update(workers).where(workers.c.id == worker_id).values(credential_hash=hash_token(credential)))
         return worker_id, credential

@@ -262,14 +262,15 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path, m
 
     monkeypatch.setattr(costmodel, "model_choice", lambda problem, hardware: None)  # no cost-model profile
     mesh = mesh_1d()
-    hw = ring_hardware(mesh, "model").identity()
+    ring = ring_hardware(mesh, "model")
+    hw = ring.identity()
     tokens = MHA_GATED.global_batch * MHA_GATED.seq_len
     down = Problem(collective="matmul_reduce_scatter", m=tokens, k=128, n=64, dtype="float32", axis_size=8)
     down_gi = Problem(collective="allgather_matmul", m=tokens, k=64, n=128, dtype="float32", axis_size=8)
     up_gw = Problem(collective="allgather_grad_weight", m=tokens, k=64, n=256, dtype="float32", axis_size=8)
     entries = {down: D("ring-bi-c1-full-in"), down_gi: D("ring-uni-c2-full-dus"), up_gw: D("baseline")}
     bundle = Bundle(configs=[TunedConfig(problem=p, hardware=hw, decomposition=d, time_s=1.0, baseline_s=1.0,
-                                         speedup=1.0) for p, d in entries.items()])
+                                         speedup=1.0, software=ring.software) for p, d in entries.items()])
     bundle.save(tmp_path / "b.json")
     tuned = Tuned(bundle=tmp_path / "b.json")
     configs = configs_per_role(tuned, MHA_GATED, mesh=mesh, axis="model")
@@ -333,13 +334,13 @@ def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp
     # another model, or no model: the override does not apply
     assert configs_per_role(Tuned(bundle=tmp_path / "v2.json", model="other"), MHA_GATED, mesh=mesh,
                             axis="model")["mlp_up"] != ring
-    # a version-1 file (no overrides) still loads; saving it writes version 2
+    # a version-1 file (no overrides) still loads; saving it writes version 3
     old = tmp_path / "v1.json"
     old.write_text('{"format": "cmtune.bundle", "version": 1, "created_at": "2026-11-30T00:00:00+00:00", '
                    '"configs": []}')
     assert Bundle.load(old).overrides == []
     Bundle.load(old).save(old)
-    assert '"version": 2' in old.read_text()
+    assert '"version": 3' in old.read_text()
 
 
 def test_the_bundle_example_in_the_docs_loads(tmp_path):
@@ -347,7 +348,8 @@ def test_the_bundle_example_in_the_docs_loads(tmp_path):
     example = text[text.index("```json", text.index("## Bundle format")) + len("```json"):]
     (tmp_path / "example.json").write_text(example[: example.index("```")])
     bundle = Bundle.load(tmp_path / "example.json")
-    assert bundle.version == 2 and len(bundle.configs) == 1
+    assert bundle.version == 3 and len(bundle.configs) == 1
+    assert bundle.configs[0].software.jax == "0.10.2" and bundle.overrides[0].software.platform_version == "cpu"
     assert bundle.overrides[0].role == "mlp_down" and bundle.overrides[0].configs.forward.method == "baseline"
 
 

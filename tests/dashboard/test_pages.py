@@ -426,3 +426,50 @@ def test_the_step_studys_page_lists_its_search_rounds_by_their_variants(browser,
         assert "step: baseline, tuned" in rows[0] and "step: tuned, r2-qkv-" in rows[1]
         assert "step: baseline, tuned" in rows[2]
         page.close()
+
+
+@pytest.fixture(scope="module")
+def upgraded_site(tmp_path_factory):
+    """Two problems tuned on jax 0.10.2; then a worker of jax 0.11.0 registered and re-confirmed one of them."""
+    directory = tmp_path_factory.mktemp("ui-upgrade")
+    url = f"sqlite:///{directory / 'ui.sqlite'}"
+    tokens = contract.create_tokens(url)
+    with running_server(database_url=url) as server:
+        seed = Seeder(server.url, tokens["admin"], tokens["worker"])
+        for m in (256, 512):
+            seed.admin.post("/v1/studies", json={"problem": contract.PROBLEM | {"m": m}, "hardware": HARDWARE,
+                                                 "budget": {"trials": 3}, "confirm_top": 1})
+        while seed.run_trial() is not None:
+            pass
+        client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tokens['worker']}"}, timeout=30)
+        upgraded = contract.register(client, "upgraded", software={"jax": "0.11.0", "jaxlib": "0.11.0"})
+        first = contract.run_trial(upgraded)["trial"]["study_id"]
+        yield {"url": server.url, "tokens": tokens, "done": first}
+
+
+def test_the_pages_say_what_was_reconfirmed_and_what_is_stale_on_a_new_stack(browser, upgraded_site):
+    context = browser.new_context(viewport={"width": 1366, "height": 800})
+    page = context.new_page()
+    page.goto(link(upgraded_site["url"], "/ui", upgraded_site["tokens"]["reader"]))
+    page.wait_for_selector("#reconfirmations li")
+    assert page.locator("#reconfirm-counts").inner_text() == "1 re-confirmed · 1 waiting"
+    listed = page.locator("#reconfirmations").inner_text()
+    assert "measured on jax 0.10.2, on jax 0.11.0, jaxlib 0.11.0" in listed
+    assert "(re-confirmation on jax 0.11.0, jaxlib 0.11.0)" in page.locator("#studies").inner_text()
+    shot(page, "reconfirmations")
+    page.goto(f"{upgraded_site['url']}/ui/studies/{upgraded_site['done']}")
+    page.wait_for_selector("#reconfirm")
+    assert "jax 0.11.0, jaxlib 0.11.0" in page.locator("#study-software").inner_text()
+    assert "measured on jax 0.10.2" in page.locator("#reconfirm").inner_text()
+    assert "re-confirmed" in page.locator("#reconfirm").inner_text()
+    page.goto(f"{upgraded_site['url']}/ui/configs")
+    page.wait_for_selector("#configs tbody tr")
+    assert page.locator("#configs tbody tr").count() == 3  # two on the old stack, one re-confirmed on the new
+    rows = page.locator("#configs tbody tr").all_inner_texts()
+    assert sum("stale for" not in r and "jax 0.11.0, jaxlib 0.11.0" in r.split("\t")[-1] for r in rows) == 1
+    assert sum(r.split("\t")[-1] == "–" for r in rows) == 2  # the re-confirmed problem, on both stacks
+    shot(page, "configs-stacks")
+    page.goto(f"{upgraded_site['url']}/ui/workers")
+    page.wait_for_selector("#workers tbody tr")
+    assert "jax 0.11.0, jaxlib 0.11.0" in page.locator("#workers").inner_text()
+    context.close()

@@ -46,16 +46,19 @@ def mesh():
 
 @pytest.fixture
 def bundle_path(tmp_path, mesh):
-    hw = ring_hardware(mesh, "model").identity()
+    ring = ring_hardware(mesh, "model")
+    hw, here = ring.identity(), ring.software  # measured on this process's software stack: exact here
     up = Problem(collective="allgather_matmul", m=128, k=64, n=256, dtype="float32", axis_size=8)
     down = Problem(collective="matmul_reduce_scatter", m=128, k=256, n=64, dtype="float32", axis_size=8)
     # the weight gradient of both (up: dW, k=K, n=N; down: dWᵀ, k=N, n=K) is one problem
     grad_weight = Problem(collective="allgather_grad_weight", m=128, k=64, n=256, dtype="float32", axis_size=8)
     bundle = Bundle(configs=[
-        TunedConfig(problem=up, hardware=hw, decomposition=UP, time_s=1e-3, baseline_s=2e-3, speedup=2.0),
-        TunedConfig(problem=down, hardware=hw, decomposition=DOWN, time_s=1e-3, baseline_s=1.5e-3, speedup=1.5),
+        TunedConfig(problem=up, hardware=hw, decomposition=UP, time_s=1e-3, baseline_s=2e-3, speedup=2.0,
+                    software=here),
+        TunedConfig(problem=down, hardware=hw, decomposition=DOWN, time_s=1e-3, baseline_s=1.5e-3, speedup=1.5,
+                    software=here),
         TunedConfig(problem=grad_weight, hardware=hw, decomposition=GRAD_WEIGHT, time_s=1e-3, baseline_s=1.1e-3,
-                    speedup=1.1),
+                    speedup=1.1, software=here),
     ])
     path = tmp_path / "bundle.json"
     bundle.save(path)
@@ -114,9 +117,10 @@ def test_lookups_against_a_real_server_are_cached(mesh, bundle_path, tmp_path):
         tuned = Tuned(server.url, token=reader)
         compare_with_baseline(tuned, mesh)
         found = {problem.collective: lookup for problem, lookup in tuned.resolved}
-        assert found["allgather_matmul"] == found["allgather_matmul"].__class__(UP, "exact", "server", 2.0)
-        problem = tuned.resolved[0][0]
         hw = ring_hardware(mesh, "model")
+        assert found["allgather_matmul"] == found["allgather_matmul"].__class__(UP, "exact", "server", 2.0,
+                                                                                hw.software)
+        problem = tuned.resolved[0][0]
         server.process.terminate()  # cached: no request needed any more
         server.process.wait()
         assert tuned.lookup(problem, hw).source == "server"

@@ -133,9 +133,10 @@ class Worker:
         return self.client.delete(path, headers=self.headers, **kwargs)
 
 
-def register(client, name: str = "w0", hardware: dict = HARDWARE) -> Worker:
+def register(client, name: str = "w0", hardware: dict = HARDWARE, software: dict | None = None) -> Worker:
+    """A worker of ``software`` (default: jax 0.10.2, what `measurement`'s records say)."""
     response = client.post("/v1/workers", json={"name": name, "hardware": hardware,
-                                                "software": {"jax": "0.10.2"}})
+                                                "software": software or {"jax": "0.10.2"}})
     assert response.status_code == 201, response.text
     body = response.json()
     return Worker(body["id"], body["credential"], client)

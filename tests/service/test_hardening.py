@@ -331,7 +331,7 @@ VALID_QUERY = {**PROBLEM, "platform": "cpu", "device_kind": "cpu", "device_count
                "hardware": "cpu:cpu:8:1"}
 TEXT_PARAMETERS = {  # every text parameter of the API, by path (test_every_text_parameter_is_listed keeps it so)
     "/v1/studies": ["hardware"],
-    "/v1/configs": ["collective", "dtype", "platform", "device_kind"],
+    "/v1/configs": ["collective", "dtype", "platform", "device_kind", "jax", "jaxlib", "platform_version", "flags"],
     "/v1/tuned": ["platform", "device_kind"],
     "/v1/overrides": ["model", "platform", "device_kind"],
     "/v1/bundles": ["platform", "device_kind"],

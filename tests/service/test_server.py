@@ -22,6 +22,7 @@ from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore
 from cmtune.tuner.measure import Session
 from collective_matmul import Decomposition, Problem
+from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol
 from tests.service.conftest import HARDWARE, PROBLEM, create_tokens, register, reset_postgres, run_trial
 
@@ -78,7 +79,7 @@ def test_real_measurement_round_trip_over_http(tmp_path):
         client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         body = {"problem": PROBLEM, "hardware": HARDWARE, "budget": {"trials": 3}, "repeats": 3, "confirm_top": 1}
         study_id = client.post("/v1/studies", json=body).json()["studies"][0]["id"]
-        worker = register(client, "local")
+        worker = register(client, "local", software=Software.detect().model_dump())  # what it measures on
         sessions = {}
         while (response := worker.post(f"/v1/workers/{worker}/lease")).status_code == 200:
             grant = response.json()
@@ -94,8 +95,8 @@ def test_real_measurement_round_trip_over_http(tmp_path):
         study = client.get(f"/v1/studies/{study_id}").json()
         assert study["state"] == "completed", study
         answer = client.get("/v1/configs", params={**PROBLEM, "platform": "cpu", "device_kind": "cpu"}).json()
-        assert answer["match"] == "exact"
-        assert answer["software"]["jax"]
+        assert answer["match"] == "exact" and answer["note"]  # no stack named: the newest, and told so
+        assert answer["software"] == Software.detect().model_dump()
 
 
 def test_migrations_upgrade_and_downgrade_on_an_empty_database(database_url):
@@ -210,6 +211,10 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
                                        timeout=30))
         while run_trial(worker, bounds_s=(0.5e-3, 0.3e-3, 1e-3)) is not None:
             pass
+        # a worker of a new jax: the configs are re-confirmed on it, one done here, the others waiting
+        upgraded = register(httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['worker']}"},
+                                         timeout=30), "upgraded", software={"jax": "0.11.0", "jaxlib": "0.11.0"})
+        run_trial(upgraded)
         token_file = tmp_path / "reader.token"
         token_file.write_text(tok["reader"] + "\n")  # the token stays out of every argv
 
@@ -226,6 +231,10 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
     assert "1.25x" in run.stdout  # the synthetic step: 1.0 s as written, 0.8 s tuned
     assert "hidden" in run.stdout and "communication" in run.stdout and "500 µs" in run.stdout  # the bounds
     assert "hides 56% of the hideable time" in run.stdout  # a ring at 0.72 of the baseline, the bound at half
+    assert "re-confirmations on a new software stack" in run.stdout
+    # the column "re-confirmed on" and the one done; the others wait for a worker of the new stack
+    assert run.stdout.count("re-confirmed") >= 2 and "waiting" in run.stdout
+    assert "jax 0.11.0, jaxlib 0.11.0" in run.stdout and "software stacks online" in run.stdout
 
 
 def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):

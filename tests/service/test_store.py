@@ -15,6 +15,7 @@ from cmtune.tuner import engine as engine_module
 from cmtune.tuner.engine import Engine, study_settings
 from cmtune.tuner.errors import ConflictError
 from collective_matmul import Hardware, Problem
+from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol, TrialState
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")
@@ -34,7 +35,7 @@ def test_a_lease_claims_only_along_trial_moves(store, monkeypatch):
     with store.write() as tx:
         study = Engine().create_study(tx, problem=PROBLEM, hardware=HW, settings=study_settings(PROBLEM, HW),
                                       protocol=Protocol(), now=NOW)
-        worker_id, _ = tx.workers.add(name="w", hardware=HW, software={}, memory_bytes=None, now=NOW)
+        worker_id, _ = tx.workers.add(name="w", hardware=HW, software=Software(), memory_bytes=None, now=NOW)
     monkeypatch.setitem(engine_module.TRIAL_MOVES, TrialState.PENDING, frozenset({TrialState.CANCELLED}))
     with pytest.raises(ConflictError, match="cannot become leased"), store.write() as tx:
         tx.leases.claim_leased(hardware=HW, worker_id=worker_id, now=NOW, seconds=60)

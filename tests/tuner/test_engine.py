@@ -26,6 +26,7 @@ from cmtune.tuner.store import InMemoryStore
 from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition, Hardware, MeshSpec, OpConfigs, Problem, TunedConfig, candidates
 from collective_matmul.models import PRESETS, ROLES, SLOTS, role_problems
+from collective_matmul.problem import Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Confirmation,
@@ -208,6 +209,82 @@ def test_an_abandoned_confirmation_completes_from_the_search_trials(store):
     assert "confirmation round got no result" in study.message and "search trials" in study.message
     assert trials[-1].state == TrialState.FAILED
     assert driver.tuned(study_id).decomposition == min((t.decomposition for t in trials[:4]), key=ratio_of)
+
+
+OLD, NEW = Software(jax="0.10.2"), Software(jax="0.11.0", jaxlib="0.11.0")
+
+
+def on(stack: Software, results: list[Measurement]) -> list[Measurement]:
+    """``results`` as measured on ``stack``."""
+    return [m.model_copy(update={"hardware": m.hardware.model_copy(update={"software": stack})}) for m in results]
+
+
+def test_a_reconfirmation_retimes_the_winner_its_runner_up_and_the_baseline_on_its_stack_only(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=6, confirm_top=2))
+    driver.run(study_id)
+    stored = driver.tuned(study_id)
+    _, trials = driver.study(study_id)
+    rings = sorted((t.decomposition for t in trials if t.kind == TrialKind.SEARCH and t.decomposition.method == "ring"),
+                   key=ratio_of)
+    assert stored.software == OLD and stored.decomposition == rings[0]
+    with driver.store.transaction(write=True) as tx:
+        with pytest.raises(InvalidError, match="measured on jax 0.10.2"):
+            driver.engine.create_reconfirmation(tx, config=stored, software=OLD, now=driver.tick(), study_id=study_id)
+        study = driver.engine.create_reconfirmation(tx, config=stored, software=NEW, now=driver.tick(),
+                                                    study_id=study_id)
+    assert study.state == StudyState.CONFIRMING and study.software == NEW
+    assert study.reconfirm.contenders == [Decomposition.baseline(), rings[0], rings[1]]
+    assert study.reconfirm.runner_up == rings[1] and study.reconfirm.study_id == study_id
+    # only a claim of the new stack (or of none) takes its round
+    with driver.store.transaction(write=True) as tx:
+        assert driver.engine.claim(tx, hardware=HW.model_copy(update={"software": OLD}), now=driver.tick()) is None
+        trial = driver.engine.claim(tx, hardware=HW.model_copy(update={"software": NEW}), now=driver.tick())
+    assert trial.kind == TrialKind.CONFIRM and list(trial.decompositions) == study.reconfirm.contenders
+    results = [measured(c) for c in trial.decompositions]
+    with pytest.raises(InvalidError, match="runs on jax 0.11.0"), driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, on(OLD, results), now=driver.tick())
+    with driver.store.transaction(write=True) as tx:
+        driver.engine.record(tx, trial.id, on(NEW, results), now=driver.tick())
+    done, _ = driver.study(study.id)
+    assert done.state == StudyState.COMPLETED and done.stop_reason == "re-confirmed"
+    assert done.message.startswith(f"re-confirmed on {NEW}: {rings[0].id} still wins")
+    with driver.store.transaction() as tx:
+        again = tx.tuned_config(PROBLEM, HW, NEW)
+        assert tx.tuned_config(PROBLEM, HW, OLD) == stored  # the old stack's stays
+        assert tx.tuned_config(PROBLEM, HW) == again  # no stack named: the newest
+    assert again.decomposition == stored.decomposition and again.software == NEW and again.jax_version == "0.11.0"
+    assert (again.trials, again.space_size) == (stored.trials, stored.space_size)  # the search's evidence
+
+
+def test_a_reconfirmation_whose_runner_up_wins_replaces_the_config_and_one_without_a_study_takes_a_ring(store):
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=6, confirm_top=2))
+    driver.run(study_id)
+    stored = driver.tuned(study_id)
+    with driver.store.transaction(write=True) as tx:
+        study = driver.engine.create_reconfirmation(tx, config=stored, software=NEW, now=driver.tick(),
+                                                    study_id=study_id)
+        trial = driver.engine.claim(tx, study_ids=[study.id], now=driver.tick())
+        ratios = {stored.decomposition: 1.2}  # the new stack slowed the stored winner down
+        results = [measured(c, ratio=ratios.get(c)) for c in trial.decompositions]
+        driver.engine.record(tx, trial.id, on(NEW, results), now=driver.tick())
+        done, again = tx.study(study.id), tx.tuned_config(PROBLEM, HW, NEW)
+    assert done.stop_reason == "replaced" and again.decomposition == study.reconfirm.runner_up
+    assert f"replaced on {NEW}: {again.decomposition.id}" in done.message
+    # a config imported from a bundle has no study: the cost model's first ring is its runner-up
+    imported = stored.model_copy(update={"decomposition": Decomposition.baseline()})
+    with driver.store.transaction(write=True) as tx:
+        study = driver.engine.create_reconfirmation(tx, config=imported, software=NEW, now=driver.tick())
+    assert study.reconfirm.runner_up is None and study.reconfirm.study_id is None
+    baseline, ring = study.reconfirm.contenders
+    assert baseline == Decomposition.baseline() and ring.method == "ring"
+    # a round that gets no result fails the re-confirmation, and the old stack's config is all there is
+    with driver.store.transaction(write=True) as tx:
+        trial = driver.engine.claim(tx, study_ids=[study.id], now=driver.tick())
+        driver.engine.abandon(tx, trial, status=Status.TIMEOUT, message="lease expired 3 times", now=driver.tick())
+        failed = tx.study(study.id)
+    assert failed.state == StudyState.FAILED and "the re-confirmation round on jax 0.11.0" in failed.message
 
 
 def test_an_abandoned_search_trial_counts_and_the_study_goes_on(store):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from collective_matmul import (
     TunedConfig,
     model_problems,
 )
+from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,12 +206,15 @@ def files(tmp_path):
     model = tmp_path / "small.json"
     model.write_text(BLOCK.model_dump_json())
     bundle = Bundle()
+    # measured on the stack of `cmtune verify` (a group of processes runs without XLA_FLAGS: tuner/cluster.py)
+    stacks = {1: Software.detect(), 2: Software.detect(environ={k: v for k, v in os.environ.items()
+                                                                 if k != "XLA_FLAGS"})}
     for processes in (1, 2):
         hw = Hardware(platform="cpu", device_kind="cpu", device_count=8, process_count=processes)
         for mp in model_problems(BLOCK, MeshSpec.parse("data=1,model=8")):
             if mp.problem.collective == "matmul_reduce_scatter":
                 bundle.add(TunedConfig(problem=mp.problem, hardware=hw, decomposition=RS_RING, time_s=1.0,
-                                       baseline_s=1.2, speedup=1.2))
+                                       baseline_s=1.2, speedup=1.2, software=stacks[processes]))
     path = tmp_path / "tuned.json"
     bundle.save(path)
     return model, path

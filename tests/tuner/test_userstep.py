@@ -17,6 +17,7 @@ from cmtune.tuner.userstep import Built, SpecError, SpecRef, UserStepSession, pa
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned, TunedConfig
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.models import slot_problems
+from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol, StepMeasurement
 from tests.steps import gspmd_mlp
 
@@ -166,7 +167,7 @@ def test_verify_a_step_and_decide(tmp_path):
     for collective, k, n in (("allgather_matmul", 64, 128), ("matmul_reduce_scatter", 128, 64)):
         for problem in slot_problems(collective, m=128, k=k, n=n, dtype="float32", axis_size=4).values():
             bundle.add(TunedConfig(problem=problem, hardware=RING_HW, decomposition=rings[problem.collective],
-                                   time_s=1.0, baseline_s=1.1, speedup=1.1))
+                                   time_s=1.0, baseline_s=1.1, speedup=1.1, software=Software.detect()))
     path, out = tmp_path / "tuned.json", tmp_path / "step.json"
     bundle.save(path)
     spec = f"{STEPS / 'gspmd_mlp.py'}:mlp_step"
