@@ -184,7 +184,8 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
     return Reported(stored)
 
 
-def _on_stack(results: list[Measurement] | StepMeasurement, worker: WorkerInfo) -> list[Measurement] | StepMeasurement:
+def _on_stack(results: list[Measurement] | Confirmation | StepMeasurement, worker: WorkerInfo,
+              ) -> list[Measurement] | Confirmation | StepMeasurement:
     """``results`` as measured on the stack the worker registered with: a record that names none gets it, one
     that names another is refused (a worker's stack is what decides which configs its results make).
 
@@ -201,6 +202,11 @@ def _on_stack(results: list[Measurement] | StepMeasurement, worker: WorkerInfo) 
 
     if isinstance(results, StepMeasurement):
         return results.model_copy(update={"hardware": stamped(results.hardware)})
+    if isinstance(results, Confirmation):
+        bounds = results.bounds
+        return results.model_copy(update={
+            "measurements": [m.model_copy(update={"hardware": stamped(m.hardware)}) for m in results.measurements],
+            "bounds": bounds.model_copy(update={"hardware": stamped(bounds.hardware)}) if bounds else None})
     return [m.model_copy(update={"hardware": stamped(m.hardware)}) for m in results]
 
 

@@ -106,5 +106,6 @@ def _steps_again(tx: SqlTx, engine: Engine, hardware: Hardware, software: Softwa
             continue  # decided on an unrecorded stack, and nothing of the model is re-confirmed on this one
         created.append(engine.create_step_study(
             tx, block=spec.block, mesh=spec.mesh, hardware=hardware, now=now, protocol=last.protocol,
-            depends_on=waits_for, submission_id=last.submission_id, ablation=spec.ablation, software=software))
+            depends_on=waits_for, submission_id=last.submission_id, ablation=spec.ablation, software=software,
+            search_rounds=spec.search_rounds, round_variants=spec.round_variants))
     return created
