@@ -43,7 +43,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cmtune.tuner.variants import REFERENCE, cost_model_configs, ring_everywhere, ring_fill, slot_candidates
+from cmtune.tuner.variants import (
+    REFERENCE,
+    ablation_variants,
+    cost_model_configs,
+    ring_everywhere,
+    ring_fill,
+    slot_candidates,
+)
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem, Software
@@ -334,17 +341,7 @@ class StepSearch:
             if _key(setting) not in {_key(s) for s in variants.values()}:
                 variants[name] = setting
         if self.ablation and self.budget <= 1:
-            for role in roles:
-                if not winners[role].is_baseline:
-                    variants[f"tuned-minus-{role}"] = winners | {role: OpConfigs()}
-            for role, ringed in space.others.items():
-                if ringed:
-                    variants[f"tuned-minus-{role}"] = winners | {role: OpConfigs()}
-            for role in roles:
-                weight = winners[role].grad_weight
-                if weight.method == "ring" and not weight.fuse:
-                    fused = winners[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
-                    variants[f"tuned-fuse-{role}"] = winners | {role: fused}
+            variants |= ablation_variants(winners, roles, [role for role, ringed in space.others.items() if ringed])
         return variants
 
     def _changes(self, role: str, current: OpConfigs) -> list[tuple[str, OpConfigs]]:

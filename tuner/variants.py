@@ -65,14 +65,22 @@ def variant_configs(tuned: Mapping[str, OpConfigs], *, roles: Sequence[str] = RO
         if configs not in variants.values():
             variants[name] = configs
     if ablation:
-        for role in roles:
-            if not whole[role].is_baseline:
-                variants[f"tuned-minus-{role}"] = whole | {role: OpConfigs()}
-        for role in roles:
-            weight = whole[role].grad_weight
-            if weight.method == "ring" and not weight.fuse:
-                fused = whole[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
-                variants[f"tuned-fuse-{role}"] = whole | {role: fused}
+        variants |= ablation_variants(whole, roles)
+    return variants
+
+
+def ablation_variants(whole: Mapping[str, OpConfigs], roles: Sequence[str], others: Sequence[str] = (),
+                      ) -> dict[str, dict]:
+    """The per-role ablation of ``whole``: ``tuned-minus-<role>`` for each of ``roles`` not all baseline and each
+    of ``others`` (roles ``whole`` does not name, set back from what they run), then ``tuned-fuse-<role>`` for
+    each of ``roles`` whose weight gradient is an unfused ring."""
+    variants = {f"tuned-minus-{role}": {**whole, role: OpConfigs()}
+                for role in [*(r for r in roles if not whole[r].is_baseline), *others]}
+    for role in roles:
+        weight = whole[role].grad_weight
+        if weight.method == "ring" and not weight.fuse:
+            fused = whole[role].model_copy(update={"grad_weight": weight.model_copy(update={"fuse": True})})
+            variants[f"tuned-fuse-{role}"] = {**whole, role: fused}
     return variants
 
 
