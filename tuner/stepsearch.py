@@ -483,14 +483,26 @@ class StepSearch:
         if measurement is None:
             return StepDecision(False, chosen, None, {}, {}, f"no round timed {chosen} and the step as written")
         fresh = measurement is graded
+        slower = None  # the search's choice against its seed in the fresh rounds, where the seed won them
+        if fresh and self.seed is not None and self.seed != chosen and _timed(graded, self.seed):
+            paired = graded.paired(chosen, self.seed)
+            if paired is not None and paired[1] > 1:  # the rounds that accepted it favoured it: keep the seed
+                chosen, slower = self.seed, paired
         setting = self.names[chosen]
         overrides = {role: configs for role, configs in setting.items()
                      if configs != self.space.winners.get(role) and (role in self.space.winners or
                                                                        role in self.space.others)}
-        reasons = {role: self._reason(role, configs) for role, configs in overrides.items()}
+        reasons = {role: self._reason(role, configs) if slower is None else
+                   (f"{chosen} (the seeds' round of the step search) ran the step faster than the tuned configs, and "
+                    f"the search's later choice {self.incumbent} ran {_fmt(tuple(1 / r for r in reversed(slower)))} "
+                    f"of its speed in the fresh rounds, so {role} {_does(role, configs)} for {self.model}")
+                   for role, configs in overrides.items()}
         search = {"rounds": len(self.rounds), "variants_tried": len(self.timed - {None}),
                   "search_s": self.search_s if len(self.rounds) > 1 else None}
         record = _choice(measurement, chosen, fresh=fresh, overrides=reasons, seed=self.seed, **search)
+        if slower is not None:
+            record = record.model_copy(update={"summary": f"{record.summary}; the search's choice {self.incumbent} "
+                                               f"was slower than {chosen} in the fresh rounds, so {chosen} runs"})
         summary = record.summary + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
         record = record.model_copy(update={"summary": summary[:2000]})
         return StepDecision(True, chosen, record.ratio, overrides, reasons, summary, record)

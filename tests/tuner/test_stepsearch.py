@@ -231,3 +231,24 @@ def test_every_variant_name_is_unique_and_bounded():
     # past what fits, a role keeps its start and a digest of the whole: still bounded, still unique
     cut = variant_name(10**9, long, "unfuse"), variant_name(10**9, long[:-1] + "b", "unfuse")
     assert cut[0] != cut[1] and {len(n) for n in cut} == {MAX_VARIANT_NAME} and cut[0].endswith("-unfuse")
+
+
+def test_a_choice_slower_than_its_seed_in_the_fresh_rounds_gives_way_to_the_seed():
+    """The rounds that accepted a change favour it (many variants, a few rounds each): where the grading's fresh
+    rounds time the search's choice slower than the seeds' choice, the seed runs."""
+    search = StepSearch(SPACE, rounds=40, per_round=4, model="small")
+    while (plan := search.plan()).kind == "search":
+        search.record(plan.variants, measure(plan.variants), wall_s=2.0)
+    chosen, seed = search.incumbent, search.seed
+    assert chosen != seed and set(plan.variants) >= {chosen, seed}
+
+    def fresh(setting):  # the grading: the choice now 3% slower than the seed
+        return seconds(search.names[seed]) * 1.03 if setting == search.names[chosen] else seconds(setting)
+
+    decision = search.decide(measure(plan.variants, fresh))
+    assert decision.ok and decision.variant == seed and decision.record.variant == seed
+    assert f"the search's choice {chosen} was slower than {seed} in the fresh rounds" in decision.summary
+    assert set(decision.overrides) == {r for r, c in search.names[seed].items() if c != WINNERS[r]}
+    assert all(f"later choice {chosen} ran" in reason for reason in decision.reasons.values())
+    # and where the fresh rounds agree with the search, its choice stands
+    assert search.decide(measure(plan.variants)).variant == chosen
