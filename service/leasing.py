@@ -200,14 +200,15 @@ def _on_stack(results: list[Measurement] | Confirmation | StepMeasurement, worke
                                f"with {worker.software}: register again from the stack that measures")
         return hardware
 
+    def one(record):  # a Measurement, BoundsMeasurement or StepMeasurement: each names its hardware
+        return record.model_copy(update={"hardware": stamped(record.hardware)})
+
     if isinstance(results, StepMeasurement):
-        return results.model_copy(update={"hardware": stamped(results.hardware)})
+        return one(results)
     if isinstance(results, Confirmation):
-        bounds = results.bounds
-        return results.model_copy(update={
-            "measurements": [m.model_copy(update={"hardware": stamped(m.hardware)}) for m in results.measurements],
-            "bounds": bounds.model_copy(update={"hardware": stamped(bounds.hardware)}) if bounds else None})
-    return [m.model_copy(update={"hardware": stamped(m.hardware)}) for m in results]
+        return results.model_copy(update={"measurements": [one(m) for m in results.measurements],
+                                          "bounds": one(results.bounds) if results.bounds else None})
+    return [one(m) for m in results]
 
 
 def release_worker(tx: SqlTx, engine: Engine, worker_id: int) -> int:

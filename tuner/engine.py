@@ -455,6 +455,13 @@ class Engine:
         return next((s for s in tx.active_step_studies(hardware) if s.step.block == block and s.step.mesh == mesh),
                     None)
 
+    @staticmethod
+    def _step_tuned(tx: StoreTx, study: StudyRecord, problem: Problem) -> TunedConfig | None:
+        """The tuned config a step study runs for ``problem``: its stack's (another's newest where it has none);
+        of no stack, the newest of any."""
+        return ((study.software is not None and tx.tuned_config(problem, study.hardware, study.software))
+                or tx.tuned_config(problem, study.hardware))
+
     def step_configs(self, tx: StoreTx, study: StudyRecord) -> dict[str, OpConfigs]:
         """Each role's tuned configs for a step study: the tuned decomposition of each of its problems.
 
@@ -467,8 +474,7 @@ class Engine:
         for role, problems in role_problems(study.step.block, study.step.mesh).items():
             chosen = {}
             for slot, problem in problems.items():
-                tuned = (study.software is not None and tx.tuned_config(problem, study.hardware, study.software)) \
-                    or tx.tuned_config(problem, study.hardware)
+                tuned = self._step_tuned(tx, study, problem)
                 found = tuned.decomposition if tuned is not None else None
                 chosen[slot] = weight_gradient(found) if slot == "grad_weight" else found or Decomposition.baseline()
             configs[role] = OpConfigs(**chosen)
@@ -588,7 +594,7 @@ class Engine:
         tx.save_overrides(model, study.hardware, decision.role_overrides(model, study.hardware, problems,
                                                                          software=software))
         tx.update_study(study.id, best_ratio=decision.ratio, best_trial_id=trial.id, trials_done=trial.number)
-        record = with_step_bound(decision.record, [tx.tuned_config(p, study.hardware, software=study.software)
+        record = with_step_bound(decision.record, [self._step_tuned(tx, study, p)
                                                    for slots in problems.values() for p in slots.values()])
         self._move_study(tx, study, S.COMPLETED, finished_at=now, message=decision.summary[:2000],
                          decision=record, **({"stop_reason": stop_reason} if stop_reason else {}))
