@@ -20,15 +20,23 @@ stored and a multi-process run lets process 0 alone hold it (`cmtune.tuner.step.
    variants the fastest against the step as written wins.  The first round's choice is the *seed*:
    the best fixed setting.
 3. Each later round improves one role, the roles in turn: the incumbent with that role's configs
-   changed, one variant per change (each slot set to one of its candidates, best first, the first
-   of each slot before the second of any; a ring weight gradient fused or unfused; the whole role
-   back to its op-level winners; the whole role at the baseline, last), at most ``per_round`` of
-   them, never a setting timed before nor a change from the role's configs tried before.  The
-   rule of 2 against the incumbent decides; the winner is the new incumbent.
-4. The search stops at its budget of rounds, or when a full pass over the roles changed nothing:
+   changed, one variant per change (first the whole role as the other fixed settings run it: its
+   op-level winners, ``tuned-ring-fill``'s and ``always-ring``'s, so the roles of two settings
+   that ran close combine; then each slot set to one of its candidates, best first, the first of
+   each slot before the second of any; a ring weight gradient fused or unfused; the whole role at
+   the baseline, last), at most ``per_round`` of them, never a setting timed before nor a change
+   from the role's configs tried before.  The rule of 2 against the incumbent decides; the winner
+   is the new incumbent.
+4. An acceptance is re-checked in the next round, which times its *rival* again beside it: what it
+   replaced (for the seeds' round: the runner-up seed, where a second seed was faster than tuned
+   beyond the spread too; a seed that alone beat tuned is not re-checked).  The rounds that accept a change favour it (many variants, a
+   few rounds each: some pass the rule by chance), so it stands only if those fresh rounds time it
+   no slower than its rival in the median; else the rival is the incumbent again (and, for the
+   seeds' round, the seed).
+5. The search stops at its budget of rounds, or when a full pass over the roles changed nothing:
    no role has a change left to try (each role's candidates were tried from its configs, and
-   what the rounds rejected is not tried again unless the role's configs change).  Then the
-   choice is graded in fresh rounds: the step as written, the all-baseline step, the seed and the
+   what the rounds rejected is not tried again unless the role's configs change) and no
+   acceptance waits for its re-check.  Then the choice is graded in fresh rounds: the step as written, the all-baseline step, the seed and the
    choice (`plan` of kind ``grade``), and `decide` reports it from those rounds.
 
 Every variant has a unique, bounded name (``r<round>-<role>-<change>`` for a search round's, at
@@ -262,6 +270,27 @@ class Acceptance:
     paired: tuple[float, float, float]  # its time over the one it replaced, quartiles of the paired rounds
 
 
+@dataclass(frozen=True)
+class Recheck:
+    """An acceptance timed again beside its rival in the next round (step 4 of the module)."""
+
+    round: int  # the round that re-timed them
+    variant: str  # the accepted one
+    rival: str
+    paired: tuple[float, float, float]  # its time over the rival's in that round
+    kept: bool  # False: slower than the rival in the median, so the rival is the incumbent again
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An acceptance waiting for its re-check: the rival, and the acceptance that stands if the rival wins
+    (None: the rival is what the accepted variant replaced, whose own acceptance stands)."""
+
+    variant: str
+    rival: str
+    restore: Acceptance | None
+
+
 def _key(setting: Setting | None) -> tuple | None:
     return None if setting is None else tuple(sorted(setting.items()))
 
@@ -303,6 +332,9 @@ class StepSearch:
         self.incumbent: str | None = None
         self.seed: str | None = None
         self.accepted: list[Acceptance] = []
+        self.rechecks: list[Recheck] = []
+        self._pending: _Pending | None = None  # the last acceptance, until the next round re-checks it
+        self._planned: dict[int, tuple[str, str | None, str | None]] = {}  # round -> (its incumbent, rival, role)
         self.failure: str | None = None
         self.search_s: float | None = 0.0  # wall seconds of the rounds after the first (None: not known)
         self._cursor = 0  # the next role to improve
@@ -320,12 +352,16 @@ class StepSearch:
         if len(self.rounds) >= self.budget:
             return self._grade(f"the search budget of {self.budget} round{'s' * (self.budget > 1)}")
         roles = self.space.roles
+        timed: Variants = {REFERENCE: None, self.incumbent: self.names[self.incumbent]}
+        if self._pending is not None:
+            timed[self._pending.rival] = self.names[self._pending.rival]
         for step in range(len(roles)):
             role = roles[(self._cursor + step) % len(roles)]
             proposals = self._proposals(role, number)
             if proposals:
-                return Plan("search", number, {REFERENCE: None, self.incumbent: self.names[self.incumbent],
-                                               **proposals}, role=role)
+                return Plan("search", number, timed | proposals, role=role)
+        if self._pending is not None:  # nothing left to propose: the round re-checks the last acceptance alone
+            return Plan("search", number, timed)
         return self._grade("a full pass over the roles changed nothing: no role has a change left to try")
 
     def seeds(self) -> Variants:
@@ -347,7 +383,9 @@ class StepSearch:
     def _changes(self, role: str, current: OpConfigs) -> list[tuple[str, OpConfigs]]:
         """The changes of ``role``'s configs a round may propose, in the order it tries them."""
         options = self.space.candidates.get(role, {})
-        changes = []
+        winners = self.space.winners[role]
+        changes = [("tuned", winners), ("fill", ring_fill({role: winners}, [role])[role]),
+                   ("ring", ring_everywhere([role])[role])]
         for i in range(max(max((len(v) for v in options.values()), default=0), 1)):
             for slot, tag in _SLOT_TAGS:
                 listed = options.get(slot, ())
@@ -359,7 +397,6 @@ class StepSearch:
                     toggled = weight.model_copy(update={"fuse": not weight.fuse})
                     changes.append(("unfuse" if weight.fuse else "fuse", current.model_copy(
                         update={"grad_weight": toggled})))
-                changes.append(("tuned", self.space.winners[role]))
         changes.append(("baseline", OpConfigs()))
         return changes
 
@@ -408,7 +445,8 @@ class StepSearch:
         else:
             self.search_s += wall_s
         incumbent = self.names[self.incumbent]
-        proposals = [name for name in variants if name not in (REFERENCE, self.incumbent)]
+        rival = self._pending.rival if self._pending is not None and self._pending.rival in variants else None
+        proposals = [name for name in variants if name not in (REFERENCE, self.incumbent, rival)]
         for name in proposals:
             for r, c in (variants[name] or {}).items():
                 if c != incumbent.get(r, self.space.winners.get(r)):
@@ -417,10 +455,33 @@ class StepSearch:
                      if c != incumbent.get(r, self.space.winners.get(r))), None)
         if role in self.space.roles:
             self._cursor = (self.space.roles.index(role) + 1) % len(self.space.roles)
-        found = _fastest(result, self.incumbent, proposals) if result is not None else None
+        self._planned[number] = (self.incumbent, rival, role)
+        if result is None:
+            return
+        if rival is not None:
+            self._recheck(number, result)
+        found = _fastest(result, self.incumbent, proposals)
         if found is not None:
             self.accepted.append(Acceptance(number, found[0], self.incumbent, found[1]))
+            self._pending = _Pending(found[0], self.incumbent, None)
             self.incumbent = found[0]
+
+    def _recheck(self, number: int, result: StepMeasurement) -> None:
+        """Round ``number`` timed the last acceptance beside its rival: it stands unless slower in the median."""
+        pending, self._pending = self._pending, None
+        paired = result.paired(pending.variant, pending.rival) if (
+            _timed(result, pending.variant) and _timed(result, pending.rival)) else None
+        kept = paired is None or paired[1] <= 1
+        if paired is not None:
+            self.rechecks.append(Recheck(number, pending.variant, pending.rival, paired, kept))
+        if kept:
+            return
+        self.accepted = [a for a in self.accepted if a.variant != pending.variant]
+        if pending.restore is not None:
+            self.accepted.append(pending.restore)
+        if self.seed == pending.variant:
+            self.seed = pending.rival
+        self.incumbent = pending.rival
 
     def _first(self, result: StepMeasurement | None) -> None:
         """The seeds' round: the incumbent is tuned unless a seed is faster beyond the spread."""
@@ -436,10 +497,14 @@ class StepSearch:
             self.failure = f"the step could not be measured: {bad[0].name} {bad[0].status}: {bad[0].message}"
             return
         self.incumbent = "tuned"
-        found = _fastest(result, "tuned", [n for n in self.rounds[0][0] if n not in (REFERENCE, "tuned")])
+        seeds = [n for n in self.rounds[0][0] if n not in (REFERENCE, "tuned")]
+        found = _fastest(result, "tuned", seeds)
         if found is not None:
             self.accepted.append(Acceptance(1, found[0], "tuned", found[1]))
             self.incumbent = found[0]
+            runner_up = _fastest(result, "tuned", [n for n in seeds if n != found[0]])
+            if runner_up is not None:  # two seeds ran close enough to both beat tuned: the next round re-checks
+                self._pending = _Pending(found[0], runner_up[0], Acceptance(1, runner_up[0], "tuned", runner_up[1]))
         self.seed = self.incumbent
 
     def summary(self) -> str:
@@ -450,20 +515,23 @@ class StepSearch:
         if self.failure is not None:
             return self.failure
         variants, result = self.rounds[-1]
-        step = self.accepted[-1] if self.accepted and self.accepted[-1].round == number else None
+        step = next((a for a in self.accepted if a.round == number and number > 1), None)
         if number == 1:
             where = f"the seeds ({len(variants) - 1} variants)"
+            step = next((a for a in self.accepted if a.round == 1 and a.variant == self.incumbent), None)
         else:
-            incumbent = self.names[step.replaced] if step else self.names[self.incumbent]
-            role = next((r for name in variants if name not in (REFERENCE, self.incumbent)
-                         for r, c in (variants[name] or {}).items()
-                         if c != incumbent.get(r, self.space.winners.get(r))), None)
-            where = f"round {number} ({role}, {len(variants) - 2} changes)"
+            before, rival, role = self._planned[number]
+            changes = len(variants) - 2 - (rival is not None)
+            where = f"round {number} ({role or 'the re-check'}, {changes} change{'s' * (changes != 1)})"
         if result is None:
             return f"{where}: no result; {self.incumbent} stays"
+        check = next((c for c in self.rechecks if c.round == number), None)
+        told = "" if check is None else (
+            f"; {check.variant} ran {_fmt(tuple(1 / r for r in reversed(check.paired)))} of {check.rival}'s speed "
+            + ("again, so it stays" if check.kept else f"in this round's fresh rounds, so {check.rival} is back"))
         if step is None:
-            return f"{where}: nothing ran the step faster than {self.incumbent} beyond the spread"
-        return f"{where}: {step.variant} ran the step {_fmt(step.paired)} faster than {step.replaced}"
+            return f"{where}: nothing ran the step faster than {self.incumbent} beyond the spread" + told
+        return f"{where}: {step.variant} ran the step {_fmt(step.paired)} faster than {step.replaced}" + told
 
     # -- the choice -------------------------------------------------------------------------
 

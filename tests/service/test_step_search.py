@@ -13,7 +13,7 @@ from collective_matmul.models import ROLES
 from tests.service.conftest import HARDWARE, register, report, run_trial, step_result
 
 TINY = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE, "budget": {"trials": 3},
-        "confirm_top": 1, "step": {"search_rounds": 3, "round_variants": 4}}
+        "confirm_top": 1, "step": {"search_rounds": 3, "round_variants": 5}}
 FUSED_RING = FIXED_RING.model_copy(update={"fuse": True})
 
 
@@ -60,8 +60,12 @@ def test_the_step_search_runs_a_trial_per_round_and_serves_what_it_found(api):
         states.append(study["state"])
     assert states == ["running", "running", "confirming", "completed"]
     assert asked[0] == ["as-written", "baseline", "tuned", "always-ring"]  # the cost model picks the baseline here
-    assert asked[1] == ["as-written", "always-ring", "r2-qkv-fw1", "r2-qkv-gi1", "r2-qkv-gw1", "r2-qkv-fuse"]
-    assert asked[2][:2] == ["as-written", "r2-qkv-fuse"] and all(n.startswith("r3-attn_out-") for n in asked[2][2:])
+    # a round tries the role as the other fixed settings run it (here: its op-level winners), then slot by slot
+    assert asked[1] == ["as-written", "always-ring", "r2-qkv-tuned", "r2-qkv-fw1", "r2-qkv-gi1", "r2-qkv-gw1",
+                        "r2-qkv-fuse"]
+    # the next round re-checks the acceptance beside what it replaced, then improves the next role
+    assert asked[2][:3] == ["as-written", "r2-qkv-fuse", "always-ring"]
+    assert all(n.startswith("r3-attn_out-") for n in asked[2][3:])
     assert asked[3] == ["as-written", "baseline", "always-ring", "r2-qkv-fuse"]
     decision = study["decision"]
     assert study["stop_reason"] == "the search budget of 3 rounds" and decision["variant"] == "r2-qkv-fuse"

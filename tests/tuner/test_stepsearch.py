@@ -252,3 +252,68 @@ def test_a_choice_slower_than_its_seed_in_the_fresh_rounds_gives_way_to_the_seed
     assert all(f"later choice {chosen} ran" in reason for reason in decision.reasons.values())
     # and where the fresh rounds agree with the search, its choice stands
     assert search.decide(measure(plan.variants)).variant == chosen
+
+
+def test_an_acceptance_the_next_round_times_slower_than_its_rival_is_taken_back():
+    """A change that passed the rule in its own round by chance: the next round times it beside what it replaced,
+    and where it is slower there in the median, what it replaced is the incumbent again."""
+    search = StepSearch(SPACE, rounds=4, per_round=2, model="small")
+    plan = search.plan()
+    search.record(plan.variants, measure(plan.variants))
+    seed = search.incumbent
+    plan = search.plan()
+    lucky = plan.variants[list(plan.variants)[-1]]
+    incumbent_s = seconds(search.names[seed])
+
+    def time(factor):  # the lucky change at ``factor`` of the incumbent, every other change 10% slower
+        return lambda s: seconds(s) if s is None or s == search.names[seed] else incumbent_s * (
+            factor if s == lucky else 1.1)
+
+    search.record(plan.variants, measure(plan.variants, time(0.95)))
+    proposal = search.incumbent
+    assert search.names[proposal] == lucky and search.accepted[-1].variant == proposal
+    plan = search.plan()  # the re-check: the rival (what it replaced) timed again beside it
+    assert list(plan.variants)[:3] == [REFERENCE, proposal, seed]
+    search.record(plan.variants, measure(plan.variants, time(1.03)))
+    assert search.incumbent == seed and proposal not in {a.variant for a in search.accepted}
+    check = search.rechecks[-1]
+    assert (check.round, check.variant, check.rival, check.kept) == (3, proposal, seed, False)
+    assert check.paired[1] == pytest.approx(1.03)
+    assert f"so {seed} is back" in search.summary()
+    # where the fresh rounds agree, the acceptance stays and the search goes on from it
+    again = replay(SPACE, [(v, r, None) for v, r in search.rounds[:2]], rounds=4, per_round=2)
+    plan = again.plan()
+    again.record(plan.variants, measure(plan.variants, time(0.95)))
+    assert again.incumbent == proposal and again.rechecks[-1].kept and "again, so it stays" in again.summary()
+
+
+def test_the_seeds_choice_is_rechecked_against_the_runner_up_seed():
+    """Two seeds faster than tuned: the next round times the runner-up again, and the seed follows the fresh rounds."""
+    search = StepSearch(SPACE, rounds=3, per_round=2)
+    plan = search.plan()
+    search.record(plan.variants, measure(plan.variants))
+    assert search.seed == search.incumbent == "always-ring"
+    assert seconds(plan.variants["tuned-ring-fill"]) < seconds(plan.variants["tuned"])  # the runner-up seed
+    plan = search.plan()
+    assert list(plan.variants)[:3] == [REFERENCE, "always-ring", "tuned-ring-fill"]
+    fill = plan.variants["tuned-ring-fill"]
+    search.record(plan.variants, measure(plan.variants, lambda s: 0.5 if s == fill else seconds(s)))
+    assert search.seed == "tuned-ring-fill"  # fill was fastest; no proposal beat it
+    assert [(a.round, a.variant, a.replaced) for a in search.accepted] == [(1, "tuned-ring-fill", "tuned")]
+    assert search.rechecks[0].kept is False and search.rechecks[0].rival == "tuned-ring-fill"
+    assert search.incumbent == "tuned-ring-fill"
+
+
+def test_a_round_proposes_the_role_as_the_other_fixed_settings_run_it_first():
+    search = StepSearch(SPACE, rounds=3, per_round=3)
+    plan = search.plan()
+    search.record(plan.variants, measure(plan.variants, lambda s: 1.0 if s is None else 0.8))  # tuned stays
+    plan = search.plan()  # qkv's winners are rings everywhere: tuned-ring-fill runs them as they are
+    assert [n.rsplit("-", 1)[1] for n in plan.variants if n.startswith("r2-")] == ["ring", "fuse", "fw2"]
+    assert plan.variants["r2-qkv-ring"]["qkv"] == OpConfigs(forward=FIXED_RING, grad_input=FIXED_RING,
+                                                             grad_weight=FIXED_RING)
+    search.record(plan.variants, measure(plan.variants, lambda s: 1.0 if s is None else 0.8))
+    plan = search.plan()  # attn_out's weight gradient is at the baseline: tuned-ring-fill puts it on the fixed ring
+    assert [n.rsplit("-", 1)[1] for n in plan.variants if n.startswith("r3-")] == ["fill", "ring", "fw2"]
+    assert plan.variants["r3-attn_out-fill"]["attn_out"] == WINNERS["attn_out"].model_copy(
+        update={"grad_weight": FIXED_RING})
