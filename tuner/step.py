@@ -15,8 +15,10 @@ einsums and JAX's autodiff) is timed whole:
    carries ``lr * grad`` to the last bits.  Every variant's loss and gradients are compared
    with the reference variant's (the block as written) by dtype (relative error in norm: float32
    <= 1e-5, bfloat16 <= 2e-2); a variant that disagrees is ``invalid`` and is not timed.
-4. Warm-up, then the variants round-robin (A B C ... A B C ...), each run synchronised with
-   `block_until_ready`; with several processes a barrier precedes each run and the slowest
+4. Warm-up, then the variants in rounds, each variant once a round, every round in its own order
+   (a shuffle seeded by the protocol's seed and the round, the same on every process: no variant
+   always runs right after the same neighbour, at the same place in the round), each run
+   synchronised with `block_until_ready`; with several processes a barrier precedes each run and the slowest
    process's time counts.  Every sample is kept; per variant the median, the IQR and the median
    of its time over the reference's in the same round (paired by round) with that ratio's IQR.
 5. Failures are results per variant (``compile_error``, ``oom``, ``invalid``, ``error``); the
@@ -32,6 +34,7 @@ wire contract (`collective_matmul.wire`).
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -472,7 +475,7 @@ class StepSession:
         return True
 
     def _time(self, steps: dict, records: dict, reference: str, started: float, protocol: Protocol, say) -> None:
-        """Warm up, then run ``steps`` round-robin on this session's inputs (`interleave`)."""
+        """Warm up, then run ``steps`` once a round, each round in its own order, on this session's inputs (`interleave`)."""
         inputs = (self.params, self.x, self.target, self._scalar(self.lr))
         interleave({name: (lambda step=step: step(*inputs)) for name, step in steps.items()}, records, reference,
                    started, protocol, say)
@@ -492,13 +495,17 @@ def _program(source) -> object:
 
 def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,
                protocol: Protocol, say: Callable[[str], None]) -> None:
-    """Warm up, then call each of ``runs`` round-robin (one synchronised step per call); fill in the records.
+    """Warm up, then call each of ``runs`` once a round, each round in its own order (one synchronised step per
+    call); fill in the records.
 
     Each call is timed from a barrier (with several processes) to `block_until_ready` of what it
     returns; the slowest process's time counts.  A run that raises leaves the rotation with its
     failure as its status.  Every process must call this together, with the same runs.  Each
     record gets ``status``, ``timing``, and ``ratio`` / ``ratio_iqr``: its time over the
-    ``reference``'s, paired by round.
+    ``reference``'s, paired by round.  The order of round ``r`` is `round_order`: what runs just
+    before a step (another program's buffers, a collective still draining) and its place in the
+    round move from round to round, so they are spread over every variant instead of always
+    favouring the same one.
     """
     import jax
 
@@ -523,11 +530,11 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
     for _ in range(protocol.warmup):
         for name in list(running):
             run(name, timed=False)
-    say(f"timing {len(running)} variants round-robin, {protocol.repeats} rounds")
+    say(f"timing {len(running)} variants, {protocol.repeats} rounds, each in its own order")
     rounds = 0
     timed_out = False
-    for _ in range(protocol.repeats):
-        for name in list(running):
+    for number in range(protocol.repeats):
+        for name in round_order(list(running), protocol.seed, number):
             run(name, timed=True)
         rounds += 1
         # every process must agree to stop, or the SPMD programs would diverge
@@ -555,6 +562,14 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
             timing=Timing.of(times) if times else None, ratio=ratio,
             ratio_iqr=None if ratio is None else q3 - q1,
         )
+
+
+def round_order(names: list[str], seed: int, number: int) -> list[str]:
+    """``names`` in round ``number``'s order: a shuffle seeded by ``seed`` and ``number`` alone (the same on every
+    process of a group, SPMD)."""
+    order = list(names)
+    random.Random(f"{seed}:{number}").shuffle(order)
+    return order
 
 
 @cache
