@@ -22,8 +22,8 @@ For every block size and device layout:
    each slot's candidates (the bundle's entries for the problem as the runners-up), within
    ``--search-rounds``; its choice goes into the bundle as per-role overrides, as the service
    stores them.  The wall time of its rounds after the first is its extra cost.
-3. A fresh confirmation in the same session, interleaved round-robin (slowest process per run),
-   so the search's own samples never grade it: ``as-written`` (the block as a user writes it
+3. A fresh confirmation in the same session, interleaved in rounds, each round in its own order
+   (slowest process per run), so the search's own samples never grade it: ``as-written`` (the block as a user writes it
    without cmtune: GSPMD einsums, JAX's autodiff; the reference), every fixed setting
    (``baseline``: the custom VJP with every role at the baseline; ``op-tuned``: the per-problem
    winners alone; ``costmodel``: each problem's cost-model favourite, no tuning; ``always-ring``:
@@ -207,6 +207,7 @@ def example_main(args) -> None:
     out, decide_s = cmtune("verify", "--step", example, "--devices", devices, "--bundle", str(bundle), "--decide",
                            "--repeats", str(args.repeats), "--json", str(decided))
     decision = next((line for line in out.splitlines() if line.startswith("decision:")), "decision: -")
+    graded = against_fixed(StepMeasurement.model_validate_json(decided.read_text()), decision)
     rows = []
     for run in range(args.runs):
         fresh = directory / f"fresh-{run}.json"
@@ -224,7 +225,24 @@ def example_main(args) -> None:
           "| compile s (as written / baseline / tuned) | verify |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\n{decision}\nbundle and step records: {directory}")
+    print(f"\n{decision}\n{graded}\nbundle and step records: {directory}")
+
+
+def against_fixed(result, decision: str) -> str:
+    """The decision's grading rounds (``verify --decide``'s confirmation): the choice against each fixed setting, and
+    whether it is ahead of every one in 3 of 4 paired rounds and a combination none of them has."""
+    from cmtune.tuner.stepsearch import SEEDS, faster
+
+    chosen = decision.removeprefix("decision: ").split(": ")[0] if ": " in decision else None
+    if chosen is None or not any(v.name == chosen for v in result.confirmation):
+        return "the grading rounds did not time the choice"
+    graded = result.graded(chosen)
+    fixed = [v.name for v in graded.variants if v.name in SEEDS and v.name != chosen and v.ok]
+    ahead = all(faster(graded, chosen, name) is not None for name in fixed)
+    return (f"grading rounds, {chosen} against each fixed setting: "
+            + ", ".join(f"{name} {speedup(graded, chosen, name)}" for name in fixed)
+            + f"; ahead of every one in 3 of 4 rounds: {'yes' if ahead else 'no'}; a combination no fixed setting "
+              f"has: {'yes' if chosen not in SEEDS else 'no'}")
 
 
 def main() -> None:

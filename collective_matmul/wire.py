@@ -1077,6 +1077,11 @@ class StepChoice(BaseModel):
                                                                "(tuned, or a whole-step alternative)")
     vs_seed: Speedup | None = Field(default=None, description="the choice against the first round's, in the rounds "
                                                               "that graded it: what the search rounds gained")
+    vs_fixed: dict[VariantName, Speedup] = Field(
+        default_factory=dict, max_length=8,
+        description="the choice against each other fixed setting (the seeds: baseline, tuned, costmodel, "
+                    "tuned-ring-fill, always-ring) in the rounds that graded it; ahead of one beyond the spread "
+                    "where its low is above 1")
     search_s: float | None = Field(default=None, ge=0, allow_inf_nan=False,
                                    description="wall seconds of the search rounds after the first: what the search "
                                                "cost beside its gain")

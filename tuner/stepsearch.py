@@ -36,8 +36,10 @@ stored and a multi-process run lets process 0 alone hold it (`cmtune.tuner.step.
 5. The search stops at its budget of rounds, or when a full pass over the roles changed nothing:
    no role has a change left to try (each role's candidates were tried from its configs, and
    what the rounds rejected is not tried again unless the role's configs change) and no
-   acceptance waits for its re-check.  Then the choice is graded in fresh rounds: the step as written, the all-baseline step, the seed and the
-   choice (`plan` of kind ``grade``), and `decide` reports it from those rounds.
+   acceptance waits for its re-check.  Then the choice is graded in fresh rounds: the step as
+   written, every fixed setting the seeds' round ran (the all-baseline step and the seed among
+   them) and the choice (`plan` of kind ``grade``), and `decide` reports it from those rounds:
+   against the step as written, the seed, and each other fixed setting (``vs_fixed``).
 
 Every variant has a unique, bounded name (``r<round>-<role>-<change>`` for a search round's, at
 most `MAX_VARIANT_NAME` characters) and carries its per-role configs, so a stored round says what
@@ -181,8 +183,9 @@ def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpC
 
 
 def _choice(graded: StepMeasurement, chosen: str, *, fresh: bool, overrides: dict[str, str],
-            seed: str | None = None, **search) -> StepChoice:
-    """``chosen`` as reported from ``graded`` (it and the reference ran there): its speedups, the time it saves."""
+            seed: str | None = None, fixed: Sequence[str] = (), **search) -> StepChoice:
+    """``chosen`` as reported from ``graded`` (it and the reference ran there): its speedups, the time it saves,
+    and against each of the ``fixed`` settings ``graded`` timed."""
     vs_reference = Speedup.of(graded.paired(chosen, graded.reference))
     names = {v.name for v in graded.variants if v.ok}
     vs_baseline = saved = vs_seed = None
@@ -194,6 +197,12 @@ def _choice(graded: StepMeasurement, chosen: str, *, fresh: bool, overrides: dic
     if seed is not None and seed != chosen and seed in names:
         vs_seed = Speedup.of(graded.paired(chosen, seed))
         parts.append(f"{vs_seed} against {seed}, the best fixed setting")
+    vs_fixed = {name: Speedup.of(graded.paired(chosen, name)) for name in fixed
+                if name != chosen and name in names and graded.paired(chosen, name) is not None}
+    if len(vs_fixed) > 1:
+        behind = [name for name, speedup in vs_fixed.items() if speedup.low <= 1]
+        parts.append(f"ahead of every other fixed setting ({', '.join(vs_fixed)}) beyond the spread" if not behind
+                     else f"not ahead of {', '.join(behind)} beyond the spread")
     rounds = "fresh rounds after the decision" if fresh else "the rounds that decided"
     summary = "; ".join(parts) + f" ({rounds})"
     if search.get("rounds", 1) > 1:
@@ -202,7 +211,7 @@ def _choice(graded: StepMeasurement, chosen: str, *, fresh: bool, overrides: dic
                     + (f", {spent:.0f} s after the first round" if spent is not None else ""))
     return StepChoice(variant=chosen, ratio=graded.variant(chosen).ratio, vs_reference=vs_reference,
                       vs_baseline=vs_baseline, saved_s=saved, fresh_rounds=fresh, overrides=overrides,
-                      summary=summary[:2000], seed=seed, vs_seed=vs_seed,
+                      summary=summary[:2000], seed=seed, vs_seed=vs_seed, vs_fixed=vs_fixed,
                       time_s=graded.variant(chosen).timing.median_s, **search)
 
 
@@ -419,8 +428,13 @@ class StepSearch:
         return found
 
     def _grade(self, reason: str) -> Plan:
-        names = dict.fromkeys([REFERENCE, "baseline", self.seed, self.incumbent])
+        names = dict.fromkeys([REFERENCE, "baseline", *self._fixed(), self.seed, self.incumbent])
         return Plan("grade", len(self.rounds) + 1, {name: self.names[name] for name in names}, reason=reason)
+
+    def _fixed(self) -> list[str]:
+        """The seeds the first round timed and ran (the fixed settings the choice is graded against)."""
+        variants, result = self.rounds[0]
+        return [name for name in variants if name in SEEDS and result is not None and _timed(result, name)]
 
     # -- what was timed ---------------------------------------------------------------------
 
@@ -567,7 +581,8 @@ class StepSearch:
                    for role, configs in overrides.items()}
         search = {"rounds": len(self.rounds), "variants_tried": len(self.timed - {None}),
                   "search_s": self.search_s if len(self.rounds) > 1 else None}
-        record = _choice(measurement, chosen, fresh=fresh, overrides=reasons, seed=self.seed, **search)
+        record = _choice(measurement, chosen, fresh=fresh, overrides=reasons, seed=self.seed, fixed=self._fixed(),
+                         **search)
         if slower is not None:
             record = record.model_copy(update={"summary": f"{record.summary}; the search's choice {self.incumbent} "
                                                f"was slower than {chosen} in the fresh rounds, so {chosen} runs"})

@@ -66,13 +66,17 @@ def test_the_step_search_runs_a_trial_per_round_and_serves_what_it_found(api):
     # the next round re-checks the acceptance beside what it replaced, then improves the next role
     assert asked[2][:3] == ["as-written", "r2-qkv-fuse", "always-ring"]
     assert all(n.startswith("r3-attn_out-") for n in asked[2][3:])
-    assert asked[3] == ["as-written", "baseline", "always-ring", "r2-qkv-fuse"]
+    # the grading: every fixed setting of the seeds' round again beside the choice, in fresh rounds
+    assert asked[3] == ["as-written", "baseline", "tuned", "always-ring", "r2-qkv-fuse"]
     decision = study["decision"]
     assert study["stop_reason"] == "the search budget of 3 rounds" and decision["variant"] == "r2-qkv-fuse"
     assert decision["seed"] == "always-ring" and decision["rounds"] == 3 and decision["fresh_rounds"]
     assert decision["vs_seed"]["median"] == pytest.approx(0.74 / 0.725)
     assert decision["vs_reference"]["median"] == pytest.approx(1 / 0.725) and decision["search_s"] >= 0
     assert "the search: 3 rounds" in decision["summary"]
+    assert set(decision["vs_fixed"]) == {"baseline", "tuned", "always-ring"}
+    assert all(v["low"] > 1 for v in decision["vs_fixed"].values())
+    assert "ahead of every other fixed setting (baseline, tuned, always-ring) beyond the spread" in decision["summary"]
     # every round is a trial of the study, its variants by name
     trials = api.reader.get(f"/v1/studies/{step_id}/trials").json()
     assert [t["variants"] for t in trials] == asked and all(t["status"] == "ok" for t in trials)

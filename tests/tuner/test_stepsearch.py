@@ -133,6 +133,12 @@ def test_the_search_finds_a_planted_combination_no_fixed_setting_has():
     for role, reason in decision.reasons.items():
         assert "of the step search) ran the step" in reason and f"so {role} " in reason and "for small" in reason
     assert "the search:" in decision.summary and "against always-ring, the best fixed setting" in decision.summary
+    # and against every fixed setting, in the same fresh rounds: the planted combination is ahead of each
+    assert set(record.vs_fixed) == set(SEEDS) and all(s.low > 1 for s in record.vs_fixed.values())
+    assert "ahead of every other fixed setting (baseline, tuned, costmodel, tuned-ring-fill, always-ring)" in (
+        decision.summary)
+    # a choice that is one of them is graded against the others, and says which it does not lead
+    assert set(alone.record.vs_fixed) == set(SEEDS) - {"always-ring"}
 
 
 def test_the_search_stops_at_its_budget_and_when_a_pass_changes_nothing():
