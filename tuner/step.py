@@ -475,7 +475,8 @@ class StepSession:
         return True
 
     def _time(self, steps: dict, records: dict, reference: str, started: float, protocol: Protocol, say) -> None:
-        """Warm up, then run ``steps`` once a round, each round in its own order, on this session's inputs (`interleave`)."""
+        """Warm up, then run ``steps`` once a round, each round in its own order, on this session's inputs
+        (`interleave`)."""
         inputs = (self.params, self.x, self.target, self._scalar(self.lr))
         interleave({name: (lambda step=step: step(*inputs)) for name, step in steps.items()}, records, reference,
                    started, protocol, say)

@@ -29,10 +29,10 @@ stored and a multi-process run lets process 0 alone hold it (`cmtune.tuner.step.
    is the new incumbent.
 4. An acceptance is re-checked in the next round, which times its *rival* again beside it: what it
    replaced (for the seeds' round: the runner-up seed, where a second seed was faster than tuned
-   beyond the spread too; a seed that alone beat tuned is not re-checked).  The rounds that accept a change favour it (many variants, a
-   few rounds each: some pass the rule by chance), so it stands only if those fresh rounds time it
-   no slower than its rival in the median; else the rival is the incumbent again (and, for the
-   seeds' round, the seed).
+   beyond the spread too; a seed that alone beat tuned is not re-checked).  The rounds that
+   accept a change favour it (many variants, a few rounds each: some pass the rule by chance),
+   so it stands only if those fresh rounds time it no slower than its rival in the median; else
+   the rival is the incumbent again (and, for the seeds' round, the seed).
 5. The search stops at its budget of rounds, or when a full pass over the roles changed nothing:
    no role has a change left to try (each role's candidates were tried from its configs, and
    what the rounds rejected is not tried again unless the role's configs change) and no
@@ -534,7 +534,7 @@ class StepSearch:
             where = f"the seeds ({len(variants) - 1} variants)"
             step = next((a for a in self.accepted if a.round == 1 and a.variant == self.incumbent), None)
         else:
-            before, rival, role = self._planned[number]
+            _, rival, role = self._planned[number]
             changes = len(variants) - 2 - (rival is not None)
             where = f"round {number} ({role or 'the re-check'}, {changes} change{'s' * (changes != 1)})"
         if result is None:
