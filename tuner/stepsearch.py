@@ -541,7 +541,7 @@ class StepSearch:
             return f"{where}: no result; {self.incumbent} stays"
         check = next((c for c in self.rechecks if c.round == number), None)
         told = "" if check is None else (
-            f"; {check.variant} ran {_fmt(tuple(1 / r for r in reversed(check.paired)))} of {check.rival}'s speed "
+            f"; {check.variant} ran {_fmt(check.paired)} of {check.rival}'s speed "
             + ("again, so it stays" if check.kept else f"in this round's fresh rounds, so {check.rival} is back"))
         if step is None:
             return f"{where}: nothing ran the step faster than {self.incumbent} beyond the spread" + told
@@ -576,7 +576,7 @@ class StepSearch:
                                                                        role in self.space.others)}
         reasons = {role: self._reason(role, configs) if slower is None else
                    (f"{chosen} (the seeds' round of the step search) ran the step faster than the tuned configs, and "
-                    f"the search's later choice {self.incumbent} ran {_fmt(tuple(1 / r for r in reversed(slower)))} "
+                    f"the search's later choice {self.incumbent} ran {_fmt(slower)} "
                     f"of its speed in the fresh rounds, so {role} {_does(role, configs)} for {self.model}")
                    for role, configs in overrides.items()}
         search = {"rounds": len(self.rounds), "variants_tried": len(self.timed - {None}),

@@ -255,7 +255,8 @@ def test_a_choice_slower_than_its_seed_in_the_fresh_rounds_gives_way_to_the_seed
     assert decision.ok and decision.variant == seed and decision.record.variant == seed
     assert f"the search's choice {chosen} was slower than {seed} in the fresh rounds" in decision.summary
     assert set(decision.overrides) == {r for r, c in search.names[seed].items() if c != WINNERS[r]}
-    assert all(f"later choice {chosen} ran" in reason for reason in decision.reasons.values())
+    assert all(f"later choice {chosen} ran 0.97x (IQR 0.97-0.97) of its speed" in reason
+               for reason in decision.reasons.values())
     # and where the fresh rounds agree with the search, its choice stands
     assert search.decide(measure(plan.variants)).variant == chosen
 
@@ -285,7 +286,8 @@ def test_an_acceptance_the_next_round_times_slower_than_its_rival_is_taken_back(
     check = search.rechecks[-1]
     assert (check.round, check.variant, check.rival, check.kept) == (3, proposal, seed, False)
     assert check.paired[1] == pytest.approx(1.03)
-    assert f"so {seed} is back" in search.summary()
+    assert f"ran 0.97x (IQR 0.97-0.97) of {seed}'s speed in this round's fresh rounds, so {seed} is back" in (
+        search.summary())  # slower: a speed below 1
     # where the fresh rounds agree, the acceptance stays and the search goes on from it
     again = replay(SPACE, [(v, r, None) for v, r in search.rounds[:2]], rounds=4, per_round=2)
     plan = again.plan()
