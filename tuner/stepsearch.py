@@ -197,8 +197,8 @@ def _choice(graded: StepMeasurement, chosen: str, *, fresh: bool, overrides: dic
     if seed is not None and seed != chosen and seed in names:
         vs_seed = Speedup.of(graded.paired(chosen, seed))
         parts.append(f"{vs_seed} against {seed}, the best fixed setting")
-    vs_fixed = {name: Speedup.of(graded.paired(chosen, name)) for name in fixed
-                if name != chosen and name in names and graded.paired(chosen, name) is not None}
+    vs_fixed = {name: Speedup.of(paired) for name in fixed if name != chosen and name in names
+                and (paired := graded.paired(chosen, name)) is not None}
     if len(vs_fixed) > 1:
         behind = [name for name, speedup in vs_fixed.items() if speedup.low <= 1]
         parts.append(f"ahead of every other fixed setting ({', '.join(vs_fixed)}) beyond the spread" if not behind
@@ -343,7 +343,7 @@ class StepSearch:
         self.accepted: list[Acceptance] = []
         self.rechecks: list[Recheck] = []
         self._pending: _Pending | None = None  # the last acceptance, until the next round re-checks it
-        self._planned: dict[int, tuple[str, str | None, str | None]] = {}  # round -> (its incumbent, rival, role)
+        self._planned: dict[int, tuple[str | None, str | None]] = {}  # round -> (the rival it re-timed, its role)
         self.failure: str | None = None
         self.search_s: float | None = 0.0  # wall seconds of the rounds after the first (None: not known)
         self._cursor = 0  # the next role to improve
@@ -469,7 +469,7 @@ class StepSearch:
                      if c != incumbent.get(r, self.space.winners.get(r))), None)
         if role in self.space.roles:
             self._cursor = (self.space.roles.index(role) + 1) % len(self.space.roles)
-        self._planned[number] = (self.incumbent, rival, role)
+        self._planned[number] = (rival, role)
         if result is None:
             return
         if rival is not None:
@@ -529,12 +529,11 @@ class StepSearch:
         if self.failure is not None:
             return self.failure
         variants, result = self.rounds[-1]
-        step = next((a for a in self.accepted if a.round == number and number > 1), None)
+        step = next((a for a in self.accepted if a.round == number), None)  # a round accepts one change at most
         if number == 1:
             where = f"the seeds ({len(variants) - 1} variants)"
-            step = next((a for a in self.accepted if a.round == 1 and a.variant == self.incumbent), None)
         else:
-            _, rival, role = self._planned[number]
+            rival, role = self._planned[number]
             changes = len(variants) - 2 - (rival is not None)
             where = f"round {number} ({role or 'the re-check'}, {changes} change{'s' * (changes != 1)})"
         if result is None:
