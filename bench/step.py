@@ -5,6 +5,7 @@
     python bench/step.py --sizes smoke --devices virtual:8 --trials 2 --repeats 2  # the code path, in a minute
     python bench/step.py --example --devices processes:2x4 --runs 2   # the NNX GPT example, as a user runs it
     python bench/step.py --example wide_gpt_step --devices processes:2x4  # the same, heads of 128
+    python bench/step.py --example --parts --devices processes:2x4 --runs 1   # and where its gain goes
 
 ``--example`` takes `examples/flax_nnx_gpt.py:gpt_step` (the demo preset's shapes) through the commands a
 user runs: ``cmtune tune --step``, ``cmtune verify --step --decide`` (the step decision writes its
@@ -225,7 +226,35 @@ def example_main(args) -> None:
           "| compile s (as written / baseline / tuned) | verify |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\n{decision}\n{graded}\nbundle and step records: {directory}")
+    print(f"\n{decision}\n{graded}")
+    if args.parts:
+        parts_table(bundle, devices, args.repeats, name, directory)
+    print(f"bundle and step records: {directory}")
+
+
+PARTS = {"blocks_sgd_step": "the blocks alone, MSE, SGD", "blocks_adamw_step": "the blocks alone, MSE, AdamW",
+         "gpt_sgd_step": "the whole model, SGD"}
+
+
+def parts_table(bundle: Path, devices: str, repeats: int, model: str, directory: Path) -> None:
+    """Where the example's gain goes: each part of `bench/gpt_parts.py` as written and with the drop-in, with the
+    example's bundle and its decision's overrides, one fresh ``cmtune verify --step`` each."""
+    from collective_matmul.wire import StepMeasurement
+
+    rows = []
+    for part, what in PARTS.items():
+        out = directory / f"part-{part}.json"
+        _, verify_s = cmtune("verify", "--step", f"bench/gpt_parts.py:{part}", "--devices", devices, "--bundle",
+                             str(bundle), "--name", model, "--repeats", str(repeats), "--json", str(out))
+        result = StepMeasurement.model_validate_json(out.read_text())
+        written, tuned = (result.variant(v).timing.median_s * 1e3 for v in ("as-written", "tuned"))
+        rows.append(f"| `{part}` ({what}) | {written:.0f} ms | {speedup(result, 'baseline')} "
+                    f"| {speedup(result, 'tuned')} | {written - tuned:.0f} ms | {verify_s:.0f} s |")
+        print(rows[-1], flush=True)
+    print(f"\nthe parts of {model} with its bundle (overrides of {model}), {repeats} interleaved rounds each\n")
+    print("| part | as written (GSPMD) | drop-in, baseline | drop-in, tuned | medians' difference | verify |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 def against_fixed(result, decision: str) -> str:
@@ -257,6 +286,8 @@ def main() -> None:
                         help="the NNX GPT example instead of the blocks: gpt_step (default), wide_gpt_step or "
                              "one_layer_gpt_step")
     parser.add_argument("--runs", type=int, default=2, help="with --example: fresh verify runs after the decision")
+    parser.add_argument("--parts", action="store_true",
+                        help="with --example: also time the parts of bench/gpt_parts.py with the example's bundle")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)

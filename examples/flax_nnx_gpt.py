@@ -122,13 +122,16 @@ def loss_fn(model: GPT, tokens, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int = 0):
-    """``(step, (state, tokens, targets), mesh)``: the training step, its arguments and the mesh."""
+def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int = 0, optimizer=None):
+    """``(step, (state, tokens, targets), mesh)``: the training step, its arguments and the mesh.
+
+    ``optimizer``: an optax transformation (default AdamW at ``cfg.learning_rate``).
+    """
     mesh = make_mesh(model_axis)
 
     with jax.set_mesh(mesh):  # parameters and optimizer state are created sharded as annotated
         model = GPT(cfg, mesh, tuned, rngs=nnx.Rngs(seed))
-        optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, optimizer or optax.adamw(cfg.learning_rate), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
     def step(state, tokens, targets):
