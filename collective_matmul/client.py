@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -108,7 +108,15 @@ class CallSite:
 
 
 class Report(list):
-    """`Tuned.report`: every call site traced, applied or fallen back."""
+    """`Tuned.report`: every call site traced, applied or fallen back, and the model's overrides no call matched.
+
+    ``unmatched``: the roles of this model's overrides (for the hardware its calls ran on) that no
+    traced call's role agrees with: decided for a label the step no longer has.
+    """
+
+    def __init__(self, sites=(), *, model: str | None = None, unmatched: Sequence[str] = ()):
+        super().__init__(sites)
+        self.model, self.unmatched = model, list(unmatched)
 
     @property
     def applied(self) -> list[CallSite]:
@@ -127,7 +135,19 @@ class Report(list):
         head = f"{len(self.applied)} call site(s) run cmtune's ops, {len(self.fell_back)} fell back"
         if self.stale:
             head += f"; {len(self.stale)} run configs measured on another software stack (stale)"
-        return "\n".join([head, *(f"  {s.line()}" for s in self)])
+        lines = [head, *(f"  {s.line()}" for s in self)]
+        if self.unmatched:
+            lines.append(self.unmatched_line())
+        return "\n".join(lines)
+
+    def unmatched_line(self) -> str:
+        """What `unmatched` means, in one line (empty if every override matched a call)."""
+        if not self.unmatched:
+            return ""
+        return (f"{len(self.unmatched)} override(s) of model {self.model!r} matched no call site, not applied: "
+                f"{', '.join(self.unmatched)}: the step's labels changed since its decision (a source-line label "
+                "moves when its file is edited: give the layer a jax.named_scope or the drop-in's role=, and "
+                "decide again)")
 
 
 class Tuned:
@@ -165,6 +185,7 @@ class Tuned:
         self._roles: dict[str, dict[str, tuple[Problem, Lookup]]] = {}
         self._sites: dict[tuple, CallSite] = {}
         self._logged: set[str] = set()
+        self._matched: set[tuple[str, str]] = set()  # (hardware key, override role) some call used
 
     # -- variants --------------------------------------------------------------------------------
 
@@ -292,7 +313,10 @@ class Tuned:
             self._overrides[key] = found
         known = self._overrides[key]
         name = roles.match(role, list(known))
-        return known[name] if name is not None else None
+        if name is None:
+            return None
+        self._matched.add((key, name))
+        return known[name]
 
     def _overrides_from_server(self, hardware: Hardware) -> list[RoleOverride]:
         if self.server is None:
@@ -336,8 +360,12 @@ class Tuned:
         return {role: dict(slots) for role, slots in self._roles.items()}
 
     def report(self) -> Report:
-        """Every call site this process traced: applied (problem, configs, match, source) or fell back (why)."""
-        return Report(self._sites.values())
+        """Every call site this process traced: applied (problem, configs, match, source) or fell back (why), and
+        the model's overrides (for the hardware of the calls it applied) that no call matched."""
+        traced = {site.hardware.key for site in self._sites.values() if site.applied}
+        unmatched = sorted(role for key in traced for role in self._overrides.get(key, {})
+                           if (key, role) not in self._matched)
+        return Report(self._sites.values(), model=self.model, unmatched=unmatched)
 
     def per_role(self) -> dict[str, list[OpConfigs]]:
         """The configs each role's applied calls ran, one entry per distinct problem."""

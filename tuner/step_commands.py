@@ -173,6 +173,8 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
                             axis=next((s.axis for s in sites.applied), None))
         console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
                                                f"applied, {len(sites.fell_back)} fell back)"))
+        if sites.unmatched:
+            console.print(f"[yellow]{sites.unmatched_line()}[/yellow]")
     message = group.share(message, StepCalls)
     if not group.leader:
         tuned.pin(message.pins)

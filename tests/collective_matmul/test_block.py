@@ -343,6 +343,35 @@ def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp
     assert '"version": 3' in old.read_text()
 
 
+def test_an_override_no_call_matches_is_reported_not_dropped_silently(tmp_path):
+    """A decision names a role the step no longer has (a source-line label moved when its file was edited):
+    the report names the override it could not apply; the overrides that matched are not listed."""
+    from collective_matmul.bundle import RoleOverride
+
+    mesh = mesh_1d()
+    hw = ring_hardware(mesh, "model").identity()
+    ring = OpConfigs(forward=D("ring-uni-c1-full-dus"), grad_input=D("ring-uni-c1-full-in"))
+    bundle = Bundle(overrides=[RoleOverride(model="mha", role=role, hardware=hw, configs=ring, reason="measured",
+                                            step_speedup=1.2) for role in ("mlp_up", "model.py:94")])
+    bundle.save(tmp_path / "decided.json")
+    tuned = Tuned(bundle=tmp_path / "decided.json", model="mha")
+    configs_per_role(tuned, MHA_GATED, mesh=mesh, axis="model")
+    report = tuned.report()
+    assert report.unmatched == ["model.py:94"]
+    assert "1 override(s) of model 'mha' matched no call site, not applied: model.py:94" in str(report)
+    # a variant keeps its own record: what it traced decides what it reports
+    variant = tuned.variant("baseline", lambda role, c: OpConfigs())
+    assert variant.report().unmatched == [] and variant.report().unmatched_line() == ""
+    configs_per_role(variant, MHA_GATED, mesh=mesh, axis="model")
+    assert variant.report().unmatched == ["model.py:94"]
+    # every override matched: nothing to say
+    bundle.overrides.pop()
+    bundle.save(tmp_path / "decided.json")
+    matched = Tuned(bundle=tmp_path / "decided.json", model="mha")
+    configs_per_role(matched, MHA_GATED, mesh=mesh, axis="model")
+    assert matched.report().unmatched == [] and "override" not in str(matched.report()).splitlines()[-1]
+
+
 def test_the_bundle_example_in_the_docs_loads(tmp_path):
     text = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
     example = text[text.index("```json", text.index("## Bundle format")) + len("```json"):]
