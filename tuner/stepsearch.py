@@ -39,7 +39,10 @@ stored and a multi-process run lets process 0 alone hold it (`cmtune.tuner.step.
    acceptance waits for its re-check.  Then the choice is graded in fresh rounds: the step as
    written, every fixed setting the seeds' round ran (the all-baseline step and the seed among
    them) and the choice (`plan` of kind ``grade``), and `decide` reports it from those rounds:
-   against the step as written, the seed, and each other fixed setting (``vs_fixed``).
+   against the step as written, the seed, and each other fixed setting (``vs_fixed``).  Where
+   those fresh rounds time a fixed setting faster than the choice in the median, the fastest
+   such setting runs instead: the rounds that chose it favoured it, the fresh ones do not, and a
+   fixed setting no slower is the simpler program.
 
 Every variant has a unique, bounded name (``r<round>-<role>-<change>`` for a search round's, at
 most `MAX_VARIANT_NAME` characters) and carries its per-role configs, so a stored round says what
@@ -564,19 +567,17 @@ class StepSearch:
         if measurement is None:
             return StepDecision(False, chosen, None, {}, {}, f"no round timed {chosen} and the step as written")
         fresh = measurement is graded
-        slower = None  # the search's choice against its seed in the fresh rounds, where the seed won them
-        if fresh and self.seed is not None and self.seed != chosen and _timed(graded, self.seed):
-            paired = graded.paired(chosen, self.seed)
-            if paired is not None and paired[1] > 1:  # the rounds that accepted it favoured it: keep the seed
-                chosen, slower = self.seed, paired
+        slower = self._fixed_faster(graded, chosen) if fresh else None
+        if slower is not None:  # the rounds that chose it favoured it; the fresh ones put a fixed setting ahead
+            chosen, slower = slower
         setting = self.names[chosen]
         overrides = {role: configs for role, configs in setting.items()
                      if configs != self.space.winners.get(role) and (role in self.space.winners or
                                                                        role in self.space.others)}
         reasons = {role: self._reason(role, configs) if slower is None else
-                   (f"{chosen} (the seeds' round of the step search) ran the step faster than the tuned configs, and "
-                    f"the search's later choice {self.incumbent} ran {_fmt(slower)} "
-                    f"of its speed in the fresh rounds, so {role} {_does(role, configs)} for {self.model}")
+                   (f"{chosen} (a fixed setting the seeds' round of the step search timed) ran the step faster than "
+                    f"the search's choice {self.incumbent} in the fresh rounds of its grading ({self.incumbent} ran "
+                    f"{_fmt(slower)} of its speed), so {role} {_does(role, configs)} for {self.model}")
                    for role, configs in overrides.items()}
         search = {"rounds": len(self.rounds), "variants_tried": len(self.timed - {None}),
                   "search_s": self.search_s if len(self.rounds) > 1 else None}
@@ -588,6 +589,18 @@ class StepSearch:
         summary = record.summary + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
         record = record.model_copy(update={"summary": summary[:2000]})
         return StepDecision(True, chosen, record.ratio, overrides, reasons, summary, record)
+
+    def _fixed_faster(self, graded: StepMeasurement, chosen: str) -> tuple[str, tuple[float, float, float]] | None:
+        """The fixed setting the grading's fresh rounds timed faster than ``chosen`` in the median (the fastest such,
+        the seed first among equals), with ``chosen``'s time over its, paired by round; None if there is none."""
+        best = None
+        for name in dict.fromkeys([self.seed, *self._fixed()]):
+            if name is None or name == chosen or not _timed(graded, name) or not _timed(graded, chosen):
+                continue
+            paired = graded.paired(chosen, name)
+            if paired is not None and paired[1] > 1 and (best is None or paired[1] > best[1][1]):
+                best = (name, paired)
+        return best
 
     def _reason(self, role: str, configs: OpConfigs) -> str:
         """Why ``role`` runs ``configs``: the last accepted round that changed it."""
