@@ -57,17 +57,10 @@ def _blocks(tuned, optimizer: str, cfg: example.Config = example.DEMO, seed: int
         model = Blocks(cfg, mesh, tuned, rngs=nnx.Rngs(seed))
         opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
-
-    def step(state, x, target):
-        model, opt = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(_mse)(model, x, target)
-        opt.update(model, grads)
-        return nnx.state((model, opt)), loss
-
     normal = jax.jit(partial(jax.random.normal, shape=(cfg.batch, cfg.seq, cfg.d_model), dtype=jnp.dtype(cfg.dtype)),
                      out_shardings=NamedSharding(mesh, P("data", "model", None)))
     x, target = (normal(key) for key in jax.random.split(jax.random.key(seed + 1)))
-    return jax.jit(step, donate_argnums=0), (state, x, target), mesh
+    return example.train_step(graphdef, _mse), (state, x, target), mesh
 
 
 def blocks_sgd_step(tuned=None):

@@ -122,6 +122,19 @@ def loss_fn(model: GPT, tokens, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def train_step(graphdef, loss):
+    """The jitted training step of a split ``(model, optimizer)``: ``value_and_grad`` of ``loss``, then the optimizer's
+    update; it donates the state it is given and returns ``(new state, loss)``."""
+
+    def step(state, *batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        value, grads = nnx.value_and_grad(loss)(model, *batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), value
+
+    return jax.jit(step, donate_argnums=0)
+
+
 def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int = 0, optimizer=None):
     """``(step, (state, tokens, targets), mesh)``: the training step, its arguments and the mesh.
 
@@ -133,18 +146,11 @@ def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int =
         model = GPT(cfg, mesh, tuned, rngs=nnx.Rngs(seed))
         optimizer = nnx.Optimizer(model, optimizer or optax.adamw(cfg.learning_rate), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
-
-    def step(state, tokens, targets):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
     batch_sharding = NamedSharding(mesh, P("data", "model"))
     keys = jax.random.split(jax.random.key(seed + 1))
     tokens, targets = (jax.jit(partial(jax.random.randint, shape=(cfg.batch, cfg.seq), minval=0, maxval=cfg.vocab),
                                out_shardings=batch_sharding)(k) for k in keys)
-    return jax.jit(step, donate_argnums=0), (state, tokens, targets), mesh
+    return train_step(graphdef, loss_fn), (state, tokens, targets), mesh
 
 
 def gpt_step(tuned=None):
