@@ -595,7 +595,7 @@ class StepSearch:
         the seed first among equals), with ``chosen``'s time over its, paired by round; None if there is none."""
         best = None
         for name in dict.fromkeys([self.seed, *self._fixed()]):
-            if name is None or name == chosen or not _timed(graded, name) or not _timed(graded, chosen):
+            if name is None or name == chosen or not _timed(graded, name):  # `decide` graded only a timed choice
                 continue
             paired = graded.paired(chosen, name)
             if paired is not None and paired[1] > 1 and (best is None or paired[1] > best[1][1]):
