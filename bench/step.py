@@ -6,6 +6,7 @@
     python bench/step.py --example --devices processes:2x4 --runs 2   # the NNX GPT example, as a user runs it
     python bench/step.py --example wide_gpt_step --devices processes:2x4  # the same, heads of 128
     python bench/step.py --example --parts --devices processes:2x4 --runs 1   # and where its gain goes
+    python bench/step_variants.py <dir>/large-processes2.step.json always-ring ...  # a search's variants side by side
 
 ``--example`` takes `examples/flax_nnx_gpt.py:gpt_step` (the demo preset's shapes) through the commands a
 user runs: ``cmtune tune --step``, ``cmtune verify --step --decide`` (the step decision writes its

@@ -1,0 +1,149 @@
+"""Time variants of a stored step search side by side: its fixed settings, its choices, and edits of them.
+
+    python bench/step.py --sizes large --devices processes:2 --repeats 9     # writes <dir>/large-processes2.step.json
+    python bench/step_variants.py <dir>/large-processes2.step.json --devices processes:2 --repeats 15 \\
+        always-ring tuned-ring-fill r4-mlp_up-tuned 'r4-mlp_up-tuned+mlp_down.grad_weight=baseline' \\
+        'r4-mlp_up-tuned+*.grad_weight=baseline'
+
+A variant is a name the record's rounds timed (``always-ring``, ``r4-mlp_up-tuned``, ...), then any
+number of edits ``+<role>.<slot>=<what>``: ``<role>`` one of the block's roles or ``*`` (every role),
+``<slot>`` ``forward``, ``grad_input`` or ``grad_weight``, ``<what>`` ``baseline`` (the fused baseline
+for a weight gradient), ``ring`` (the fixed ring) or another recorded variant's name (that slot as
+it runs it).  The step as written is the reference; the variants are timed in interleaved rounds,
+each in its own order, slowest process per run (`cmtune.tuner.step.StepSession`), as bench/step.py
+times them.
+
+Prints one line per variant: its time over the step as written, and over the first variant
+(paired by round: quartiles), and whether it is faster than the first in 3 of 4 rounds
+(`cmtune.tuner.stepsearch.faster`, the step search's rule).  The question it answers: how large a
+gain over a fixed setting is there to find in the neighbourhood of the search's choice, against
+the spread of a round on these devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SLOTS = ("forward", "grad_input", "grad_weight")
+
+
+def recorded(record: dict) -> dict:
+    """Every named variant of a bench/step.py record (its search rounds, grading and confirmation) -> its configs."""
+    from collective_matmul import OpConfigs
+
+    named = {}
+    measurements = [*record["rounds"], record.get("grading") or {"variants": []}, record["confirmed"]]
+    for measurement in measurements:
+        for variant in measurement["variants"]:
+            if variant.get("configs"):
+                named.setdefault(variant["name"], {role: OpConfigs.model_validate(c)
+                                                   for role, c in variant["configs"].items()})
+    return named
+
+
+def parse_variant(spec: str, named: dict) -> dict:
+    """``NAME[+role.slot=what]...`` as per-role configs (see the module).
+
+    Raises:
+        SystemExit: naming a variant, role, slot or value the record does not have, with what it has.
+    """
+    from cmtune.tuner.variants import FIXED_RING
+    from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+
+    base, *edits = spec.split("+")
+    if base not in named:
+        raise SystemExit(f"{spec!r}: no variant {base!r} in the record; it has {', '.join(sorted(named))}")
+    setting = dict(named[base])
+    for edit in edits:
+        target, _, what = edit.partition("=")
+        role, _, slot = target.partition(".")
+        roles = list(setting) if role == "*" else [role]
+        if slot not in SLOTS or not what or any(r not in setting for r in roles):
+            raise SystemExit(f"{spec!r}: {edit!r} is not <role>.<slot>=<what> with a role of {sorted(setting)} "
+                             f"or '*', a slot of {SLOTS}, and baseline, ring or a recorded variant")
+        for r in roles:
+            if what == "baseline":
+                value = DEFAULT_GRAD_WEIGHT if slot == "grad_weight" else Decomposition.baseline()
+            elif what == "ring":
+                value = FIXED_RING
+            elif what in named:
+                value = getattr(named[what][r], slot)
+            else:
+                raise SystemExit(f"{spec!r}: {what!r} is neither baseline, ring nor a recorded variant")
+            setting[r] = setting[r].model_copy(update={slot: value})
+    return setting
+
+
+def worker(args) -> None:
+    """One process of the measurement (every process of a group runs this, SPMD)."""
+    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
+
+    configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
+              else DeviceSpec("auto"))
+    import jax
+
+    from cmtune.tuner.step import StepSession, fixed_sources, step_layout
+    from cmtune.tuner.stepsearch import faster
+    from collective_matmul.models import MeshSpec, TransformerBlock
+    from collective_matmul.wire import Protocol
+
+    record = json.loads(Path(args.record).read_text())
+    named = recorded(record)
+    variants = {spec: parse_variant(spec, named) for spec in args.variants}
+    block = TransformerBlock.model_validate(record["confirmed"]["block"])
+    layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=Protocol(repeats=args.repeats, warmup=2))
+    result = session.measure(fixed_sources({"as-written": None, **variants}))
+    if jax.process_index() != 0:
+        return
+    first = args.variants[0]
+    print(f"{block.name}, {args.repeats} interleaved rounds; time over the step as written "
+          f"({result.variant('as-written').timing.median_s * 1e3:.0f} ms) and over {first}, paired by round:")
+    for spec in args.variants:
+        variant = result.variant(spec)
+        if not variant.ok:
+            print(f"  {spec}: {variant.status} {variant.message}")
+            continue
+        q = result.paired(spec, first)
+        ahead = "" if spec == first else f"; faster than {first} in 3 of 4 rounds: " + (
+            "yes" if faster(result, spec, first) is not None else "no")
+        print(f"  {spec}: {variant.ratio:.3f} of as written; {q[1]:.3f} of {first} (IQR {q[0]:.3f}-{q[2]:.3f})"
+              + ahead, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("record", help="a step record of bench/step.py (<dir>/<size>-<devices>.step.json)")
+    parser.add_argument("variants", nargs="+", help="NAME[+role.slot=what]...; the first is the one compared against")
+    parser.add_argument("--devices", default="processes:2", help="processes:N or virtual:8")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    named = recorded(json.loads(Path(args.record).read_text()))
+    for spec in args.variants:  # bad input fails here, before any process starts
+        parse_variant(spec, named)
+    argv = [str(Path(__file__)), "--worker", "--devices", args.devices, "--repeats", str(args.repeats),
+            str(Path(args.record).resolve()), *args.variants]
+    kind, _, count = args.devices.partition(":")
+    if kind == "processes":
+        from cmtune.tuner.cluster import launch
+
+        for result in launch(int(count), argv, local_devices=8 // int(count), cwd=ROOT, timeout_s=3600):
+            if result.process_id == 0:
+                print(result.stdout.strip())
+    else:
+        subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, env=os.environ | {"CMTUNE_VIRTUAL": count})
+
+
+if __name__ == "__main__":
+    main()
