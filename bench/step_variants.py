@@ -73,8 +73,10 @@ def parse_variant(spec: str, named: dict) -> dict:
                 value = DEFAULT_GRAD_WEIGHT if slot == "grad_weight" else Decomposition.baseline()
             elif what == "ring":
                 value = FIXED_RING
-            elif what in named:
+            elif what in named and r in named[what]:
                 value = getattr(named[what][r], slot)
+            elif what in named:
+                raise SystemExit(f"{spec!r}: {what!r} runs no configs of {r!r}")
             else:
                 raise SystemExit(f"{spec!r}: {what!r} is neither baseline, ring nor a recorded variant")
             setting[r] = setting[r].model_copy(update={slot: value})

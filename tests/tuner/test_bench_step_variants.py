@@ -21,13 +21,14 @@ TUNED = {"qkv": OpConfigs(forward=FIXED_RING), "mlp_up": OpConfigs(grad_input=RS
 ROUND = {"variants": [{"name": "as-written", "configs": {}},
                       {"name": "tuned", "configs": {r: c.model_dump(mode="json") for r, c in TUNED.items()}},
                       {"name": "always-ring", "configs": {r: c.model_dump(mode="json")
-                                                          for r, c in ring_everywhere(["qkv", "mlp_up"]).items()}}]}
+                                                          for r, c in ring_everywhere(["qkv", "mlp_up"]).items()}},
+                      {"name": "other", "configs": {"mlp_up": OpConfigs().model_dump(mode="json")}}]}
 RECORD = {"rounds": [ROUND], "grading": None, "confirmed": {"variants": [{"name": "searched", "configs": {}}]}}
 
 
 def test_a_recorded_variant_with_edits_changes_only_the_slots_named():
     named = step_variants.recorded(RECORD)
-    assert set(named) == {"tuned", "always-ring"}  # the reference and an empty variant carry no configs
+    assert set(named) == {"tuned", "always-ring", "other"}  # the reference and an empty variant carry no configs
     ring = ring_everywhere(["qkv", "mlp_up"])
     assert step_variants.parse_variant("always-ring", named) == ring
     edited = step_variants.parse_variant("always-ring+mlp_up.forward=baseline+mlp_up.grad_input=tuned", named)
@@ -39,11 +40,12 @@ def test_a_recorded_variant_with_edits_changes_only_the_slots_named():
 
 
 @pytest.mark.parametrize(("spec", "says"), [
-    ("nope", "no variant 'nope' in the record; it has always-ring, tuned"),
+    ("nope", "no variant 'nope' in the record; it has always-ring, other, tuned"),
     ("always-ring+attn.forward=ring", "with a role of ['mlp_up', 'qkv'] or '*'"),
     ("always-ring+qkv.backward=ring", "a slot of ('forward', 'grad_input', 'grad_weight')"),
     ("always-ring+qkv.forward", "is not <role>.<slot>=<what>"),
     ("always-ring+qkv.forward=chunky", "'chunky' is neither baseline, ring nor a recorded variant"),
+    ("tuned+*.forward=other", "'other' runs no configs of 'qkv'"),
 ])
 def test_a_bad_spec_says_what_the_record_has(spec, says):
     with pytest.raises(SystemExit) as raised:
