@@ -80,45 +80,69 @@ def tune(block: Path, devices: str, bundle: Path, trials: int, repeats: int) -> 
     return seconds
 
 
-def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, search: tuple[int, int]) -> None:
-    """Run this file's `--step` mode on ``devices`` (a gloo group for processes:N)."""
-    argv = [str(Path(__file__)), "--step", str(block), "--bundle", str(bundle), "--repeats", str(repeats),
-            "--json", str(out), "--search-rounds", str(search[0]), "--round-variants", str(search[1])]
+def run_on(devices: str, argv: list[str], *, echo: bool = False) -> None:
+    """Run ``python argv...`` on ``devices``: a gloo group of N processes for processes:N (each with 8/N CPU
+    devices; with ``echo``, process 0's output is shown as it comes), else one process of N virtual devices
+    (virtual:N, its output shown)."""
     kind, _, count = devices.partition(":")
     if kind == "processes":
         from cmtune.tuner.cluster import launch
 
-        launch(int(count), argv, local_devices=8 // int(count), cwd=ROOT, timeout_s=3600)
+        launch(int(count), argv, local_devices=8 // int(count), cwd=ROOT, timeout_s=3600, echo_first=echo)
     else:
         subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, env=os.environ | {"CMTUNE_VIRTUAL": count})
+
+
+def join_devices() -> None:
+    """In a process `run_on` started: join its group, or take its virtual devices."""
+    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
+
+    configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
+              else DeviceSpec("auto"))
+
+
+def block_session(block, repeats: int):
+    """``(layout, session)``: ``block`` laid out on a data=1,model=8 mesh of this group's devices, and a step session
+    timing it in ``repeats`` interleaved rounds."""
+    import jax
+
+    from cmtune.tuner.step import StepSession, step_layout
+    from collective_matmul.models import MeshSpec
+    from collective_matmul.wire import Protocol
+
+    layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
+    return layout, StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                               protocol=Protocol(repeats=repeats, warmup=2))
+
+
+def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, search: tuple[int, int]) -> None:
+    """Run this file's `--step` mode on ``devices``."""
+    run_on(devices, [str(Path(__file__)), "--step", str(block), "--bundle", str(bundle), "--repeats", str(repeats),
+                     "--json", str(out), "--search-rounds", str(search[0]), "--round-variants", str(search[1])])
 
 
 def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int, per_round: int) -> None:
     """One process of the step measurement (every process of a group runs this, SPMD: process 0 holds the
     search and shares each round, `cmtune.tuner.step.search_step`)."""
-    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, Group, configure
+    from cmtune.tuner.cluster import Group
 
-    configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
-              else DeviceSpec("auto"))
+    join_devices()
     import jax
 
-    from cmtune.tuner.step import StepSession, fixed_sources, search_step, step_layout
+    from cmtune.tuner.step import fixed_sources, search_step
     from cmtune.tuner.step_commands import _measured
     from cmtune.tuner.stepsearch import SearchSpace, StepSearch
     from cmtune.tuner.variants import cost_model_configs, ring_everywhere, ring_fill
     from collective_matmul import Bundle, OpConfigs, Tuned, configs_per_role, ring_hardware
     from collective_matmul.models import MeshSpec, TransformerBlock, role_problems
-    from collective_matmul.wire import Protocol, StepRound
+    from collective_matmul.wire import StepRound
 
     block = TransformerBlock.model_validate_json(Path(block_path).read_text())
-    spec = MeshSpec.parse("data=1,model=8")
-    layout = step_layout(block, spec, jax.devices())
+    layout, session = block_session(block, repeats)
     where = dict(mesh=layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis)
     hardware = ring_hardware(layout.mesh, layout.axis).identity()
-    problems = role_problems(block, spec)
+    problems = role_problems(block, MeshSpec.parse("data=1,model=8"))
     op_tuned = configs_per_role(Tuned(bundle=bundle), layout.block, **where)
-    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                          protocol=Protocol(repeats=repeats, warmup=2))
     group = Group()
     search = None
     if group.leader:
@@ -138,7 +162,7 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
              "costmodel": cost_model_configs(problems, hardware), "always-ring": ring_everywhere(),
              "tuned-ring-fill": ring_fill(op_tuned)}
     confirmed = session.measure(fixed_sources({"as-written": None, **fixed, "searched": choice,
-                                               COPY: ring_everywhere()}))
+                                               COPY: fixed["always-ring"]}))
     if jax.process_index() == 0:
         tuned = Bundle.load(bundle)
         for override in decision.role_overrides(block.name, hardware):

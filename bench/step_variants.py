@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 SLOTS = ("forward", "grad_input", "grad_weight")
 
 
@@ -85,29 +82,24 @@ def parse_variant(spec: str, named: dict) -> dict:
 
 def worker(args) -> None:
     """One process of the measurement (every process of a group runs this, SPMD)."""
-    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
+    from step import block_session, join_devices
 
-    configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
-              else DeviceSpec("auto"))
+    join_devices()
     import jax
 
-    from cmtune.tuner.step import StepSession, fixed_sources, step_layout
+    from cmtune.tuner.step import fixed_sources
     from cmtune.tuner.stepsearch import faster
-    from collective_matmul.models import MeshSpec, TransformerBlock
-    from collective_matmul.wire import Protocol
+    from collective_matmul.models import TransformerBlock
 
     record = json.loads(Path(args.record).read_text())
     named = recorded(record)
     variants = {spec: parse_variant(spec, named) for spec in args.variants}
-    block = TransformerBlock.model_validate(record["confirmed"]["block"])
-    layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
-    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                          protocol=Protocol(repeats=args.repeats, warmup=2))
+    _, session = block_session(TransformerBlock.model_validate(record["confirmed"]["block"]), args.repeats)
     result = session.measure(fixed_sources({"as-written": None, **variants}))
     if jax.process_index() != 0:
         return
     first = args.variants[0]
-    print(f"{block.name}, {args.repeats} interleaved rounds; time over the step as written "
+    print(f"{record['confirmed']['block']['name']}, {args.repeats} interleaved rounds; time over the step as written "
           f"({result.variant('as-written').timing.median_s * 1e3:.0f} ms) and over {first}, paired by round:")
     for spec in args.variants:
         variant = result.variant(spec)
@@ -134,17 +126,10 @@ def main() -> None:
     named = recorded(json.loads(Path(args.record).read_text()))
     for spec in args.variants:  # bad input fails here, before any process starts
         parse_variant(spec, named)
-    argv = [str(Path(__file__)), "--worker", "--devices", args.devices, "--repeats", str(args.repeats),
-            str(Path(args.record).resolve()), *args.variants]
-    kind, _, count = args.devices.partition(":")
-    if kind == "processes":
-        from cmtune.tuner.cluster import launch
+    from step import run_on
 
-        for result in launch(int(count), argv, local_devices=8 // int(count), cwd=ROOT, timeout_s=3600):
-            if result.process_id == 0:
-                print(result.stdout.strip())
-    else:
-        subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, env=os.environ | {"CMTUNE_VIRTUAL": count})
+    run_on(args.devices, [str(Path(__file__)), "--worker", "--devices", args.devices, "--repeats", str(args.repeats),
+                          str(Path(args.record).resolve()), *args.variants], echo=True)
 
 
 if __name__ == "__main__":
