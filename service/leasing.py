@@ -168,7 +168,8 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
             return Reported(trial, duplicate=True, next=grant(tx, engine, settings, held.worker_id, now,
                                                               reuse_held=True) if lease_next else None)
         if trial.state == TrialState.CANCELLED:
-            raise ConflictError(f"study of trial {trial_id} was cancelled; drop this result")
+            raise ConflictError(f"trial {trial_id} was cancelled ({trial.message or 'its study was cancelled'}); "
+                                "drop this result")
         raise ConflictError(f"trial {trial_id} already has a result from another lease; this lease is stale")
     if not held.active or trial.state != TrialState.LEASED:
         raise ConflictError(f"lease {lease_id} expired and trial {trial_id} went back to the queue; "

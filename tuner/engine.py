@@ -253,8 +253,11 @@ class Engine:
         if reason is None:
             return []
         if reason in _DROP_PROPOSALS:
+            # a proposal a worker claimed since it was read stays leased: its result is a measurement like any
             for trial in history.pending:
-                self._move_trial(tx, trial, T.CANCELLED, message=f"not needed: the search stopped ({reason})")
+                self._move_trial(tx, trial, T.CANCELLED, strict=False,
+                                 message=f"not needed: the search stopped ({reason}) after "
+                                         f"{len(history.finished)} trials")
             trials = tx.trials(study_id)
             history = History.of(trials)
         if history.in_flight:
@@ -283,8 +286,8 @@ class Engine:
         """A trial the store just claimed (`claim`, or a store's own claim that does more): the first claim
         starts its study."""
         study = tx.study(trial.study_id)
-        if study.state == S.PENDING:
-            self._move_study(tx, study, S.RUNNING, started_at=now)
+        if study.state == S.PENDING:  # a claim of another transaction may have started it already
+            self._move_study(tx, study, S.RUNNING, strict=False, started_at=now)
 
     def release(self, tx: StoreTx, trial: TrialRecord, *, count_attempt: bool) -> None:
         """A claimed trial goes back to the queue (its worker left, or its lease expired)."""
@@ -368,13 +371,16 @@ class Engine:
         Raises:
             ConflictError: the study is already final.
         """
-        trials = [t for t in tx.trials(study_id) if t.state.in_flight]
         study = tx.study(study_id, lock=True)
         if not study.state.active:
             raise ConflictError(f"study {study_id} is {study.state}; only pending, running or confirming studies "
                                 "cancel")
-        for trial in trials:
-            self._move_trial(tx, trial, T.CANCELLED, message="study cancelled", finished_at=now)
+        for trial in (t for t in tx.trials(study_id) if t.state.in_flight):
+            if self._move_trial(tx, trial, T.CANCELLED, strict=False, message="study cancelled", finished_at=now):
+                continue
+            now_as = tx.trial(trial.id, lock=True)  # claimed (or reported) since it was read: as it is now
+            if now_as.state.in_flight:
+                self._move_trial(tx, now_as, T.CANCELLED, message="study cancelled", finished_at=now)
         self._move_study(tx, study, S.CANCELLED, stop_reason="cancelled", finished_at=now)
         if study.kind == StudyKind.SEARCH:
             self._wake_step_studies(tx, study.hardware, now=now)
@@ -654,17 +660,28 @@ class Engine:
         self._wake_step_studies(tx, study.hardware, now=now)
 
     @staticmethod
-    def _move_study(tx: StoreTx, study: StudyRecord, to: StudyState, **changes) -> None:
+    def _move_study(tx: StoreTx, study: StudyRecord, to: StudyState, *, strict: bool = True, **changes) -> bool:
+        """Move a study along `STUDY_MOVES` from the state ``study`` was read in; whether it moved (another
+        transaction may have moved it since: `ConflictError` if ``strict``)."""
         check_study_move(study.id, study.state, to)
-        tx.apply_study_move(study.id, to, **changes)
+        moved = tx.apply_study_move(study.id, to, expected=study.state, **changes)
+        if strict and not moved:
+            raise ConflictError(f"study {study.id} is no longer {study.state}; it cannot become {to}: try again")
+        return moved
 
     @staticmethod
-    def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState | None = None, *,
-                    study_changes: dict | None = None, **changes) -> None:
-        """Move a trial along `TRIAL_MOVES`; ``study_changes`` update its study in the same write."""
+    def _move_trial(tx: StoreTx, trial: TrialRecord, to: TrialState | None = None, *, strict: bool = True,
+                    study_changes: dict | None = None, **changes) -> bool:
+        """Move a trial along `TRIAL_MOVES` from the state ``trial`` was read in; ``study_changes`` update its
+        study in the same write.  Whether it moved (another transaction may have claimed it since:
+        `ConflictError` if ``strict``)."""
         to = changes.pop("state", to)
         check_trial_move(trial.id, trial.state, to)
-        tx.apply_trial_move(trial.id, to, study_id=trial.study_id, study_changes=study_changes, **changes)
+        moved = tx.apply_trial_move(trial.id, to, expected=trial.state, study_id=trial.study_id,
+                                    study_changes=study_changes, **changes)
+        if strict and not moved:
+            raise ConflictError(f"trial {trial.id} is no longer {trial.state}; it cannot become {to}: try again")
+        return moved
 
 
 def with_step_bound(record: StepChoice | None, tuned: Sequence[TunedConfig | None]) -> StepChoice | None:

@@ -214,16 +214,19 @@ class StoreTx(TypingProtocol):
         its state: `TypeError` for ``state`` (see `apply_study_move`)."""
         ...
 
-    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
-        """The study's state becomes ``to``, with ``changes``.  Called by `Engine._move_study` alone, once
-        `STUDY_MOVES` allows the move (tests/tuner/test_engine.py checks that nothing else calls it)."""
+    def apply_study_move(self, study_id: int, to: StudyState, *, expected: StudyState, **changes) -> bool:
+        """The study's state becomes ``to``, with ``changes``, if it is still ``expected`` (one conditional
+        statement); whether it moved.  Called by `Engine._move_study` alone, once `STUDY_MOVES` allows the move
+        (tests/tuner/test_engine.py checks that nothing else calls it)."""
         ...
 
-    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
-                         **changes) -> None:
-        """The trial's state becomes ``to``, with ``changes``; ``study_changes`` (progress, as `update_study`)
-        update its study ``study_id`` in the same write (one statement where the store can).  Called by
-        `Engine._move_trial` alone, once `TRIAL_MOVES` allows the move."""
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, expected: TrialState, study_id: int,
+                         study_changes: dict | None = None, **changes) -> bool:
+        """The trial's state becomes ``to``, with ``changes``, if it is still ``expected`` (a trial another
+        transaction claimed since this one read it stays as it is); whether it moved.  ``study_changes``
+        (progress, as `update_study`) update its study ``study_id`` in the same write (one statement where the
+        store can), only if the trial moved.  Called by `Engine._move_trial` alone, once `TRIAL_MOVES` allows
+        the move."""
         ...
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
@@ -344,15 +347,22 @@ class InMemoryStore:
     def update_study(self, study_id: int, **changes) -> None:
         self._set_study(study_id, **refuse_state(changes))
 
-    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
+    def apply_study_move(self, study_id: int, to: StudyState, *, expected: StudyState, **changes) -> bool:
+        if self.study(study_id).state != expected:
+            return False
         self._set_study(study_id, state=to, **refuse_state(changes))
+        return True
 
-    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
-                         **changes) -> None:
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, expected: TrialState, study_id: int,
+                         study_changes: dict | None = None, **changes) -> bool:
         refuse_state(study_changes or {})  # before anything changes: this store has no rollback
-        self._set_trial(trial_id, state=to, **refuse_state(changes))
+        refuse_state(changes)
+        if self.trial(trial_id).state != expected:
+            return False
+        self._set_trial(trial_id, state=to, **changes)
         if study_changes:
             self._set_study(study_id, **study_changes)
+        return True
 
     def _set_study(self, study_id: int, **changes) -> None:
         self._studies[study_id] = dataclasses.replace(self.study(study_id), **changes)

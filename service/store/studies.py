@@ -50,6 +50,9 @@ _STUDY = Prepared(_STUDY_SELECT)
 _STUDY_LOCKED = Prepared(_STUDY_SELECT.with_for_update())
 _INSERT_STUDY = Prepared(insert(studies).returning(*MUTABLE))
 _UPDATE_STUDY = Prepared(update(studies).where(studies.c.id == P("_study_id")))  # SET: the other parameters
+# a move: the state changes only from the one the engine checked (``_expected``); the row comes back if it did
+_MOVE_STUDY = Prepared(update(studies).where(studies.c.id == P("_study_id"), studies.c.state == P("_expected"))
+                       .returning(studies.c.id))
 
 # a study's history: a search trial's candidate comes back from its id, so its JSON is not fetched
 _BRIEF = (*TRIAL[:4], type_coerce(case((trials.c.kind == TrialKind.SEARCH.value, null()),
@@ -61,7 +64,8 @@ _TRIALS_MEASURED = Prepared(select(*_BRIEF, *MEASURED).where(trials.c.study_id =
 _TRIAL_SELECT = select(*TRIAL, *MEASURED).where(trials.c.id == P("trial_id"))
 _TRIAL = Prepared(_TRIAL_SELECT)
 _TRIAL_LOCKED = Prepared(_TRIAL_SELECT.with_for_update())
-_UPDATE_TRIAL = Prepared(update(trials).where(trials.c.id == P("_trial_id")))
+_MOVE_TRIAL = Prepared(update(trials).where(trials.c.id == P("_trial_id"), trials.c.state == P("_expected"))
+                       .returning(trials.c.id))
 _INSERT_TRIAL = Prepared(insert(trials).returning(trials.c.id))
 _NEW_TRIAL = ("study_id", "number", "kind", "decompositions", "decomposition_id", "state", "attempts", "created_at",
               "variants")
@@ -90,14 +94,15 @@ def _insert_trials(n: int) -> Prepared:
 
 @functools.cache
 def _update_trial_and_study(trial_columns: tuple[str, ...], study_columns: tuple[str, ...]) -> Prepared:
-    """PostgreSQL: a trial's update and its study's in one statement (the study's as a data-modifying
+    """PostgreSQL: a trial's move and its study's update in one statement (the study's as a data-modifying
     WITH); the values are the parameters ``trial_`` and ``study_`` + column (a parameter named like a
-    column would become a SET of that column in both updates)."""
+    column would become a SET of that column in both updates).  The trial moves only from ``_expected``
+    (its row comes back if it did); the caller rolls back when it did not."""
     study = update(studies).where(studies.c.id == P("_study_id")) \
         .values({name: P(f"study_{name}", type_=studies.c[name].type) for name in study_columns}).cte("study")
-    return Prepared(update(trials).where(trials.c.id == P("_trial_id"))
+    return Prepared(update(trials).where(trials.c.id == P("_trial_id"), trials.c.state == P("_expected"))
                     .values({name: P(f"trial_{name}", type_=trials.c[name].type) for name in trial_columns})
-                    .add_cte(study))
+                    .returning(trials.c.id).add_cte(study))
 
 
 class Studies:
@@ -202,29 +207,32 @@ class Studies:
     def update_study(self, study_id: int, **changes) -> None:
         self._update_study(study_id, refuse_state(changes))
 
-    def apply_study_move(self, study_id: int, to: StudyState, **changes) -> None:
-        self._update_study(study_id, {"state": to, **refuse_state(changes)})
+    def apply_study_move(self, study_id: int, to: StudyState, *, expected: StudyState, **changes) -> bool:
+        self._tx.studies.pop(study_id, None)
+        changes = _study_columns({"state": to, **refuse_state(changes)})
+        return bool(self._tx.rows(_MOVE_STUDY, {"_study_id": study_id, "_expected": expected, **changes}))
 
     def _update_study(self, study_id: int, changes: dict) -> None:
         self._tx.studies.pop(study_id, None)
         self._tx.rows(_UPDATE_STUDY, {"_study_id": study_id, **_study_columns(changes)})
 
-    def apply_trial_move(self, trial_id: int, to: TrialState, *, study_id: int, study_changes: dict | None = None,
-                         **changes) -> None:
+    def apply_trial_move(self, trial_id: int, to: TrialState, *, expected: TrialState, study_id: int,
+                         study_changes: dict | None = None, **changes) -> bool:
         tx = self._tx
         trial_changes = _trial_columns({"state": to, **refuse_state(changes)})
+        move = {"_trial_id": trial_id, "_expected": expected}
         if not study_changes:
-            tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **trial_changes})
-            return
+            return bool(tx.rows(_MOVE_TRIAL, {**move, **trial_changes}))
         study_changes = _study_columns(refuse_state(study_changes))
         if not tx.is_postgres:  # SQLite: no writes inside WITH
-            tx.rows(_UPDATE_TRIAL, {"_trial_id": trial_id, **trial_changes})
-            self._update_study(study_id, study_changes)
-            return
+            moved = bool(tx.rows(_MOVE_TRIAL, {**move, **trial_changes}))
+            if moved:
+                self._update_study(study_id, study_changes)
+            return moved
         tx.studies.pop(study_id, None)
-        tx.rows(_update_trial_and_study(tuple(trial_changes), tuple(study_changes)),
-                {"_trial_id": trial_id, **{f"trial_{k}": v for k, v in trial_changes.items()},
-                 "_study_id": study_id, **{f"study_{k}": v for k, v in study_changes.items()}})
+        return bool(tx.rows(_update_trial_and_study(tuple(trial_changes), tuple(study_changes)),
+                            {**move, **{f"trial_{k}": v for k, v in trial_changes.items()},
+                             "_study_id": study_id, **{f"study_{k}": v for k, v in study_changes.items()}}))
 
     def tuned_config(self, problem: Problem, hardware: Hardware, software: Software | None = None
                      ) -> TunedConfig | None:

@@ -383,10 +383,11 @@ def test_states_change_only_through_the_engines_guard(store, monkeypatch):
         with pytest.raises(TypeError, match="engine's guard"):
             tx.update_study(study_id, state=StudyState.COMPLETED)
         with pytest.raises(TypeError, match="engine's guard"):
-            tx.apply_trial_move(trial.id, TrialState.CANCELLED, study_id=study_id,
+            tx.apply_trial_move(trial.id, TrialState.CANCELLED, expected=TrialState.PENDING, study_id=study_id,
                                 study_changes={"state": StudyState.CANCELLED})
         with pytest.raises(TypeError, match="engine's guard"):
-            tx.apply_study_move(study_id, StudyState.RUNNING, state=StudyState.COMPLETED)
+            tx.apply_study_move(study_id, StudyState.RUNNING, expected=StudyState.PENDING,
+                                state=StudyState.COMPLETED)
     assert driver.study(study_id)[0].state == StudyState.PENDING
     monkeypatch.setitem(engine_module.TRIAL_MOVES, TrialState.PENDING,
                         frozenset({TrialState.FAILED, TrialState.CANCELLED}))
@@ -394,6 +395,46 @@ def test_states_change_only_through_the_engines_guard(store, monkeypatch):
         driver.claim(study_id)
     with driver.store.transaction() as tx:
         assert [t.state for t in tx.trials(study_id)] == [TrialState.PENDING]
+
+
+def test_a_move_from_a_state_read_before_another_claim_changes_nothing(store):
+    """A move is conditional on the state the engine read: a proposal claimed after it was read is not
+    cancelled under its lease (nor its study moved twice), and the move says it did not happen."""
+    driver = Driver(store)
+    study_id = driver.create(settings(max_trials=3))
+    with driver.store.transaction(write=True) as tx:
+        (stale,) = tx.trials(study_id)
+        study = tx.study(study_id)
+    driver.claim(study_id)  # another worker claims it (and starts the study) in between
+    with driver.store.transaction(write=True) as tx:
+        assert not Engine._move_trial(tx, stale, TrialState.CANCELLED, strict=False, message="not needed")
+        with pytest.raises(ConflictError, match="no longer pending"):
+            Engine._move_trial(tx, stale, TrialState.CANCELLED, message="not needed")
+    with driver.store.transaction(write=True) as tx:
+        assert not Engine._move_study(tx, study, StudyState.RUNNING, strict=False, started_at=START)
+    with driver.store.transaction() as tx:
+        assert tx.trial(stale.id).state == TrialState.LEASED and tx.trial(stale.id).message is None
+        assert tx.study(study_id).state == StudyState.RUNNING
+
+
+def test_a_search_that_stops_keeps_what_a_worker_claimed_in_between(store):
+    """The stop drops only proposals still pending: one claimed between the refill's read of the history and
+    its cancel stays leased, its result is stored as a measurement, and the study confirms after it."""
+    driver = Driver(store, Engine(ready=3))
+    study_id = driver.create(settings(max_seconds=60))
+    with driver.store.transaction() as tx:
+        stale = tx.trials(study_id)  # the refill's read: three proposals pending
+    assert [t.state for t in stale] == [TrialState.PENDING] * 3
+    claimed = driver.claim(study_id)  # another worker, in between
+    with driver.store.transaction(write=True) as tx:  # the time budget is spent: the search stops
+        driver.engine._refill(tx, tx.study(study_id, lock=True), now=driver.tick(3600), trials=stale)
+    study, trials = driver.study(study_id)
+    assert [t.state for t in trials] == [TrialState.LEASED, TrialState.CANCELLED, TrialState.CANCELLED]
+    assert trials[1].message == "not needed: the search stopped (time budget) after 0 trials"
+    driver.report(claimed)
+    study, trials = driver.study(study_id)
+    assert trials[0].state == TrialState.COMPLETED and trials[0].measurements
+    assert study.state == StudyState.COMPLETED and study.stop_reason == "time budget"
 
 
 def test_only_the_guard_applies_a_move():
