@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from cmtune.service.errors import InvalidError
 from cmtune.service.views import studies_public
 from cmtune.tuner.engine import Engine, study_settings
-from cmtune.tuner.warm import Known, seeds
+from cmtune.tuner.warm import nearest_seeds
 from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import has_ring, no_ring_reason
@@ -125,7 +125,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     if submitted is not None:
         submission_id = tx.submissions.add(model=submitted, mesh=mesh.model_dump(mode="json"), hardware=hardware,
                                            now=now)
-    neighbours: dict[tuple, list[Known]] = {}  # per family: nothing this transaction creates adds to them
+    shapes: dict[tuple, list] = {}  # per family: nothing this transaction creates adds to them
     for problem, roles, count in targets:
         skip = _skip(tx, problem, hardware, force=body.force)
         if skip is not None:
@@ -135,7 +135,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
             settings = study_settings(problem, hardware, trials=body.budget.trials, minutes=body.budget.minutes,
                                       patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
                                       confirm_top=body.confirm_top,
-                                      seeds=_seeds(tx, problem, hardware, neighbours) if body.warm_start else ())
+                                      seeds=_seeds(tx, problem, hardware, shapes) if body.warm_start else ())
             protocol = Protocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
             study = engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
                                     protocol=protocol, now=now)
@@ -155,13 +155,13 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)
 
 
-def _seeds(tx: SqlTx, problem: Problem, hardware: Hardware, neighbours: dict[tuple, list[Known]]) -> tuple[Seed, ...]:
+def _seeds(tx: SqlTx, problem: Problem, hardware: Hardware, shapes: dict[tuple, list]) -> tuple[Seed, ...]:
     """A new study's warm start, from the configs tuned on ``hardware`` for ``problem``'s collective, dtype and
-    ring size, read once per family into ``neighbours``."""
+    ring size: their shapes read once per family into ``shapes``, the configs of the nearest only."""
     family = (problem.collective, problem.dtype, problem.axis_size)
-    if family not in neighbours:
-        neighbours[family] = tx.catalog.neighbours(problem, hardware)
-    return seeds(problem, hardware, neighbours[family])
+    if family not in shapes:
+        shapes[family] = tx.catalog.family_shapes(problem, hardware)
+    return nearest_seeds(problem, hardware, shapes[family], lambda keys: tx.catalog.neighbours(problem, hardware, keys))
 
 
 def _skip(tx: SqlTx, problem: Problem, hardware: Hardware, *, force: bool) -> Skipped | None:

@@ -11,7 +11,8 @@ The stop rule that lets a seeded study stop early is `cmtune.tuner.search.neighb
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,6 +48,17 @@ def neighbour_order(problem: Problem, known: Known) -> tuple:
             _SOURCES.index(known.source), known.study_id or 0)
 
 
+def nearest_keys(problem: Problem, shapes: Iterable[tuple[str, int, int, int]]) -> list[str]:
+    """The keys of ``shapes`` ((key, m, k, n) of tuned problems of ``problem``'s family), nearest first as
+    `neighbour_order` ranks them: `seeds` over the configs of a prefix of them is `seeds` over them all once
+    the prefix holds ``neighbours`` that fit, so a store reads only as many configs as it needs."""
+    def distance(shape: tuple[str, int, int, int]) -> tuple[float, str]:
+        key, *mkn = shape
+        return sum(abs(math.log(a / b)) for a, b in zip((problem.m, problem.k, problem.n), mkn, strict=True)), key
+
+    return [shape[0] for shape in sorted(shapes, key=distance)]
+
+
 def seeds(problem: Problem, hardware: Hardware, known: Iterable[Known], *, neighbours: int = NEIGHBOURS,
           ) -> tuple[Seed, ...]:
     """The seeds of a new study of ``problem`` on ``hardware``.
@@ -64,6 +76,27 @@ def seeds(problem: Problem, hardware: Hardware, known: Iterable[Known], *, neigh
         blocks, is left out), each decomposition once (where the nearest neighbour put it).  A baseline
         winner is kept, to say so; the search times the baseline first in any case.
     """
+    return _seeds(problem, hardware, known, neighbours)[0]
+
+
+def nearest_seeds(problem: Problem, hardware: Hardware, shapes: Iterable[tuple[str, int, int, int]],
+                  configs: Callable[[Sequence[str]], list[Known]], *, neighbours: int = NEIGHBOURS,
+                  batch: int = 2 * NEIGHBOURS) -> tuple[Seed, ...]:
+    """`seeds` from a store that holds many tuned problems: ``shapes`` are their (key, m, k, n), and
+    ``configs(keys)`` reads the configs of those problems; they are read nearest first, ``batch`` problems at
+    a time, until ``neighbours`` of them fit (the same seeds as `seeds` over every config)."""
+    order, known, found = nearest_keys(problem, shapes), [], ()
+    for start in range(0, len(order), batch):
+        known += configs(order[start:start + batch])
+        found, counted = _seeds(problem, hardware, known, neighbours)
+        if counted >= neighbours:
+            break
+    return found
+
+
+def _seeds(problem: Problem, hardware: Hardware, known: Iterable[Known], neighbours: int,
+           ) -> tuple[tuple[Seed, ...], int]:
+    """`seeds`, and how many neighbours gave them."""
     family = (problem.collective, problem.dtype, problem.axis_size)
     space, hardware_key = set(candidates(problem)), hardware.identity().key
     near = sorted((k for k in known if k.config.hardware.identity().key == hardware_key
@@ -90,7 +123,7 @@ def seeds(problem: Problem, hardware: Hardware, known: Iterable[Known], *, neigh
                 study_id=k.study_id if k.source == "study" else None, ratio=ratio, distance=distance))
         if len(counted) >= neighbours:
             break
-    return tuple(found.values())
+    return tuple(found.values()), len(counted)
 
 
 def _explicit(config: Decomposition, problem: Problem) -> Decomposition:

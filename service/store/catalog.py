@@ -126,13 +126,23 @@ class Catalog:
         found = self._tuned(problems.c.key == problem.key, hardware_t.c.key == hardware.identity().key)
         return max(reversed(found), key=lambda row: row.config.tuned_at) if found else None
 
-    def neighbours(self, problem: Problem, hardware: Hardware) -> list[Known]:
-        """The tuned configs on ``hardware`` of ``problem``'s collective, dtype and ring size, each with the
+    def family_shapes(self, problem: Problem, hardware: Hardware) -> list[tuple[str, int, int, int]]:
+        """The tuned problems on ``hardware`` of ``problem``'s collective, dtype and ring size, each once, as
+        (key, m, k, n): what a warm start measures distances to (`cmtune.tuner.warm.nearest_keys`), read without
+        their configs, so that a family of thousands costs a scan of four columns."""
+        query = select(problems.c.key, problems.c.m, problems.c.k, problems.c.n).distinct() \
+            .join(tuned_t, tuned_t.c.problem_id == problems.c.id) \
+            .join(hardware_t, hardware_t.c.id == tuned_t.c.hardware_id).where(*self._family(problem, hardware))
+        return [tuple(row) for row in self._tx.execute(query)]
+
+    def neighbours(self, problem: Problem, hardware: Hardware, keys: Sequence[str]) -> list[Known]:
+        """The tuned configs on ``hardware`` of the problems ``keys`` (of ``problem``'s family), each with the
         fastest ring its study's search ran (the lowest ratio, the first trial of equals): the neighbours a warm
         start chooses from (`cmtune.tuner.warm.seeds`), in one statement.  A config without a study was
         imported (a bundle)."""
-        family = (hardware_t.c.key == hardware.identity().key, problems.c.collective == problem.collective,
-                  problems.c.dtype == problem.dtype, problems.c.axis_size == problem.axis_size)
+        if not keys:
+            return []
+        family = (*self._family(problem, hardware), problems.c.key.in_(list(keys)))
         studies_of_family = select(tuned_t.c.study_id).join(problems, problems.c.id == tuned_t.c.problem_id) \
             .join(hardware_t, hardware_t.c.id == tuned_t.c.hardware_id).where(*family)
         rank = func.row_number().over(partition_by=trials.c.study_id, order_by=(trials.c.ratio, trials.c.number))
@@ -146,6 +156,11 @@ class Catalog:
         return [Known(tuned_config_of(row), decomposition_of(row.ring_id) if row.ring_id else None, row.ring_ratio,
                       source="study" if row.study_id is not None else "bundle", study_id=row.study_id)
                 for row in self._tx.execute(query)]
+
+    @staticmethod
+    def _family(problem: Problem, hardware: Hardware) -> tuple:
+        return (hardware_t.c.key == hardware.identity().key, problems.c.collective == problem.collective,
+                problems.c.dtype == problem.dtype, problems.c.axis_size == problem.axis_size)
 
     def tuned_of_studies(self, study_ids: Sequence[int]) -> dict[int, TunedConfig]:
         """The tuned configs written by these studies."""

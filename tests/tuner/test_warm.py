@@ -12,7 +12,7 @@ from cmtune.tuner.engine import Engine, study_settings
 from cmtune.tuner.errors import InvalidError
 from cmtune.tuner.search import Finished, Searcher, SearchSettings, neighbours_agree, stop_reason
 from cmtune.tuner.store import InMemoryStore
-from cmtune.tuner.warm import Known, seeds
+from cmtune.tuner.warm import Known, nearest_seeds, seeds
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.costmodel import PROFILES
@@ -81,6 +81,44 @@ def test_decompositions_that_do_not_fit_the_new_problem_are_left_out():
     found = seeds(small, HW, [misfit, fits], neighbours=1)  # the misfit does not count as a neighbour
     assert [(s.decomposition, s.study_id) for s in found] == [(BASELINE, 2), (RING, 2)]
     assert all(s.decomposition in candidates(small) for s in seeds(small, HW, [misfit, fits]))
+
+
+def test_seeds_read_nearest_first_in_batches_are_the_seeds_of_every_config():
+    """A store reads the shapes of a family, then the configs of the nearest few at a time (`nearest_seeds`):
+    the same seeds as `seeds` over every config, misfits, equal winners and several sources of one problem
+    included, reading no more batches than it needs."""
+    import random
+
+    rng = random.Random(0)
+    small = Problem.parse("ag:16x256x1024:float32:8")  # chunks 4 and 8 misfit here
+    eight = Decomposition(direction="unidirectional", chunks=8, unroll="full", accumulate="update_slice")
+    for target in (PROBLEM, small):
+        for trial in range(20):
+            known = []
+            for i in range(rng.randrange(0, 30)):
+                key = f"ag:{64 * rng.randrange(1, 64)}x{64 * rng.randrange(1, 8)}x1024:float32:8"
+                winner = rng.choice([BASELINE, RING, OTHER, THIRD, eight])
+                known.append(Known(tuned(key, winner, rng.choice([0.9, 1.0, 1.3])), rng.choice([None, RING, eight]),
+                                   0.8, source=rng.choice(["study", "bundle"]), study_id=i + 1))
+            shapes = {(k.config.problem.key, k.config.problem.m, k.config.problem.k, k.config.problem.n)
+                      for k in known}
+            reads = []
+
+            def configs(keys, known=known, reads=reads):
+                reads.append(list(keys))
+                return [k for k in known if k.config.problem.key in keys]
+
+            assert nearest_seeds(target, HW, shapes, configs, batch=2) == seeds(target, HW, known), trial
+            assert sum(map(len, reads)) <= len(shapes)
+    # enough fitting neighbours among the nearest: one batch is read
+    near = [Known(tuned(f"ag:{m}x256x1024:float32:8"), RING, 0.8, study_id=m) for m in (512, 2048, 4096)]
+    far = [Known(tuned(f"ag:{m}x256x1024:float32:8"), RING, 0.8, study_id=m) for m in (16, 32, 64)]
+    reads = []
+    shapes = [(k.config.problem.key, k.config.problem.m, 256, 1024) for k in near + far]
+    nearest_seeds(PROBLEM, HW, shapes, lambda keys: reads.append(keys) or [k for k in near + far
+                                                                             if k.config.problem.key in keys],
+                  batch=3)
+    assert [set(r) for r in reads] == [{k.config.problem.key for k in near}]
 
 
 def test_a_bundles_implicit_accumulate_is_spelt_out_as_the_candidates_are():
