@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import gc
 import itertools
 import os
@@ -184,9 +185,10 @@ def lease_load(url: str, token: str, seconds: float, workers: int = 32, active: 
     Each worker is one keep-alive connection with its own credential, sending what the worker
     daemon sends (the wire types' JSON): a result that also leases the worker's next trial
     (``lease_next``), or with ``lease_next=False`` a lease request and a result per cycle.
-    Steady state: a submitter keeps ``active`` studies open by creating new ones (default sampler
-    and budget) as others complete, so every proposal the engine makes is made inside the run, and
-    only cycles after ``warmup`` seconds count.
+    Steady state: a submitter keeps ``active`` studies open by creating new ones (default sampler,
+    budget and warm start: a study of a shape near those tuned before stops after a few trials) as
+    others complete, so every proposal the engine makes is made inside the run, and only cycles
+    after ``warmup`` seconds count.
     """
     return asyncio.run(_lease_load(url, token, seconds, workers, active, warmup, lease_next))
 
@@ -236,27 +238,39 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
         counts["studies"] += time.perf_counter() >= counting_from
 
     async def submitter() -> None:
-        """Keeps ``active`` studies open: counts them four times a second (one request per open state, at
-        once) and creates the missing ones, up to 16 at a time (each request waits its turn behind the
-        workers': a submitter one request at a time fell behind, to a third of ``active`` open)."""
+        """Keeps ``active`` studies open.  With warm start a study stops after a few trials (its seeds agree
+        with its neighbours), so studies end dozens of times a second: 16 connections each create a study
+        whenever the open ones, counted ten times a second (one request per open state, at once) plus those
+        created since, fall short, with no pause between them (a submitter that counted, then created a
+        batch, fell behind to a third of ``active`` and left workers without trials)."""
         clients = [Http(url, headers) for _ in range(16)]
         counters = [Http(url, headers) for _ in range(3)]
-
-        async def submit(n: int) -> None:
-            for start in range(0, n, len(clients)):
-                await asyncio.gather(*(submit_one(c) for c in clients[:min(len(clients), n - start)]))
+        estimate = {"open": 0, "created": 0}
 
         async def count(client: Http, state: str) -> int:
             _, payload = await client.request("GET", f"/v1/studies?state={state}&limit=1")
             return StudyPage.model_validate_json(payload).total
 
-        await submit(active)
-        while time.perf_counter() < deadline:
-            open_studies = sum(await asyncio.gather(*(count(c, s) for c, s in zip(
-                counters, ("pending", "running", "confirming"), strict=True))))
-            opened.append(open_studies)
-            await submit(max(0, active - open_studies))
-            await asyncio.sleep(0.25)
+        async def counting() -> None:
+            while time.perf_counter() < deadline:
+                created_before = estimate["created"]
+                open_studies = sum(await asyncio.gather(*(count(c, s) for c, s in zip(
+                    counters, ("pending", "running", "confirming"), strict=True))))
+                opened.append(open_studies)
+                estimate["open"], estimate["created"] = open_studies, estimate["created"] - created_before
+                await asyncio.sleep(0.1)
+
+        async def creating(client: Http) -> None:
+            while time.perf_counter() < deadline:
+                if estimate["open"] + estimate["created"] >= active:
+                    await asyncio.sleep(0.01)
+                    continue
+                estimate["created"] += 1
+                await submit_one(client)
+
+        await asyncio.gather(*(submit_one(c) for c in clients))  # the first studies before the workers start
+        estimate["created"] = len(clients)
+        await asyncio.gather(counting(), *(creating(c) for c in clients))
         for client in clients + counters:
             client.close()
 
@@ -397,6 +411,33 @@ def bucket_quantile(before: dict, after: dict, q: float) -> float:
     return next(b for b, c in counts.items() if c >= q * total)
 
 
+# the lease cycle's goals (docs/benchmarks.md): a row of this backend and process count must reach this median rate,
+# with no failed request and no duplicate lease
+LEASE_GOALS = {"postgresql, 2 processes": 200.0, "sqlite, 1 process": 130.0}
+
+
+def lease_goal(result: dict) -> str | None:
+    """One line saying whether a lease row met its goal (None for a row without one): the regression guard."""
+    goal, rounds = LEASE_GOALS.get(result["backend"]), result["lease"]
+    if goal is None or not rounds:
+        return None
+    rate = statistics.median(x["cycles_per_s"] for x in rounds)
+    failed, duplicates = sum(x["failures"] for x in rounds), sum(x["duplicates"] for x in rounds)
+    held = rate >= goal and failed == 0 and duplicates == 0
+    return (f"lease goal {'held' if held else 'NOT HELD'} on {result['backend']}: {rate:.1f} cycles/s "
+            f"(goal {goal:.0f}), {failed} failed, {duplicates} duplicate leases")
+
+
+def commit() -> str:
+    """The checked-out commit, ``+`` if the working tree has changes: each row of docs/benchmarks.md names it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+" if git("status", "--porcelain", "--", ".") else "")
+
+
 def _spread(values: list[float], fmt: str) -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
@@ -426,8 +467,8 @@ def main() -> None:
                for name, url in backends
                for workers in args.workers]
     client = cached_client_lookup()
-    print(f"{os.cpu_count()} CPUs, {args.seconds:.0f} s per round, 3 rounds, 64 connections; "
-          "median of rounds (min-max)\n")
+    print(f"{dt.date.today()}, commit {commit()}, {os.cpu_count()} CPUs, {args.seconds:.0f} s per round, 3 rounds, "
+          "64 connections; median of rounds (min-max)\n")
     print("| backend | load | look-ups/s | p50 | p99 | p99 inside the service | errors |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
@@ -454,6 +495,9 @@ def main() -> None:
               f"| {total['empty']} | {total['failures']} | {total['duplicates']} "
               f"| {_spread([x['lease_p50_ms'] for x in rounds], '{:.0f} ms')} "
               f"| {_spread([x['result_p50_ms'] for x in rounds], '{:.0f} ms')} |")
+    for r in results:
+        if (verdict := lease_goal(r)) is not None:
+            print(f"\n{verdict}")
     asks = ask_cost()
     print("\none engine ask (median of 50): " + ", ".join(f"{k} {v:.2f} ms" for k, v in asks.items()))
     print(f"\ncached `Tuned.lookup`: {client['median_us']:.2f} µs median of 7 rounds "
