@@ -29,12 +29,27 @@ def main() -> None:
     app(prog_name="cmtune")
 
 
+VERBOSE = typer.Option("--verbose", "-v", help="log everything, the full validation errors of a bad file included")
+
+
+@app.callback()
+def _root(verbose: Annotated[bool, VERBOSE] = False) -> None:
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+
+
 @app.command()
 def demo(
     keep_serving: Annotated[bool, typer.Option(help="leave the service (and worker) up afterwards")] = False,
     model: Annotated[str, typer.Option(help="the preset to tune and measure")] = "demo",
     trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 4,
     repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per trial")] = 5,
+    step_rounds: Annotated[int, typer.Option(
+        min=0, help="rounds of the step search, the seeds' included, before the grading (0 or 1: one round of the "
+                    "standard menu)")] = 2,
+    step_repeats: Annotated[int, typer.Option(min=3, help="interleaved rounds of each step measurement")] = 5,
     ablation: Annotated[bool, typer.Option(help="also time each role set back to the baseline (slower)")] = False,
     port: Annotated[int | None, typer.Option(help="service port (default: a free one)")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="where the demo puts its SQLite file (default: temp)")] = None,
@@ -46,7 +61,8 @@ def demo(
 
     directory = Path(data_dir or tempfile.mkdtemp(prefix="cmtune-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
-    run_demo(directory, model=model, trials=trials, repeats=repeats, ablation=ablation, port=port,
+    run_demo(directory, model=model, trials=trials, repeats=repeats, step_rounds=step_rounds,
+             step_repeats=step_repeats, ablation=ablation, port=port,
              keep_serving=keep_serving, console=console)
 
 

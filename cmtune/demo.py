@@ -35,6 +35,7 @@ from collective_matmul.wire import (
     StudyCreated,
     StudyPage,
     SubmissionPublic,
+    TrialPublic,
 )
 
 DEVICES, PROCESSES = 8, 2
@@ -51,8 +52,11 @@ def make_tokens(database_url: str) -> dict[str, str]:
     return tokens
 
 
-def run_demo(directory: Path, *, model: str, trials: int, repeats: int, ablation: bool, port: int | None,
-             keep_serving: bool, console: Console) -> None:
+def run_demo(directory: Path, *, model: str, trials: int, repeats: int, step_rounds: int, step_repeats: int,
+             ablation: bool, port: int | None, keep_serving: bool, console: Console) -> None:
+    """Serve, work, submit ``model`` and print its tables.  The step search's budget (``step_rounds`` rounds of
+    ``step_repeats`` interleaved runs each, then the grading) is what fits a first run on two cores: the
+    seeds' round and one round of changes, about a minute and a half of the demo's four."""
     signal.signal(signal.SIGTERM, _interrupt)
     url = f"sqlite:///{directory / 'cmtune.sqlite'}"
     tokens = make_tokens(url)
@@ -74,7 +78,7 @@ def run_demo(directory: Path, *, model: str, trials: int, repeats: int, ablation
                     hardware=HardwareIn(platform="cpu", device_kind="cpu", device_count=DEVICES,
                                         process_count=PROCESSES),
                     budget=Budget(trials=trials), repeats=repeats, confirm_top=2,
-                    step=StepOptions(ablation=ablation, repeats=max(repeats, 7)))
+                    step=StepOptions(ablation=ablation, repeats=step_repeats, search_rounds=step_rounds))
                 response = api.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True))
                 response.raise_for_status()
                 created = StudyCreated.model_validate(response.json())
@@ -85,7 +89,8 @@ def run_demo(directory: Path, *, model: str, trials: int, repeats: int, ablation
                 sub = SubmissionPublic.model_validate(api.get(f"/v1/submissions/{created.submission_id}").json())
                 console.print(_ops_table(sub))
                 console.print(_step_table(sub))
-            console.print(f"done in {time.monotonic() - started:.0f} s")
+                spent = _where_the_time_went(api)
+            console.print(f"done in {time.monotonic() - started:.0f} s: {spent}")
             console.print(f"dashboard: {server.url}/ui/submissions/{created.submission_id}#token={tokens['reader']}")
             console.print(f"API docs:  {server.url}/docs")
             if keep_serving:
@@ -192,6 +197,35 @@ def _step_table(sub: SubmissionPublic) -> Table:
     lines += [f"{o.role}: {o.reason}" for o in sub.overrides]
     table.caption = "; ".join(lines[:2]) + ("\n" + "\n".join(lines[2:]) if lines[2:] else "")
     return table
+
+
+def _where_the_time_went(api: httpx.Client) -> str:
+    """The demo's wall time by phase, from the service's own timestamps: the op-level studies (from the
+    submission to the last one's end), each round of the step search, and the grading."""
+    studies = StudyPage.model_validate(api.get("/v1/studies", params={"limit": 500}).json()).items
+    search = [s for s in studies if s.kind == "search"]
+    step = next((s for s in studies if s.kind == "step"), None)
+    if not search or step is None:
+        return "nothing measured"
+    submitted = min(s.created_at for s in studies)
+    ops_end = max(s.finished_at or submitted for s in search)
+    trials = sum(s.trials_done for s in search)
+    parts = [f"op studies {(ops_end - submitted).total_seconds():.0f} s ({len(search)} studies, {trials} trials)"]
+    rounds = [TrialPublic.model_validate(t) for t in api.get(f"/v1/studies/{step.id}/trials").json()]
+    previous = ops_end
+    spans = []
+    for trial in rounds:
+        if trial.finished_at is None:
+            continue
+        spans.append((trial.finished_at - max(previous, trial.created_at)).total_seconds())
+        previous = trial.finished_at
+    if len(spans) > 1:  # the last trial of a search is its grading
+        parts.append(f"step search {sum(spans[:-1]):.0f} s ({len(spans) - 1} rounds: "
+                     f"{', '.join(f'{t:.0f}' for t in spans[:-1])} s)")
+        parts.append(f"grading {spans[-1]:.0f} s")
+    elif spans:
+        parts.append(f"step measurement {spans[0]:.0f} s")
+    return ", ".join(parts)
 
 
 def _paired(variant, reference) -> str:

@@ -53,6 +53,7 @@ from collective_matmul.wire import (
 )
 
 EXIT_CRASHED = 70  # the daemon failed outside any trial's protocol (its supervisor restarts it)
+SIGNAL_ECHO_S = 1.0  # a signal this soon after the first is the same one, passed on by a launcher
 
 log = logging.getLogger("cmtune.worker")
 
@@ -112,12 +113,19 @@ class WorkerDaemon:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
+        first: list[float] = []
+
         def on_signal(signum, _frame):
-            if self.state.stop.is_set():
+            # A signal to the whole process group (Ctrl-C in a terminal, `kill -- -PGID`) reaches a process of a
+            # group twice: from the sender and passed on by its launcher.  Only a second signal a while after
+            # the first means "now": an interrupt inside a collective would leave the others waiting in it.
+            if first and time.monotonic() - first[0] > SIGNAL_ECHO_S:
                 log.warning("second %s: giving the current trial back now", signal.Signals(signum).name)
                 self.state.abort.set()
                 raise KeyboardInterrupt
-            log.info("%s: finishing the current trial, then leaving", signal.Signals(signum).name)
+            if not first:
+                first.append(time.monotonic())
+                log.info("%s: finishing the current trial, then leaving", signal.Signals(signum).name)
             self.state.stop.set()
 
         signal.signal(signal.SIGTERM, on_signal)

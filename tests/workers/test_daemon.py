@@ -164,7 +164,7 @@ def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
         [sys.executable, "-m", "cmtune", "demo", "--model", "tiny", "--trials", "2", "--repeats", "3",
          "--keep-serving", "--data-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
+        env=os.environ | {"PYTHONUNBUFFERED": "1"})
     lines = []
     try:
         deadline = time.monotonic() + 600
@@ -190,3 +190,27 @@ def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/healthz", timeout=2)
     assert "demo-worker" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_a_signal_passed_on_by_a_launcher_is_not_a_second_signal(monkeypatch):
+    """A signal to a worker group's process group reaches each process twice at once (from the sender and
+    from its launcher): the daemon finishes its trial; only a second signal a while later gives it back now."""
+    from cmtune.workers import daemon
+
+    worker = daemon.WorkerDaemon("http://127.0.0.1:9", None)
+    clock = [100.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: clock[0])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        worker.install_signal_handlers()
+        signal.raise_signal(signal.SIGTERM)
+        clock[0] += 0.05
+        signal.raise_signal(signal.SIGTERM)  # the launcher's echo of the same stop
+        assert worker.state.stop.is_set() and not worker.state.abort.is_set()
+        clock[0] += 5
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # a user who means it
+        assert worker.state.abort.is_set()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
