@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from collective_matmul import bounds as _bounds
 from collective_matmul.decomposition import Decomposition, OpConfigs
@@ -15,6 +16,7 @@ from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
 from collective_matmul.problem import Hardware, Problem, Software, Version, log_distance
 from collective_matmul.text import label, message
 
+log = logging.getLogger(__name__)
 BUNDLE_FORMAT = "cmtune.bundle"
 BUNDLE_VERSION = 3  # 2 adds per-model, per-role overrides; 3 the software stack of each; versions 1 and 2 still load
 
@@ -245,6 +247,21 @@ class Bundle(BaseModel):
         text = Path(path).read_text()
         try:
             return cls.model_validate_json(text)
-        except ValueError as exc:
-            raise ValueError(f"{path}: not a cmtune bundle (format {BUNDLE_FORMAT!r}, version 1 to "
-                             f"{BUNDLE_VERSION}): {exc}") from None
+        except ValidationError as exc:
+            raise BundleError(path, exc) from None
+
+
+class BundleError(ValueError):
+    """A file that is not a bundle of a supported version: one line that says so (the path, what was expected,
+    the first thing wrong); every validation error in ``details`` (logged at DEBUG, `cmtune --verbose`)."""
+
+    def __init__(self, path: str | Path, error: ValidationError):
+        self.path, self.details = str(path), str(error)
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the file"
+        problem = first["msg"] if first["type"] == "json_invalid" else f"{where}: {first['msg']}"
+        more = error.error_count() - 1
+        super().__init__(f"{path}: not a cmtune bundle ({problem}{f'; {more} more' if more else ''}); expected "
+                         f"the JSON that cmtune tune --out writes, format {BUNDLE_FORMAT!r}, version 1 to "
+                         f"{BUNDLE_VERSION}")
+        log.debug("%s: %s", path, self.details)

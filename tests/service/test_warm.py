@@ -92,7 +92,7 @@ def test_cmtune_submit_and_status_show_where_the_seeds_came_from(tmp_path):
             pass
 
         def cmtune(*args):
-            env = os.environ | {"CMTUNE_TOKEN": tok["admin"], "COLUMNS": "250"}
+            env = os.environ | {"CMTUNE_TOKEN": tok["admin"]}
             run = subprocess.run([sys.executable, "-m", "cmtune", *args, "--server", server.url],
                                  cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
             assert run.returncode == 0, run.stdout + run.stderr

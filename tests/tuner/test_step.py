@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -28,6 +26,7 @@ from collective_matmul import (
 )
 from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol
+from tests.cli import cmtune, flat, says
 
 ROOT = Path(__file__).resolve().parents[2]
 D = Decomposition.from_id
@@ -190,14 +189,6 @@ def test_step_layout_rejects_what_does_not_fit():
 # ---- cmtune verify -------------------------------------------------------------------------
 
 
-def cmtune(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "cmtune", *args], cwd=ROOT, text=True, capture_output=True,
-                          timeout=timeout)
-
-
-def flat(text: str) -> str:
-    """Rich output as one line of words (tables wrap and box their cells)."""
-    return " ".join(text.replace("│", " ").replace("┃", " ").split())
 
 
 @pytest.fixture
@@ -278,7 +269,7 @@ def test_verify_decide_searches_the_block_and_writes_its_overrides(files, tmp_pa
 def test_verify_rejects_bad_input_with_a_useful_message(args, message):
     run = cmtune("verify", *args, timeout=120)
     assert run.returncode != 0
-    assert message in flat(run.stdout + run.stderr)
+    assert says(run, message)
 
 
 @pytest.mark.slow

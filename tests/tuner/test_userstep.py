@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from collective_matmul.bundle import RoleOverride
 from collective_matmul.models import slot_problems
 from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol, StepMeasurement
+from tests.cli import cmtune, flat, says
 from tests.steps import gspmd_mlp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,13 +28,6 @@ RING_HW = Hardware(platform="cpu", device_kind="cpu", device_count=4, process_co
 STEPS = ROOT / "tests" / "steps"
 
 
-def cmtune(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "cmtune", *args], cwd=ROOT, text=True, capture_output=True,
-                          timeout=timeout)
-
-
-def flat(text: str) -> str:
-    return " ".join(text.replace("│", " ").replace("┃", " ").split())
 
 
 def test_a_spec_names_a_file_or_a_module_and_a_function():
@@ -143,7 +136,7 @@ def test_problems_of_a_step_and_the_errors_of_bad_specs():
                            "give processes:PxD"),
                           (["--step", "tests.steps.gspmd_mlp:mlp_step", "--model", "tiny"], "leave out --model")]:
         run = cmtune("problems", *args, timeout=300)
-        assert run.returncode != 0 and message in flat(run.stdout + run.stderr), run.stdout + run.stderr
+        assert run.returncode != 0 and says(run, message), run.stdout + run.stderr
 
 
 def test_tune_a_step_then_the_drop_in_finds_its_configs_exactly(tmp_path):
