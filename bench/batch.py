@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
-    from cmtune.service.launcher import running_server
+    from cmtune.launcher import running_server
     from collective_matmul.wire import ConfigQueryBatch
 
     size = args.size or ConfigQueryBatch.model_fields["queries"].metadata[0].max_length

@@ -39,7 +39,7 @@ PROBLEMS = [
 
 def run_mode(args) -> None:
     """Run the sweep in this process (or as one process of a launched group)."""
-    from cmtune.tuner.cluster import ClusterSpec, join
+    from cmtune.workers.cluster import ClusterSpec, join
 
     cluster = ClusterSpec.from_env()
     if cluster is not None:
@@ -50,8 +50,8 @@ def run_mode(args) -> None:
         jax.config.update("jax_num_cpu_devices", 8)
     import jax
 
-    from cmtune.tuner.measure import Protocol, Session
-    from cmtune.tuner.sweep import sweep
+    from cmtune.workers.measure import Protocol, Session
+    from cmtune.workers.sweep import sweep
     from collective_matmul import Problem
 
     protocol = Protocol(repeats=args.repeats, warmup=args.warmup)
@@ -72,8 +72,8 @@ def run_mode(args) -> None:
 
 
 def summarize(path: Path, mode: str) -> str:
-    from cmtune.tuner.measure import Measurement
-    from cmtune.tuner.report import bounds_of
+    from cmtune.report import bounds_of
+    from cmtune.workers.measure import Measurement
     from collective_matmul.bounds import verdict
     from collective_matmul.wire import BoundsMeasurement
 
@@ -146,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.run_here:
         return run_mode(args)
-    from cmtune.tuner.cluster import launch
+    from cmtune.workers.cluster import launch
 
     modes = ["virtual:8", "processes:2"] if args.devices == "both" else [args.devices]
     summary = []

@@ -61,7 +61,7 @@ TOLERANCE = 0.03
 
 
 class Replay:
-    """A runner that answers every trial from recorded measurements (`cmtune.tuner.local.Runner`)."""
+    """A runner that answers every trial from recorded measurements (`cmtune.workers.runner.Runner`)."""
 
     def __init__(self, recorded):
         self.recorded = recorded  # problem key -> decomposition -> Measurement
@@ -72,7 +72,7 @@ class Replay:
 
 def replayed(recorded, problem, hardware, settings):
     """One study of ``problem`` to its end over the recorded measurements (the engine, an in-memory store)."""
-    from cmtune.tuner.local import LocalTuner
+    from cmtune.workers.local import LocalTuner
     from collective_matmul.wire import Protocol
 
     return LocalTuner(Replay(recorded)).tune(problem, hardware, settings, Protocol(repeats=1))
@@ -128,7 +128,7 @@ def record(specs, args):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from cmtune.tuner.sweep import sweep
+    from cmtune.workers.sweep import sweep
     from collective_matmul.wire import Protocol
 
     recorded, sweep_s = {}, {}
@@ -239,8 +239,8 @@ def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:
     studies before it (warm, with the stop ``rule``'s settings) or not (cold); the trials each spent and what it
     chose."""
     from cmtune.tuner.engine import study_settings
-    from cmtune.tuner.local import LocalTuner
     from cmtune.tuner.warm import seeds
+    from cmtune.workers.local import LocalTuner
     from collective_matmul.wire import Protocol
 
     out = {}
@@ -259,7 +259,7 @@ def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:
 
 def live(problem, outcome, args) -> dict:
     """The tuned study's confirmation set timed again on the devices (15 interleaved runs): what a user gets."""
-    from cmtune.tuner.local import LocalRunner
+    from cmtune.workers.runner import LocalRunner
     from collective_matmul.wire import Protocol, TrialKind, TrialTask
 
     contenders = [c for c in outcome.trials if c.kind == TrialKind.CONFIRM]

@@ -372,7 +372,7 @@ def cached_client_lookup() -> dict:
 
 def run_backend(name: str, url: str, seconds: float, workers: int, only: str | None = None,
                 lease_workers: int = 32, lease_next: bool = True) -> dict:
-    from cmtune.service.launcher import running_server
+    from cmtune.launcher import running_server
 
     token = prepare(url)
     with running_server(database_url=url, extra_env={"CMTUNE_CONFIG_CACHE_SECONDS": "2"},

@@ -86,7 +86,7 @@ def run_on(devices: str, argv: list[str], *, echo: bool = False) -> None:
     (virtual:N, its output shown)."""
     kind, _, count = devices.partition(":")
     if kind == "processes":
-        from cmtune.tuner.cluster import launch
+        from cmtune.workers.cluster import launch
 
         launch(int(count), argv, local_devices=8 // int(count), cwd=ROOT, timeout_s=3600, echo_first=echo)
     else:
@@ -95,7 +95,7 @@ def run_on(devices: str, argv: list[str], *, echo: bool = False) -> None:
 
 def join_devices() -> None:
     """In a process `run_on` started: join its group, or take its virtual devices."""
-    from cmtune.tuner.cluster import ClusterSpec, DeviceSpec, configure
+    from cmtune.workers.cluster import ClusterSpec, DeviceSpec, configure
 
     configure(DeviceSpec("virtual", int(os.environ.get("CMTUNE_VIRTUAL", "8"))) if ClusterSpec.from_env() is None
               else DeviceSpec("auto"))
@@ -106,7 +106,7 @@ def block_session(block, repeats: int):
     timing it in ``repeats`` interleaved rounds."""
     import jax
 
-    from cmtune.tuner.step import StepSession, step_layout
+    from cmtune.workers.step import StepSession, step_layout
     from collective_matmul.models import MeshSpec
     from collective_matmul.wire import Protocol
 
@@ -123,16 +123,16 @@ def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, se
 
 def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int, per_round: int) -> None:
     """One process of the step measurement (every process of a group runs this, SPMD: process 0 holds the
-    search and shares each round, `cmtune.tuner.step.search_step`)."""
-    from cmtune.tuner.cluster import Group
+    search and shares each round, `cmtune.workers.step.search_step`)."""
+    from cmtune.workers.cluster import Group
 
     join_devices()
     import jax
 
-    from cmtune.tuner.step import fixed_sources, search_step
-    from cmtune.tuner.step_commands import _measured
+    from cmtune.steps import measured_configs
     from cmtune.tuner.stepsearch import SearchSpace, StepSearch
     from cmtune.tuner.variants import cost_model_configs, ring_everywhere, ring_fill
+    from cmtune.workers.step import fixed_sources, search_step
     from collective_matmul import Bundle, OpConfigs, Tuned, configs_per_role, ring_hardware
     from collective_matmul.models import MeshSpec, TransformerBlock, role_problems
     from collective_matmul.wire import StepRound
@@ -147,8 +147,8 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
     search = None
     if group.leader:
         history = Bundle.load(bundle).configs
-        search = StepSearch(SearchSpace.of(op_tuned, problems, hardware, measured=lambda p: _measured(history, p)),
-                            rounds=rounds, per_round=per_round, model=block.name)
+        space = SearchSpace.of(op_tuned, problems, hardware, measured=lambda p: measured_configs(history, p))
+        search = StepSearch(space, rounds=rounds, per_round=per_round, model=block.name)
     started = time.monotonic()
     grading, searched = search_step(search, lambda variants: session.measure(fixed_sources(variants)), group=group,
                                     say=lambda line: print(line, flush=True))

@@ -10,7 +10,7 @@ number of edits ``+<role>.<slot>=<what>``: ``<role>`` one of the block's roles o
 ``<slot>`` ``forward``, ``grad_input`` or ``grad_weight``, ``<what>`` ``baseline`` (the fused baseline
 for a weight gradient), ``ring`` (the fixed ring) or another recorded variant's name (that slot as
 it runs it).  The step as written is the reference; the variants are timed in interleaved rounds,
-each in its own order, slowest process per run (`cmtune.tuner.step.StepSession`), as bench/step.py
+each in its own order, slowest process per run (`cmtune.workers.step.StepSession`), as bench/step.py
 times them.
 
 Prints one line per variant: its time over the step as written, and over the first variant
@@ -87,8 +87,8 @@ def worker(args) -> None:
     join_devices()
     import jax
 
-    from cmtune.tuner.step import fixed_sources
     from cmtune.tuner.stepsearch import faster
+    from cmtune.workers.step import fixed_sources
     from collective_matmul.models import TransformerBlock
 
     record = json.loads(Path(args.record).read_text())

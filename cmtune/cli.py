@@ -1,35 +1,29 @@
-"""The `cmtune` command: every part's subcommands under one root, plus the API clients and the demo.
+"""The `cmtune` command: one root over the command groups, one module each.
 
-Each part keeps its commands beside its code: `cmtune.tuner.cli` (tune, bench, problems),
-`cmtune.workers.cli` (worker), `cmtune.service.cli` (serve, token, db), and what they share in
-`cmtune.tuner.cli_common` (the console, the server and token options).  `submit` and `status`
-are clients of the REST API and need neither the service nor JAX.  This module is the only one
-that imports every part.
+`cmtune.tuning` (tune, bench, problems, verify on local devices; their `--step` paths in
+`cmtune.steps`), `cmtune.worker` (worker), `cmtune.serving` (serve, token, db), `cmtune.submit`
+(submit, status: clients of the REST API, needing neither the service nor JAX) and `cmtune.demo`;
+what they share is in `cmtune.common` (the console, the server and token options).  Each group's
+module imports only Typer and `cmtune.common` at its top, so `cmtune --help` runs on every host.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cmtune.service.cli import app as service_app
-from cmtune.tuner.cli import app as tuner_app
-from cmtune.tuner.cli_common import SERVER, TOKEN_FILE, console, problems_from_options, read_token_file
-from cmtune.workers.cli import app as workers_app
+from cmtune import demo, serving, submit, tuning, worker
 
 app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True)
-app.add_typer(tuner_app)
-app.add_typer(workers_app)
-app.add_typer(service_app)
+for group in (demo, submit, tuning, worker, serving):
+    app.add_typer(group.app)
+
+VERBOSE = typer.Option("--verbose", "-v", help="log everything, the full validation errors of a bad file included")
 
 
 def main() -> None:
     app(prog_name="cmtune")
-
-
-VERBOSE = typer.Option("--verbose", "-v", help="log everything, the full validation errors of a bad file included")
 
 
 @app.callback()
@@ -38,242 +32,3 @@ def _root(verbose: Annotated[bool, VERBOSE] = False) -> None:
         import logging
 
         logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
-
-
-@app.command()
-def demo(
-    keep_serving: Annotated[bool, typer.Option(help="leave the service (and worker) up afterwards")] = False,
-    model: Annotated[str, typer.Option(help="the preset to tune and measure")] = "demo",
-    trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 4,
-    repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per trial")] = 5,
-    step_rounds: Annotated[int, typer.Option(
-        min=0, help="rounds of the step search, the seeds' included, before the grading (0 or 1: one round of the "
-                    "standard menu)")] = 2,
-    step_repeats: Annotated[int, typer.Option(min=3, help="interleaved rounds of each step measurement")] = 5,
-    ablation: Annotated[bool, typer.Option(help="also time each role set back to the baseline (slower)")] = False,
-    port: Annotated[int | None, typer.Option(help="service port (default: a free one)")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="where the demo puts its SQLite file (default: temp)")] = None,
-) -> None:
-    """The end-to-end demo: the service and a 2-process worker tune a model, then time its whole step."""
-    import tempfile
-
-    from cmtune.demo import run_demo
-
-    directory = Path(data_dir or tempfile.mkdtemp(prefix="cmtune-demo-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    run_demo(directory, model=model, trials=trials, repeats=repeats, step_rounds=step_rounds,
-             step_repeats=step_repeats, ablation=ablation, port=port,
-             keep_serving=keep_serving, console=console)
-
-
-def _api(server: str, token: str | None, token_file: Path | None = None):
-    import httpx
-
-    token = token or read_token_file(token_file)
-    return httpx.Client(base_url=server.rstrip("/"), timeout=30,
-                        headers={"Authorization": f"Bearer {token}"} if token else {})
-
-
-def _check(response) -> dict | list:
-    if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        if isinstance(detail, list):  # a 422: what to fix, field by field
-            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
-        console.print(f"[red]{response.status_code}: {detail}[/red]")
-        raise typer.Exit(1)
-    return response.json()
-
-
-@app.command()
-def submit(
-    server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
-    token: Annotated[str | None, typer.Option(
-        envvar="CMTUNE_TOKEN", help="an admin token (CMTUNE_TOKEN keeps it out of ps)")] = None,
-    token_file: Annotated[Path | None, TOKEN_FILE] = None,
-    problem: Annotated[list[str] | None, typer.Option(help="problem spec (repeatable)")] = None,
-    model: Annotated[str | None, typer.Option(help="preset name or JSON file (with --mesh)")] = None,
-    mesh: Annotated[str | None, typer.Option(help="e.g. data=1,model=8")] = None,
-    tensor_axis: Annotated[str | None, typer.Option()] = None,
-    platform: Annotated[str | None, typer.Option(
-        help="hardware to tune on (default cpu; with --step, the platform of the step's ring here)")] = None,
-    device_kind: Annotated[str | None, typer.Option(help="(default cpu; with --step, the ring's)")] = None,
-    process_count: Annotated[int | None, typer.Option(
-        min=1, help="processes one ring spans (default 1; with --step, the ring's)")] = None,
-    trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
-    force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
-    warm_start: Annotated[bool, typer.Option(
-        help="seed each new study with the winners and best rings of the nearest problems tuned on the "
-             "hardware")] = True,
-    step: Annotated[str | None, typer.Option(
-        help="a step spec, path/to/file.py:NAME or package.module:NAME: discover your step's problems here "
-             "(needs JAX) and send them with their roles; the service never runs your code")] = None,
-    name: Annotated[str | None, typer.Option(help="with --step: the name to submit it under (default: NAME)")] = None,
-    devices: Annotated[str, typer.Option(help="with --step: virtual:N or processes:PxD (default virtual:8)")] = "auto",
-) -> None:
-    """Submit problems, a model + mesh, or your own step's problems, to a running service."""
-    from collective_matmul import MeshSpec, TransformerBlock
-    from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate
-
-    if step is not None:
-        if problem or model or mesh:
-            raise typer.BadParameter("--step sends your step's own problems: leave out --problem, --model, --mesh")
-        from cmtune.tuner import step_commands
-
-        if step_commands.prepare(devices) is None:
-            return
-        found, ring = step_commands.discovered_body(step, name)
-        if found is None:  # a process other than 0 of a group
-            return
-        hardware = HardwareIn(platform=platform or ring.platform, device_kind=device_kind or ring.device_kind,
-                              device_count=ring.device_count, process_count=process_count or ring.process_count)
-        bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force,
-                              warm_start=warm_start)]
-        return _post(server, token, token_file, bodies)
-    def on(device_count: int) -> dict:
-        hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
-                              device_count=device_count, process_count=process_count or 1)
-        return dict(hardware=hardware, budget=Budget(trials=trials), force=force, warm_start=warm_start)
-
-    if model and not problem:  # the service derives the model's problems (and says what does not fit)
-        if not mesh:
-            raise typer.BadParameter("--model needs --mesh, e.g. --mesh data=1,model=8")
-        try:
-            spec = MeshSpec.parse(mesh, tensor_axis)
-            # a file is read here, on the client: the API takes a preset name or an inline shape
-            shape = model if model in _presets() else TransformerBlock.load(model)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-        bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis),
-                              **on(spec.axes[spec.tensor_axis]))]
-    else:
-        bodies = [StudyCreate(problem=p, **on(p.axis_size))
-                  for p in problems_from_options(problem, model, mesh, tensor_axis)]
-    _post(server, token, token_file, bodies)
-
-
-def _post(server: str, token: str | None, token_file: Path | None, bodies) -> None:
-    from collective_matmul.wire import StudyCreated
-
-    with _api(server, token, token_file) as client:
-        for body in bodies:
-            created = StudyCreated.model_validate(_check(client.post(
-                "/v1/studies", json=body.model_dump(mode="json", exclude_none=True))))
-            for study in created.studies:
-                seeded = f", {len(study.seeds)} seeds from {_neighbours(study)}" if study.seeds else ""
-                console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials{seeded})")
-            for skip in created.skipped:
-                console.print(f"skipped {skip.problem}: {skip.reason} (study {skip.study_id})")
-            if created.joined:
-                console.print(f"joined submission {created.submission_id}: the same model, mesh and hardware is "
-                              "being measured already")
-            elif created.submission_id:
-                console.print(f"submission {created.submission_id}")
-
-
-def _presets() -> set[str]:
-    from collective_matmul import PRESETS
-
-    return set(PRESETS)
-
-
-@app.command()
-def status(
-    server: Annotated[str, SERVER] = "http://127.0.0.1:8470",
-    token: Annotated[str | None, typer.Option(
-        envvar="CMTUNE_TOKEN", help="a reader token (CMTUNE_TOKEN keeps it out of ps)")] = None,
-    token_file: Annotated[Path | None, TOKEN_FILE] = None,
-    state: Annotated[str | None, typer.Option(help="only studies in this state")] = None,
-) -> None:
-    """Studies and workers of a running service."""
-    from rich.table import Table
-
-    from collective_matmul.wire import StudyPage, SubmissionPublic, SubmissionSummary, WorkerPublic
-
-    with _api(server, token, token_file) as client:
-        studies = StudyPage.model_validate(_check(client.get("/v1/studies", params={"state": state} if state else {})))
-        workers = [WorkerPublic.model_validate(w) for w in _check(client.get("/v1/workers"))]
-        summaries = [SubmissionSummary.model_validate(s) for s in _check(client.get("/v1/submissions"))][:10]
-        models = [SubmissionPublic.model_validate(_check(client.get(f"/v1/submissions/{s.id}"))) for s in summaries]
-    table = Table(title=f"studies on {server} ({studies.total})")
-    for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned", "compute", "communication",
-                "bound", "hidden", "why", "seeded from"):
-        table.add_column(col)
-    for s in studies.items:
-        best = f"{s.best.speedup:.2f}x" if s.best else "-"
-        t = s.tuned
-        tuned = f"{s.tuned_decomposition_id} {t.speedup:.2f}x" if t else "-"
-        table.add_row(str(s.id), s.state, s.problem_key, s.hardware_key,
-                      f"{s.trials_done}/{s.trials_budget} (+{s.trials_running} running)", best, tuned,
-                      *_bounds_cells(t), _neighbours(s) or "-")
-    console.print(table)
-    reconfirming = [s for s in studies.items if s.reconfirm is not None]
-    if reconfirming:
-        console.print(_reconfirm_table(reconfirming))
-    if models:
-        console.print(_models_table(models))
-    console.print(f"workers online: {sum(w.online for w in workers)} of {len(workers)} registered")
-    stacks = sorted({str(w.software) for w in workers if w.online})
-    if stacks:
-        console.print(f"software stacks online: {'; '.join(stacks)}")
-
-
-def _reconfirm_table(studies):
-    """Configs re-confirmed on a new software stack: waiting for a worker of it, re-confirmed, or replaced."""
-    from rich.table import Table
-
-    table = Table(title="re-confirmations on a new software stack")
-    for col in ("study", "problem", "hardware", "measured on", "re-confirmed on", "stored", "outcome", "now"):
-        table.add_column(col)
-    for s in studies:
-        stored = s.reconfirm.config
-        style = {"re-confirmed": "green", "replaced": "yellow", "waiting": "dim"}.get(s.outcome, "red")
-        table.add_row(str(s.id), s.problem_key, s.hardware_key, str(stored.software), str(s.software),
-                      f"{stored.decomposition.id} {stored.speedup:.2f}x", f"[{style}]{s.outcome}[/{style}]",
-                      f"{s.tuned_decomposition_id} {s.tuned.speedup:.2f}x" if s.tuned else "-")
-    return table
-
-
-def _neighbours(study) -> str:
-    """Where a study's seeds came from: each neighbour's shape, with its study where it has one."""
-    found = {}
-    for seed in study.seeds:
-        where = f"#{seed.study_id}" if seed.study_id is not None else seed.source
-        found.setdefault(seed.neighbour, f"{seed.neighbour.split(':')[1]} ({where})")
-    return ", ".join(found.values())
-
-
-def _bounds_cells(tuned) -> list[str]:
-    """A tuned config's compute, communication, bound, hidden fraction and reason, as table cells."""
-    from cmtune.tuner.report import fmt_fraction, fmt_seconds
-
-    if tuned is None:
-        return ["-"] * 5
-    return [fmt_seconds(tuned.compute_s), fmt_seconds(tuned.communication_s), fmt_seconds(tuned.bound_s),
-            fmt_fraction(tuned.hidden_fraction), tuned.reason]
-
-
-def _models_table(models):
-    """Per submitted model: the time saved per step estimated from the ops against the step as measured."""
-    from rich.table import Table
-
-    table = Table(title="submitted models: estimated from the ops against the step as measured")
-    for col in ("submission", "model", "mesh", "hardware", "saved/step estimated", "saved/step measured",
-                "step vs as written", "step vs all-baseline", "runs"):
-        table.add_column(col)
-
-    def speed(s):
-        return f"{s.median:.2f}x ({s.low:.2f}-{s.high:.2f})" if s else "-"
-
-    for sub in models:
-        step = sub.step
-        table.add_row(
-            str(sub.id), sub.name, ",".join(f"{k}={v}" for k, v in sub.mesh["axes"].items()), sub.hardware_key,
-            f"{sub.saved_s_per_step * 1e3:.0f} ms" if sub.saved_s_per_step is not None else "-",
-            f"{step.measured_saved_s_per_step * 1e3:.0f} ms" if step and step.measured_saved_s_per_step is not None
-            else "-",
-            speed(step.vs_reference) if step else "-", speed(step.vs_baseline) if step else "-",
-            (step.variant or step.state) if step else "-")
-    return table

@@ -19,13 +19,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
 
 import httpx
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cmtune.service.launcher import running_server, stop
+from cmtune.launcher import running_server, stop
 from collective_matmul.wire import (
     Budget,
     HardwareIn,
@@ -39,6 +41,33 @@ from collective_matmul.wire import (
 )
 
 DEVICES, PROCESSES = 8, 2
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command()
+def demo(
+    keep_serving: Annotated[bool, typer.Option(help="leave the service (and worker) up afterwards")] = False,
+    model: Annotated[str, typer.Option(help="the preset to tune and measure")] = "demo",
+    trials: Annotated[int, typer.Option(min=2, help="trial budget per problem")] = 4,
+    repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per trial")] = 5,
+    step_rounds: Annotated[int, typer.Option(
+        min=0, help="rounds of the step search, the seeds' included, before the grading (0 or 1: one round of the "
+                    "standard menu)")] = 2,
+    step_repeats: Annotated[int, typer.Option(min=3, help="interleaved rounds of each step measurement")] = 5,
+    ablation: Annotated[bool, typer.Option(help="also time each role set back to the baseline (slower)")] = False,
+    port: Annotated[int | None, typer.Option(help="service port (default: a free one)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="where the demo puts its SQLite file (default: temp)")] = None,
+) -> None:
+    """The end-to-end demo: the service and a 2-process worker tune a model, then time its whole step."""
+    import tempfile
+
+    from cmtune.common import console
+
+    directory = Path(data_dir or tempfile.mkdtemp(prefix="cmtune-demo-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    run_demo(directory, model=model, trials=trials, repeats=repeats, step_rounds=step_rounds,
+             step_repeats=step_repeats, ablation=ablation, port=port,
+             keep_serving=keep_serving, console=console)
 
 
 def make_tokens(database_url: str) -> dict[str, str]:
@@ -46,7 +75,7 @@ def make_tokens(database_url: str) -> dict[str, str]:
     env = os.environ | {"CMTUNE_DATABASE_URL": database_url}
     tokens = {}
     for role in ("admin", "worker", "reader"):
-        run = subprocess.run([sys.executable, "-m", "cmtune.service", "token", "create", "--role", role,
+        run = subprocess.run([sys.executable, "-m", "cmtune", "token", "create", "--role", role,
                               "--name", f"demo-{role}"], env=env, capture_output=True, text=True, check=True)
         tokens[role] = run.stdout.strip().splitlines()[-1]
     return tokens
@@ -64,7 +93,7 @@ def run_demo(directory: Path, *, model: str, trials: int, repeats: int, step_rou
     started = time.monotonic()
     with running_server(database_url=url, port=port) as server:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "cmtune.workers", "worker", "--server", server.url, "--devices",
+            [sys.executable, "-m", "cmtune", "worker", "--server", server.url, "--devices",
              f"processes:{PROCESSES}", "--local-devices", str(DEVICES // PROCESSES), "--name", "demo-worker",
              "--restart", "--poll-seconds", "0.5", "--heartbeat-seconds", "5"],
             env=os.environ | {"CMTUNE_TOKEN": tokens["worker"]}, start_new_session=True,

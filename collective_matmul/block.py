@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul.decomposition import OpConfigs
 from collective_matmul.models import ROLES as MODEL_ROLES
 from collective_matmul.models import TransformerBlock
-from collective_matmul.ops import OPS, BatchAxis, _axes_size, _placed, is_explicit
+from collective_matmul.ops import OPS, BatchAxis, axes_size, is_explicit, placed
 
 # The collective of each role's forward (models.py derives the same problems).
 ROLE_COLLECTIVES: dict[str, str] = {
@@ -357,7 +357,7 @@ def _rmsnorm(x: jax.Array, scale: jax.Array) -> jax.Array:
 def _local(fn, y: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis) -> jax.Array:
     """Run ``fn`` on each device's ``[batch/D, seq, columns/P]`` block of ``y`` (columns sharded)."""
     spec = P(batch_axis, None, axis)
-    (y,) = _placed(mesh, (spec,), y)
+    (y,) = placed(mesh, (spec,), y)
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(y)
 
 
@@ -419,4 +419,4 @@ def _check_call(block: TransformerBlock, x, mesh: Mesh, axis: str, batch_axis: B
     if batch_axis is not None and axis in ((batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)):
         raise ValueError(f"batch_axis must differ from the tensor axis {axis!r}")
     shaped = block.model_copy(update={"seq_len": x.shape[1]})
-    check_block(shaped, tensor_size=mesh.shape[axis], batch_shards=_axes_size(mesh, batch_axis), batch=x.shape[0])
+    check_block(shaped, tensor_size=mesh.shape[axis], batch_shards=axes_size(mesh, batch_axis), batch=x.shape[0])

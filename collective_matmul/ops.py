@@ -199,7 +199,7 @@ def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
 def _run(body, x, w, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:
     x_spec, w_spec, out_spec = specs
     fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
-    return fn(*_placed(mesh, (x_spec, w_spec), x, w))
+    return fn(*placed(mesh, (x_spec, w_spec), x, w))
 
 
 def input_shardings(
@@ -227,7 +227,7 @@ def problem_of(
 
     For ``allgather_grad_weight`` pass ``(u, v)``: m is u's rows, k its width, n v's width.
     """
-    batch_shards = _axes_size(mesh, batch_axis)
+    batch_shards = axes_size(mesh, batch_axis)
     rows = math.prod(x.shape[:-1]) // batch_shards
     return Problem(
         collective=collective,
@@ -244,7 +244,7 @@ def is_explicit(mesh: Mesh) -> bool:
     return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def _placed(mesh: Mesh, specs: tuple, *arrays: jax.Array) -> tuple:
+def placed(mesh: Mesh, specs: tuple, *arrays: jax.Array) -> tuple:
     """On a mesh with Explicit axes, reshard inputs to the specs (a no-op when they match)."""
     if not is_explicit(mesh):
         return arrays
@@ -253,7 +253,7 @@ def _placed(mesh: Mesh, specs: tuple, *arrays: jax.Array) -> tuple:
     )
 
 
-def _axes_size(mesh: Mesh, axes: BatchAxis) -> int:
+def axes_size(mesh: Mesh, axes: BatchAxis) -> int:
     if axes is None:
         return 1
     names = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -286,7 +286,7 @@ def _check(x, w, mesh: Mesh, axis: str, batch_axis: BatchAxis, *, sharded, contr
         dim = (x if operand == "x" else w).shape[index]
         if dim % size:
             raise ValueError(f"{name}={dim} is not divisible by the size {size} of mesh axis {axis!r}")
-    shards = _axes_size(mesh, batch_axis)
+    shards = axes_size(mesh, batch_axis)
     if batch_axis is not None and x.ndim > 2 and x.shape[0] % shards:
         raise ValueError(f"batch dimension {x.shape[0]} is not divisible by {shards} ({batch_axis!r})")
     return _lead_spec(x.ndim - 2, batch_axis)

@@ -783,7 +783,7 @@ class TrialTask(BaseModel):
     step: StepTask | None = None
 
 
-# --- messages within a multi-process group (process 0 to the others; `cmtune.tuner.cluster.Group`) ---------
+# --- messages within a multi-process group (process 0 to the others; `cmtune.workers.cluster.Group`) ---------
 
 
 class GroupMessage(BaseModel):

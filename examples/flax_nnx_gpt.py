@@ -177,7 +177,7 @@ def main() -> None:
     import os
     import sys
 
-    from cmtune.tuner.cluster import DeviceSpec, configure, launch
+    from cmtune.workers.cluster import DeviceSpec, configure, launch
     from collective_matmul import Tuned
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

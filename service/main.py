@@ -6,13 +6,13 @@ import gc
 import sys
 import time
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from anyio import to_thread
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
-from cmtune import __version__
 from cmtune.service import errors, migrate, views
 from cmtune.service.db import Database
 from cmtune.service.deps import AppState
@@ -68,7 +68,7 @@ def create_app(settings: Settings | None = None, *, prepare: bool = True) -> Fas
         to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
         yield
 
-    app = FastAPI(title="cmtune", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="cmtune", version=version("cmtune"), description=DESCRIPTION, lifespan=lifespan)
     app.state.cmtune = state
     app.state.registry, latency = health.make_registry(state)
     errors.register(app)

@@ -1,9 +1,11 @@
 """The package structure: one namespace, imports that only point down, and a server without JAX.
 
 Layers, from the bottom: `collective_matmul` (the ops library and the wire contract) imports
-nothing of ours; `cmtune.migrations` nothing either; `cmtune.tuner` only the library;
-`cmtune.workers` the tuner and the library; `cmtune.service` the tuner, the library and the
-migrations; the root `cmtune` package (the command line and the demo) may import every part.
+nothing of ours; `cmtune.migrations` nothing either; `cmtune.tuner` (what the service runs: the
+engine, the stores, the searches) only the library, and never JAX; `cmtune.workers` (what runs on
+devices) the tuner and the library; `cmtune.service` the tuner, the library and the migrations; the
+root `cmtune` package (the command lines, the demo) may import every part.  A folder says which
+deployable runs a file: `tuner/` and `service/` the service, `workers/` a JAX host.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ALLOWED = {
     "cmtune.migrations": {"cmtune.migrations"},
     "cmtune.tuner": {"collective_matmul", "cmtune.tuner"},
     "cmtune.workers": {"collective_matmul", "cmtune.tuner", "cmtune.workers"},
-    "cmtune.service": {"collective_matmul", "cmtune.tuner", "cmtune.service", "cmtune.migrations", "cmtune"},
+    "cmtune.service": {"collective_matmul", "cmtune.tuner", "cmtune.service", "cmtune.migrations"},
     "cmtune": set(PACKAGES.values()),
 }
 OURS = ("collective_matmul", "cmtune", "service", "tuner", "workers", "migrations")
@@ -55,10 +57,18 @@ def test_imports_point_down_and_use_the_namespace(folder):
             assert first in ("collective_matmul", "cmtune"), (
                 f"{path.relative_to(ROOT)} imports {module!r}: installed code is under cmtune.* "
                 f"(write cmtune.{module})")
-            if package == "cmtune.service" and module == "cmtune":
-                continue  # the version string of the root package
             assert layer_of(module) in ALLOWED[package], (
                 f"{path.relative_to(ROOT)} ({package}) imports {module}: an import that points up or sideways")
+
+
+def test_nothing_under_tuner_imports_jax():
+    """The tuner is what the service runs: no file of it imports JAX, at its top or inside a function."""
+    for path in sorted((ROOT / "tuner").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("jax", "jaxlib", "flax") for n in names), (
+                f"{path.relative_to(ROOT)} imports {names}: what needs JAX lives in workers/")
 
 
 def test_the_root_package_is_the_only_one_to_know_every_part():
@@ -68,8 +78,10 @@ def test_the_root_package_is_the_only_one_to_know_every_part():
 
 def test_the_service_process_imports_no_jax(tmp_path):
     """The app, its routers, the engine and the store load without JAX (the service image has none)."""
-    code = ("import sys; from cmtune.service.main import create_app; from cmtune.service.settings import Settings;"
-            f"import cmtune.cli; app = create_app(Settings(database_url='sqlite:///{tmp_path / 'x.sqlite'}'));"
+    code = ("import sys; from cmtune.service.main import create_app; "
+            "from cmtune.service.settings import Settings;"
+            "import cmtune.cli, cmtune.serving;"
+            f"app = create_app(Settings(database_url='sqlite:///{tmp_path / 'x.sqlite'}'));"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=os.environ | {"CMTUNE_AUTH": "off"})
@@ -81,7 +93,7 @@ def test_a_running_server_has_no_jax_mapped(tmp_path):
     """A real `cmtune serve` process, after serving look-ups and a study: no jaxlib in its memory."""
     import httpx
 
-    from cmtune.service.launcher import running_server
+    from cmtune.launcher import running_server
     from tests.service.conftest import HARDWARE, PROBLEM, create_tokens
 
     url = f"sqlite:///{tmp_path / 'nojax.sqlite'}"

@@ -8,7 +8,7 @@ is checked and timed against), the incumbent, and the variants the round propose
 
 `StepSearch` is the policy: pure and deterministic (no JAX, no timing of its own), a function of its
 `SearchSpace` and the rounds recorded so far, so the service rebuilds it from the step trials it
-stored and a multi-process run lets process 0 alone hold it (`cmtune.tuner.step.search_step`).
+stored and a multi-process run lets process 0 alone hold it (`cmtune.workers.step.search_step`).
 
 1. Round 1 times the seeds: the step as written, ``baseline`` (every role at the baseline),
    ``tuned`` (the op-level winners), ``costmodel`` (the cost model's whole-step choice),
@@ -153,7 +153,7 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
     3. The change becomes per-role overrides for this model, each with its reason; the decision
        reports the measured speedup of what runs, against the step as written and the all-baseline step,
        from the measurement's confirmation (fresh rounds timed after the decision; see
-       `cmtune.tuner.step.run_step`) where it has one, else from the rounds that decided.
+       `cmtune.workers.step.run_step`) where it has one, else from the rounds that decided.
     """
     try:
         reference, tuned_variant = measurement.variant(measurement.reference), measurement.variant("tuned")

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
-from cmtune.tuner.cluster import EXIT_HUNG, Group
-from cmtune.tuner.local import LocalRunner, Watchdog, failed_result, follow
+from cmtune.workers.cluster import EXIT_HUNG, Group
+from cmtune.workers.runner import LocalRunner, Watchdog, failed, follow
 from collective_matmul.problem import Hardware, Software
 from collective_matmul.wire import (
     WORKER_HEADER,
@@ -45,7 +45,6 @@ from collective_matmul.wire import (
     ResultIn,
     ResultOut,
     Status,
-    StepMeasurement,
     TrialKind,
     TrialTask,
     WorkerCreate,
@@ -260,14 +259,6 @@ def describe(task: TrialTask) -> str:
         what = f"{len(variants)} variants of the step search" if variants is not None else "the standard menu"
         return f"the step of {task.step.block.name} on {task.step.mesh}: {what}"
     return f"{task.problem.key}: {', '.join(d.id for d in task.decompositions)}"
-
-
-def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | Confirmation | StepMeasurement:
-    from cmtune.tuner.step import failed_step
-
-    if task.kind == TrialKind.STEP:
-        return failed_step(task, status, message)
-    return failed_result(task, status, message)
 
 
 def supervise(argv: list[str], *, max_backoff_s: float = 60.0) -> int:

@@ -5,14 +5,14 @@ Launched by `test_multiprocess.py` through `workers.cluster.launch`; prints one 
 
 import json
 
-from cmtune.tuner.cluster import ClusterSpec, join
+from cmtune.workers.cluster import ClusterSpec, join
 
 join(ClusterSpec.from_env())
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cmtune.tuner.measure import Protocol, Session, default_program, ring_mesh  # noqa: E402
+from cmtune.workers.measure import Protocol, Session, default_program, ring_mesh  # noqa: E402
 from collective_matmul import Decomposition, Problem, input_shardings  # noqa: E402
 
 mesh = ring_mesh()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cmtune.tuner.cluster import launch
+from cmtune.workers.cluster import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 

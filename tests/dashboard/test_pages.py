@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from cmtune.service.launcher import running_server
+from cmtune.launcher import running_server
 from tests.service import conftest as contract
 from tests.service.conftest import HARDWARE
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from cmtune.service.launcher import running_server
+from cmtune.launcher import running_server
 from collective_matmul import (
     Bundle,
     Decomposition,

@@ -32,8 +32,8 @@ from schemathesis.checks import (
 )
 from sqlalchemy import create_engine
 
+from cmtune.launcher import running_server
 from cmtune.service import migrate
-from cmtune.service.launcher import running_server
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import PRESETS, ROLES, SLOTS, MeshSpec, role_problems
 from collective_matmul.wire import Speedup, Status, StepMeasurement, Timing, TrialTask, quartiles

@@ -13,14 +13,14 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, func, inspect, select
 
+from cmtune.launcher import running_server
 from cmtune.service import migrate
 from cmtune.service.db import Database
-from cmtune.service.launcher import running_server
 from cmtune.service.main import SchemaOutOfDate, create_app
 from cmtune.service.models import Token
 from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore
-from cmtune.tuner.measure import Session
+from cmtune.workers.measure import Session
 from collective_matmul import Decomposition, Problem
 from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol

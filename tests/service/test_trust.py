@@ -199,7 +199,7 @@ def test_large_batches_at_once_leave_other_requests_fast(tmp_path):
 
     import httpx
 
-    from cmtune.service.launcher import running_server
+    from cmtune.launcher import running_server
     from collective_matmul.wire import MAX_BATCH
     from tests.service.conftest import create_tokens
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from cmtune.service.launcher import running_server
+from cmtune.launcher import running_server
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.bundle import TunedConfig
 from tests.service.conftest import HARDWARE, PROBLEM, cost, create_tokens, register, run_trial

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from cmtune.tuner.local import LocalTuner
 from cmtune.tuner.search import Finished, Searcher, SearchSettings, stop_reason
+from cmtune.workers.local import LocalTuner
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.costmodel import PROFILES
 from collective_matmul.wire import Measurement, Protocol, Timing

@@ -201,7 +201,7 @@ def test_a_seeded_study_proposes_the_neighbours_winner_after_the_baseline_and_st
 def test_a_local_run_seeds_each_study_from_those_before_it():
     first, second = Problem.parse("ag:512x256x1024:float32:8"), PROBLEM
     costs = {**random_costs(first, 1), **{c: 0.6 + i / 100 for i, c in enumerate(candidates(first)[1:])}}
-    from cmtune.tuner.local import LocalTuner
+    from cmtune.workers.local import LocalTuner
 
     tuner = LocalTuner(KnownCosts(costs))
     outcome = tuner.tune(first, HW, study_settings(first, HW), Protocol(repeats=3))

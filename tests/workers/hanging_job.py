@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from cmtune.tuner import local
+from cmtune.workers import runner as local
 
 run = local.LocalRunner.run
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cmtune.service.launcher import running_server, stop, wait_ready
-from cmtune.tuner.cluster import free_port
+from cmtune.launcher import running_server, stop, wait_ready
+from cmtune.workers.cluster import free_port
 from tests.service.conftest import create_tokens
 
 ROOT = Path(__file__).resolve().parents[2]

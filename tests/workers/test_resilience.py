@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cmtune.service.launcher import running_server, stop
-from cmtune.tuner.cluster import launch
+from cmtune.launcher import running_server, stop
+from cmtune.workers.cluster import launch
 from tests.service.conftest import create_tokens
 from tests.workers.test_daemon import hardware, wait_for
 

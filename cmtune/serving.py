@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cmtune.tuner.cli_common import console
+from cmtune.common import console
 
 app = typer.Typer(no_args_is_help=True)
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)

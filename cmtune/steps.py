@@ -1,7 +1,7 @@
 """The ``--step SPEC`` halves of `cmtune problems | tune | verify` (and `cmtune submit`): a user's own step.
 
 Each sets the devices up first (``--devices virtual:N``, or ``processes:PxD``: the step's mesh,
-not one ring, decides how many), then imports the spec and calls NAME (`cmtune.tuner.userstep`).
+not one ring, decides how many), then imports the spec and calls NAME (`cmtune.workers.userstep`).
 In a group of processes every process does the same, and process 0 prints and decides.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import typer
 
-from cmtune.tuner.cli_common import console, devices_option, relaunch_as_group, show_step
-from cmtune.tuner.cluster import DeviceSpec
-from cmtune.tuner.userstep import SpecError, SpecRef
+from cmtune.common import console, devices_option, relaunch_as_group, show_step
+from cmtune.workers.cluster import DeviceSpec
+from cmtune.workers.userstep import SpecError, SpecRef
 
 DEFAULT_DEVICES = "virtual:8"
 
@@ -26,7 +26,7 @@ def prepare(devices: str) -> DeviceSpec | None:
     Raises:
         typer.BadParameter: for ``processes:N`` without D, or ``auto``.
     """
-    from cmtune.tuner.cluster import configure
+    from cmtune.workers.cluster import configure
 
     spec = devices_option(devices)
     if spec.kind == "auto":
@@ -59,7 +59,7 @@ def load(text: str):
 
 def discover_step(ref: SpecRef, fn):
     """NAME's step as written, and its collective matmuls: ``(Built, Discovery)``."""
-    from cmtune.tuner.userstep import Built
+    from cmtune.workers.userstep import Built
     from collective_matmul.discovery import discover
 
     with spec_errors():
@@ -74,7 +74,7 @@ def _leader() -> bool:
 
 
 def show_discovery(ref: SpecRef, built, discovery) -> None:
-    from cmtune.tuner.report import discovery_tables
+    from cmtune.report import discovery_tables
 
     mesh = ",".join(f"{n}={s}" for n, s in built.mesh.shape.items())
     for table in discovery_tables(discovery, title=f"collective matmuls of {ref} on {mesh}"):
@@ -109,9 +109,9 @@ def problems(step: str, devices: str, as_json: bool) -> None:
 def tune(step: str, devices: str, tune_problems) -> None:
     """`cmtune tune --step`: discover, then tune each unique problem on one ring of its axis.
 
-    ``tune_problems(problems, ring_devices)`` runs the tuner (`cmtune.tuner.cli._tune`).
+    ``tune_problems(problems, ring_devices)`` runs the tuner (`cmtune.tuning._tune`).
     """
-    from cmtune.tuner.userstep import tuning_ring
+    from cmtune.workers.userstep import tuning_ring
 
     if prepare(devices) is None:
         return
@@ -141,9 +141,9 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
            json_out: Path | None, search_rounds: int = 3, round_variants: int = 3) -> None:
     """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
     with ``decide``, the step search on it (`decide_user_step`)."""
-    from cmtune.tuner.cluster import Group
-    from cmtune.tuner.report import sites_table
-    from cmtune.tuner.userstep import Built, UserStepSession, step_variants
+    from cmtune.report import sites_table
+    from cmtune.workers.cluster import Group
+    from cmtune.workers.userstep import Built, UserStepSession, step_variants
     from collective_matmul.client import Tuned
     from collective_matmul.wire import Protocol, StepCalls
 
@@ -204,13 +204,13 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
 
 
 def run_search(group, search, measure, say):
-    """The step search to its grading (`cmtune.tuner.step.search_step`), process 0 deciding.
+    """The step search to its grading (`cmtune.workers.step.search_step`), process 0 deciding.
 
     Returns:
         on process 0 ``(decision, result)``: the choice, and the first round's measurement (the fixed
         settings) with the grading rounds as its confirmation; elsewhere ``(None, result)``.
     """
-    from cmtune.tuner.step import search_step
+    from cmtune.workers.step import search_step
 
     grading, rounds = search_step(search, measure, group=group, say=lambda line: say(f"[bold]{line}[/bold]"))
     result = rounds[0].model_copy(update={"confirmation": grading.variants if grading is not None else []}) \
@@ -235,7 +235,7 @@ def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, 
     if group.leader:
         history = Bundle.load(bundle).configs
         search = StepSearch(SearchSpace.of(configs, role_problems(block, spec), hardware,
-                                           measured=lambda problem: _measured(history, problem)),
+                                           measured=lambda problem: measured_configs(history, problem)),
                             rounds=rounds, per_round=per_round, ablation=ablation, model=block.name)
 
     def measure(variants):
@@ -260,7 +260,7 @@ def _tuned_here(history, problem, hardware):
     return found[1] if found is not None and found[0] in ("exact", "stale") else None
 
 
-def _measured(history, problem) -> list:
+def measured_configs(history, problem) -> list:
     """A problem's decompositions in a bundle (its entries on every hardware), the fastest first."""
     return [c.decomposition for c in sorted((c for c in history if c.problem == problem), key=lambda c: -c.speedup)]
 
@@ -288,7 +288,7 @@ def decide_user_step(group, session, tuned, per_role, *, model: str, bundle: Pat
         hardware = next(iter(sites.values()))[0].hardware
         history = tuned.bundle.configs if tuned.bundle is not None else []
         search = StepSearch(SearchSpace.of(uniform, {role: sites[role][0].problems for role in uniform}, hardware,
-                                           measured=lambda problem: _measured(history, problem), others=others),
+                                           measured=lambda problem: measured_configs(history, problem), others=others),
                             rounds=rounds, per_round=per_round, model=model)
     sources: dict[str, object] = {}
 

@@ -16,7 +16,7 @@ multi-process run every process calls NAME and gets the same arguments, and ever
 the configs process 0 resolved (`Tuned.pinned`).
 
 `UserStepSession` times the step as written against variants through the drop-in with the
-protocol of `cmtune.tuner.step`: every variant compiled ahead of time (compile seconds and
+protocol of `cmtune.workers.step`: every variant compiled ahead of time (compile seconds and
 memory recorded), checked after one step against the step as written, warmed up, then timed in
 interleaved rounds (slowest process per round; paired median and IQR).  The check compares every
 output: a leaf that updates an argument (parameters, optimizer state) is held to its dtype's
@@ -196,7 +196,7 @@ def tuning_ring(mesh, axis: str):
 def step_variants(tuned) -> dict:
     """The variants of a user's step that `cmtune verify --step` times: name -> config source (None: the step as
     written): ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline) and
-    ``tuned`` (``tuned`` itself).  ``--decide`` searches beyond them (`cmtune.tuner.step_commands.decide_user_step`)."""
+    ``tuned`` (``tuned`` itself).  ``--decide`` searches beyond them (`cmtune.steps.decide_user_step`)."""
     return {REFERENCE: None, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()), "tuned": tuned}
 
 
@@ -267,7 +267,7 @@ class UserStepSession:
                 compiled[name] = program
         states = self._check(compiled, records, reference, say)
         if states:
-            from cmtune.tuner.step import interleave
+            from cmtune.workers.step import interleave
 
             runs = {name: self._runner(compiled[name], states, name) for name in states}
             interleave(runs, records, reference, started, self.protocol, say)
@@ -283,7 +283,7 @@ class UserStepSession:
         A variant compiled before from the same source object is reused, with its record's compile
         time and memory (the confirmation after a decision times the same programs again).
         """
-        from cmtune.tuner.measure import _memory_bytes, _message, classify_failure
+        from cmtune.workers.measure import classify_failure, compiled_memory, error_message
 
         cached = self._compiled.get(name)
         if cached is not None and cached[0] is source:
@@ -299,13 +299,13 @@ class UserStepSession:
             record["compile_s"] = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - any failure to build or compile is a result
             record.update(status=Status.OOM if classify_failure(exc) == Status.OOM else Status.COMPILE_ERROR,
-                          message=_message(exc), configs=_configs(source))
+                          message=error_message(exc), configs=_configs(source))
             say(f"{name}: {record['status']}")
             return None
         import jax
 
         donated = [any(info.donated for info in jax.tree.leaves(arg_info)) for arg_info in lowered.args_info[0]]
-        record.update(memory_bytes=_memory_bytes(executable), configs=_configs(source))
+        record.update(memory_bytes=compiled_memory(executable), configs=_configs(source))
         say(f"{name}: compiled in {record['compile_s']:.1f}s")
         self._compiled[name] = (source, (executable, donated),
                                 {key: record[key] for key in ("compile_s", "memory_bytes", "configs")})
@@ -318,7 +318,7 @@ class UserStepSession:
         fed back where the step donates them).  Every process keeps the same variants: one that
         fails or disagrees on any process is dropped on all.
         """
-        from cmtune.tuner.measure import _message, classify_failure
+        from cmtune.workers.measure import classify_failure, error_message
 
         states: dict[str, list] = {}
         expected = None
@@ -345,7 +345,7 @@ class UserStepSession:
                 else:
                     ok = self._agrees(records[name], out, expected, reference)
             except Exception as exc:  # noqa: BLE001 - a step that fails or returns something else is a result
-                records[name].update(status=classify_failure(exc), message=_message(exc))
+                records[name].update(status=classify_failure(exc), message=error_message(exc))
             if not _agreed(ok, records[name]):
                 if name == reference:
                     expected = None
@@ -358,7 +358,7 @@ class UserStepSession:
         """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
         import jax
 
-        from cmtune.tuner.measure import TOLERANCE
+        from cmtune.workers.measure import TOLERANCE
 
         want, pairs = expected
         record["loss"] = _loss(out)
@@ -423,7 +423,7 @@ class UserStepSession:
 
 def _agreed(ok: bool, record: dict) -> bool:
     """True if ``ok`` on every process; a variant that failed on another process only fails here too."""
-    from cmtune.tuner.measure import any_process
+    from cmtune.workers.measure import any_process
 
     if not any_process(not ok):
         return True

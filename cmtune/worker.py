@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from cmtune.tuner.cli_common import SERVER, TOKEN_FILE, devices_option, read_token_file, without_token
-from cmtune.tuner.cluster import DEVICES_HELP
+from cmtune.common import SERVER, TOKEN_FILE, devices_option, read_token_file, without_token
+from cmtune.workers.cluster import DEVICES_HELP
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -39,7 +39,7 @@ def worker(
     import logging
     import os
 
-    from cmtune.tuner.cluster import ClusterSpec, configure, join, launch
+    from cmtune.workers.cluster import ClusterSpec, configure, join, launch
     from cmtune.workers.daemon import WorkerDaemon, supervise
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -108,7 +108,7 @@ def tune_table(outcomes, *, title: str) -> Table:
 
 
 def step_table(measurement, *, title: str) -> Table:
-    """One row per variant of a step measurement (`cmtune.tuner.step.StepMeasurement`)."""
+    """One row per variant of a step measurement (`cmtune.workers.step.StepMeasurement`)."""
     table = Table(title=title)
     for name, justify in [
         ("variant", "left"), ("status", "left"), ("median step", "right"), ("IQR", "right"), ("runs", "right"),

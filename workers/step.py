@@ -4,7 +4,7 @@ What users buy cmtune for is a faster step, so each *variant* of the step (a `Co
 the block's four op calls, or `AS_WRITTEN`, the block as a user writes it without cmtune: GSPMD
 einsums and JAX's autodiff) is timed whole:
 ``value_and_grad`` of the block's loss and the SGD update, jitted.  The protocol follows
-`cmtune.tuner.measure`:
+`cmtune.workers.measure`:
 
 1. Parameters from `init_params` and inputs (x, target) from a seeded normal distribution, laid
    out as the block expects (seq over the tensor axis, batch over the data axes).
@@ -126,8 +126,8 @@ def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, 
     Process 0 decides and the others follow (`Group`), so every process compiles the same
     programs.  Nothing is re-timed when the decision could not be made.
     """
-    from cmtune.tuner.cluster import Group
     from cmtune.tuner.engine import step_decision
+    from cmtune.workers.cluster import Group
 
     group, message = Group(), None
     if group.leader:
@@ -154,14 +154,14 @@ def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=Non
     Args:
         search: the search (on processes other than 0: None, or anything; it is not read there).
         measure: times one round's variants.
-        group: the process group (`cmtune.tuner.cluster.Group`; default: this process's).
+        group: the process group (`cmtune.workers.cluster.Group`; default: this process's).
         say: called on process 0 with one line per round.
 
     Returns:
         ``(grading, rounds)``: the grading round's measurement (None if the search failed; its
         decision is ``search.decide(grading)`` on process 0) and every search round's.
     """
-    from cmtune.tuner.cluster import Group
+    from cmtune.workers.cluster import Group
     from collective_matmul.wire import StepRound
 
     group = group or Group()
@@ -393,7 +393,7 @@ class StepSession:
             return cached[1]
         import jax
 
-        from cmtune.tuner.measure import _memory_bytes, _message, classify_failure
+        from cmtune.workers.measure import classify_failure, compiled_memory, error_message
         from collective_matmul.block import AsWritten, train_step
 
         recorder = source if isinstance(source, AsWritten) else _Recorder(source)
@@ -406,11 +406,11 @@ class StepSession:
         except Exception as exc:  # noqa: BLE001 - any compile failure is a result
             oom = classify_failure(exc) == Status.OOM
             prefix = "invalid decomposition: " if isinstance(exc, ValueError) else ""
-            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=prefix + _message(exc),
+            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=prefix + error_message(exc),
                           configs=getattr(recorder, "used", {}))
             say(f"{name}: {record['status']}")
             return None
-        record.update(memory_bytes=_memory_bytes(step), configs=getattr(recorder, "used", {}))
+        record.update(memory_bytes=compiled_memory(step), configs=getattr(recorder, "used", {}))
         say(f"{name}: compiled in {record['compile_s']:.1f}s")
         if len(self._compiled) >= MAX_COMPILED:  # the oldest program goes first (a long search times many)
             self._compiled.pop(next(iter(self._compiled)))
@@ -424,7 +424,7 @@ class StepSession:
         import jax
         import jax.numpy as jnp
 
-        from cmtune.tuner.measure import _message, classify_failure
+        from cmtune.workers.measure import classify_failure, error_message
 
         try:
             new, _ = step(self.params, self.x, self.target, self._scalar(1.0))
@@ -434,7 +434,7 @@ class StepSession:
             ratio = max(float(size) / max(float(change), 1e-30) for size, change in jax.tree.leaves(
                 norms, is_leaf=lambda v: isinstance(v, tuple)))
         except Exception as exc:  # noqa: BLE001
-            record.update(status=classify_failure(exc), message=_message(exc))
+            record.update(status=classify_failure(exc), message=error_message(exc))
             return None
         return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
 
@@ -442,12 +442,12 @@ class StepSession:
         """One step of a variant at the check learning rate: ``(new_params, loss)``, or None if it fails."""
         import jax
 
-        from cmtune.tuner.measure import _message, classify_failure
+        from cmtune.workers.measure import classify_failure, error_message
 
         try:
             new, loss = jax.block_until_ready(step(self.params, self.x, self.target, lr))
         except Exception as exc:  # noqa: BLE001
-            record.update(status=classify_failure(exc), message=_message(exc))
+            record.update(status=classify_failure(exc), message=error_message(exc))
             return None
         record["loss"] = float(loss)
         return new, loss
@@ -458,10 +458,10 @@ class StepSession:
         The gradient of a parameter is ``(p - new) / lr`` at the check learning rate, so the
         relative error of the gradients is ``|new - new_ref| / |p - new_ref|``.
         """
-        from cmtune.tuner.measure import TOLERANCE, _relative_error
+        from cmtune.workers.measure import TOLERANCE, relative_error
 
         (new, loss), (want_new, want_loss) = got, expected
-        errors = {"loss": _relative_error(loss, want_loss)}
+        errors = {"loss": relative_error(loss, want_loss)}
         for name in sorted(want_new):
             diff, size = (float(v) for v in _update_error()(self.params[name], new[name], want_new[name]))
             errors[f"d{name}"] = diff / size if size else diff
@@ -510,7 +510,7 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
     """
     import jax
 
-    from cmtune.tuner.measure import _barrier, _message, _slowest_process, any_process, classify_failure
+    from cmtune.workers.measure import any_process, barrier, classify_failure, error_message, slowest_process
 
     running = list(runs)
     samples: dict[str, list[float]] = {name: [] for name in running}
@@ -518,13 +518,13 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
     def run(name: str, timed: bool) -> None:
         try:
             if timed:
-                _barrier()
+                barrier()
             start = time.perf_counter()
             jax.block_until_ready(runs[name]())
             if timed:
                 samples[name].append(time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
-            records[name].update(status=classify_failure(exc), message=_message(exc))
+            records[name].update(status=classify_failure(exc), message=error_message(exc))
             running.remove(name)
 
     say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
@@ -542,7 +542,7 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
         if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
             timed_out = True
             break
-    slowest = {name: _slowest_process(samples[name]) for name in runs}
+    slowest = {name: slowest_process(samples[name]) for name in runs}
     base = slowest[reference]
     reference_failed = "status" in records[reference]
     for name in runs:

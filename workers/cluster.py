@@ -142,7 +142,7 @@ class ProcessResult:
     stderr: str
 
 
-# A process that a watchdog ended because its trial overran (see `cmtune.tuner.local.Watchdog`).
+# A process that a watchdog ended because its trial overran (see `cmtune.workers.runner.Watchdog`).
 EXIT_HUNG = 75
 
 

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from cmtune.tuner.cli_common import console, devices_option, problems_from_options, relaunch_as_group, show_step
-from cmtune.tuner.cluster import DEVICES_HELP
+from cmtune.common import console, devices_option, problems_from_options, relaunch_as_group, show_step
+from cmtune.workers.cluster import DEVICES_HELP
 from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
 app = typer.Typer(no_args_is_help=True)
@@ -37,7 +37,7 @@ def bench(
     spec = devices_option(devices)
     if spec.needs_group:
         return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count)
-    from cmtune.tuner.cluster import configure
+    from cmtune.workers.cluster import configure
 
     configure(spec, auto_virtual=parsed.axis_size)
     _run_sweep(parsed, repeats=repeats, warmup=warmup, out=out)
@@ -47,9 +47,9 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
     import jax
     from rich.progress import Progress
 
-    from cmtune.tuner.measure import Session
-    from cmtune.tuner.report import sweep_table
-    from cmtune.tuner.sweep import sweep
+    from cmtune.report import sweep_table
+    from cmtune.workers.measure import Session
+    from cmtune.workers.sweep import sweep
     from collective_matmul import candidates
     from collective_matmul.wire import Protocol
 
@@ -115,11 +115,11 @@ def tune(
                    protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out,
                    warm_start=warm_start, bundled=bundled)
     if step is not None:
-        from cmtune.tuner import step_commands
+        from cmtune import steps
 
         if problem or model or mesh:
             raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
-        return step_commands.tune(step, devices, lambda found, ring: _tune(found, ring=len(ring), ring_devices=ring,
+        return steps.tune(step, devices, lambda found, ring: _tune(found, ring=len(ring), ring_devices=ring,
                                                                            **options))
     problems = problems_from_options(problem, model, mesh, tensor_axis)
     sizes = {p.axis_size for p in problems}
@@ -131,7 +131,7 @@ def tune(
         if ring % spec.count:
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
         return relaunch_as_group(spec.count, local_devices=ring // spec.count)
-    from cmtune.tuner.cluster import configure
+    from cmtune.workers.cluster import configure
 
     configure(spec, auto_virtual=ring)
     _tune(problems, ring=ring, **options)
@@ -147,11 +147,12 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     import jax
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from cmtune.tuner.cluster import Group
+    from cmtune.report import tune_table
     from cmtune.tuner.engine import study_settings
-    from cmtune.tuner.local import LocalRunner, LocalTuner, follow
-    from cmtune.tuner.report import tune_table
     from cmtune.tuner.warm import Known, seeds
+    from cmtune.workers.cluster import Group
+    from cmtune.workers.local import LocalTuner
+    from cmtune.workers.runner import LocalRunner, follow
     from collective_matmul import Hardware
     from collective_matmul.bundle import Bundle
     from collective_matmul.wire import Protocol
@@ -162,7 +163,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
             f"use --devices virtual:{ring} (or processes:N with N dividing {ring})"
         )
     if ring_devices is not None:
-        from cmtune.tuner.measure import ring_mesh
+        from cmtune.workers.measure import ring_mesh
 
         runner = LocalRunner(mesh=ring_mesh(ring_devices))
     else:
@@ -226,11 +227,11 @@ def problems(
     from collective_matmul import MeshSpec, TransformerBlock, model_problems
 
     if step is not None:
-        from cmtune.tuner import step_commands
+        from cmtune import steps
 
         if model or mesh:
             raise typer.BadParameter("--step lists your step's own problems: leave out --model and --mesh")
-        return step_commands.problems(step, devices, as_json)
+        return steps.problems(step, devices, as_json)
     model, mesh = model or "tiny", mesh or "data=1,model=8"
     try:
         found = model_problems(TransformerBlock.load(model), MeshSpec.parse(mesh, tensor_axis))
@@ -288,11 +289,11 @@ def verify(
     if given > 1 or (step is None and given == 0):
         raise typer.BadParameter("give the tuned configs with --bundle FILE or --server URL (one of them)")
     if step is not None:
-        from cmtune.tuner import step_commands
+        from cmtune import steps
 
         if model or mesh:
             raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
-        return step_commands.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
+        return steps.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
                                     repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
                                     json_out=json_out, search_rounds=search_rounds, round_variants=round_variants)
     if model is None or mesh is None:
@@ -323,7 +324,7 @@ def verify(
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
                                      f"use processes:N with N dividing {ring}")
         return relaunch_as_group(device_spec.count, local_devices=ring // device_spec.count)
-    from cmtune.tuner.cluster import configure
+    from cmtune.workers.cluster import configure
 
     configure(device_spec, auto_virtual=ring)
     _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
@@ -339,9 +340,9 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
 
     import jax
 
-    from cmtune.tuner.cluster import Group
-    from cmtune.tuner.report import roles_table
-    from cmtune.tuner.step import StepSession, standard_variants, step_layout
+    from cmtune.report import roles_table
+    from cmtune.workers.cluster import Group
+    from cmtune.workers.step import StepSession, standard_variants, step_layout
     from collective_matmul.block import configs_per_role
     from collective_matmul.client import Tuned
     from collective_matmul.wire import BlockConfigs, Protocol, Resolved
@@ -376,9 +377,9 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
                           protocol=protocol)
     if search is not None:
-        from cmtune.tuner import step_commands
+        from cmtune import steps
 
-        result = step_commands.decide_block(group, session, block, spec, layout, configs, bundle=bundle,
+        result = steps.decide_block(group, session, block, spec, layout, configs, bundle=bundle,
                                             ablation=ablation, say=say, **search)
     else:
         result = session.measure(standard_variants(configs, ablation=ablation),

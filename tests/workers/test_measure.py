@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from cmtune.tuner.local import LocalRunner, LocalTuner
-from cmtune.tuner.measure import Session, default_program
 from cmtune.tuner.search import SearchSettings
+from cmtune.workers.local import LocalTuner
+from cmtune.workers.measure import Session, default_program
+from cmtune.workers.runner import LocalRunner
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.costmodel import PROFILES, rank
 from collective_matmul.wire import Measurement, Protocol, TrialKind

@@ -221,7 +221,7 @@ class Session:
         start = time.perf_counter()
         compiled = jax.jit(program).lower(self.x, self.w).compile()
         seconds = time.perf_counter() - start
-        return compiled, seconds, _memory_bytes(compiled)
+        return compiled, seconds, compiled_memory(compiled)
 
     def measure(self, config: Decomposition, protocol: Protocol | None = None) -> Measurement:
         """Run the protocol for ``config``; failures come back as a `Measurement` status.
@@ -241,14 +241,14 @@ class Session:
         except Exception as exc:  # noqa: BLE001 - any compile failure is a result
             status = classify_failure(exc)
             return Measurement(**record, status="oom" if status == "oom" else "compile_error",
-                               message=_message(exc))
+                               message=error_message(exc))
         record |= dict(compile_s=compile_s, memory_bytes=memory)
         try:
             out = compiled(self.x, self.w).block_until_ready()
-            rel_error = _relative_error(out, self.reference)
+            rel_error = relative_error(out, self.reference)
             del out
         except Exception as exc:  # noqa: BLE001
-            return Measurement(**record, status=classify_failure(exc), message=_message(exc))
+            return Measurement(**record, status=classify_failure(exc), message=error_message(exc))
         record["rel_error"] = rel_error
         tolerance = TOLERANCE[self.problem.dtype]
         if not np.isfinite(rel_error) or rel_error > tolerance:
@@ -259,7 +259,7 @@ class Session:
         try:
             cand, base, timed_out = self._time_pair(compiled, started, protocol)
         except Exception as exc:  # noqa: BLE001
-            return Measurement(**record, status=classify_failure(exc), message=_message(exc))
+            return Measurement(**record, status=classify_failure(exc), message=error_message(exc))
         ratios = [c / b for c, b in zip(cand, base, strict=True)]
         q1, ratio, q3 = quartiles(ratios)
         return Measurement(
@@ -302,11 +302,11 @@ class Session:
         except Exception as exc:  # noqa: BLE001 - a bound program that does not build is a result
             status = classify_failure(exc)
             return BoundsMeasurement(**record, status="oom" if status == "oom" else "compile_error",
-                                     message=_message(exc))
+                                     message=error_message(exc))
         try:
             (compute, communication, base), timed_out = _time_rounds([*runs, self._run_baseline], started, protocol)
         except Exception as exc:  # noqa: BLE001
-            return BoundsMeasurement(**record, status=classify_failure(exc), message=_message(exc))
+            return BoundsMeasurement(**record, status=classify_failure(exc), message=error_message(exc))
         return BoundsMeasurement(
             **record, status="timeout" if timed_out else "ok",
             message=f"stopped after {len(base)} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
@@ -325,7 +325,7 @@ def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: 
     timed_out = False
     for _ in range(protocol.repeats):
         for run, out in zip(runs, samples, strict=True):
-            _barrier()
+            barrier()
             t0 = time.perf_counter()
             run().block_until_ready()
             out.append(time.perf_counter() - t0)
@@ -333,7 +333,7 @@ def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: 
         if any_process(time.monotonic() - started > protocol.timeout_s):
             timed_out = True
             break
-    return [_slowest_process(s) for s in samples], timed_out
+    return [slowest_process(s) for s in samples], timed_out
 
 
 def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:
@@ -341,7 +341,7 @@ def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protoc
     return Session(problem, protocol=protocol).measure(config)
 
 
-def _memory_bytes(compiled) -> int | None:
+def compiled_memory(compiled) -> int | None:
     try:
         stats = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - not every backend reports memory
@@ -360,17 +360,17 @@ def _error_terms(a, b):
     return jnp.linalg.norm(a - b), jnp.linalg.norm(b)
 
 
-def _relative_error(a: jax.Array, b: jax.Array) -> float:
+def relative_error(a: jax.Array, b: jax.Array) -> float:
     diff, norm = (float(v) for v in _error_terms(a, b))
     return diff / norm if norm else diff
 
 
-def _message(exc: BaseException) -> str:
+def error_message(exc: BaseException) -> str:
     """What a failure says: its type and text, as a valid message (an error's text may hold anything)."""
     return as_message(f"{type(exc).__name__}: {exc}", 2000)
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -386,7 +386,7 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
-def _slowest_process(samples: list[float]) -> list[float]:
+def slowest_process(samples: list[float]) -> list[float]:
     """Per run, the time of the slowest process (the run is done when all are)."""
     if jax.process_count() == 1:
         return samples

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cmtune.tuner.cluster import launch
+from cmtune.workers.cluster import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_processes_take_the_same_decisions_when_their_timings_disagree(tmp_path)
             "--trials", "11", "--repeats", "3", "--out", str(bundle)]
     os.environ["CMTUNE_TEST_OUT"] = str(out)
     try:
-        results = launch(2, ["-m", "tests.tuner.perturbed_job", *args], local_devices=4, cwd=ROOT, timeout_s=600)
+        results = launch(2, ["-m", "tests.workers.perturbed_job", *args], local_devices=4, cwd=ROOT, timeout_s=600)
     finally:
         del os.environ["CMTUNE_TEST_OUT"]
     assert [r.returncode for r in results] == [0, 0]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from cmtune.tuner import measure
-from cmtune.tuner.local import LocalRunner, LocalTuner, Watchdog, failed_result
-from cmtune.tuner.measure import Session, bound_programs, ring_mesh
 from cmtune.tuner.search import SearchSettings
+from cmtune.workers import measure
+from cmtune.workers.local import LocalTuner
+from cmtune.workers.measure import Session, bound_programs, ring_mesh
+from cmtune.workers.runner import LocalRunner, Watchdog, failed
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.hlo import parse_module
 from collective_matmul.wire import BoundsMeasurement, Confirmation, Protocol, Status, TrialKind, TrialTask
@@ -113,9 +114,9 @@ def test_the_runner_times_a_confirmations_bounds_after_its_candidates():
 
 def test_a_trial_that_cannot_be_set_up_fails_its_bounds_too():
     p = problem("allgather_matmul")
-    result = failed_result(task(TrialKind.CONFIRM, p, [Decomposition.baseline()]), Status.OOM, "no\x00room")
+    result = failed(task(TrialKind.CONFIRM, p, [Decomposition.baseline()]), Status.OOM, "no\x00room")
     assert result.bounds.status == Status.OOM and result.bounds.message == "no?room"
-    assert failed_result(task(TrialKind.SEARCH, p, [Decomposition.baseline()]), Status.OOM, "x")[0].status == "oom"
+    assert failed(task(TrialKind.SEARCH, p, [Decomposition.baseline()]), Status.OOM, "x")[0].status == "oom"
 
 
 def test_a_confirmations_deadline_counts_its_bounds_rounds():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
+
+from cmtune.workers.cluster import free_port
 
 
 @dataclass
@@ -33,7 +34,7 @@ def running_server(*, database_url: str, auth: str = "token", port: int | None =
     port = port or free_port()
     env = os.environ | {"CMTUNE_DATABASE_URL": database_url, "CMTUNE_AUTH": auth} | (extra_env or {})
     process = subprocess.Popen(
-        [sys.executable, "-m", "cmtune.service", "serve", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "cmtune", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--workers", str(workers)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -43,12 +44,6 @@ def running_server(*, database_url: str, auth: str = "token", port: int | None =
         yield Server(url=url, process=process, env=env)
     finally:
         stop(process)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:

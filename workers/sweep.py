@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from cmtune.tuner.measure import Session
+from cmtune.workers.measure import Session
 from collective_matmul import Decomposition, Problem, candidates
 from collective_matmul.wire import Measurement, Protocol
 

@@ -2,8 +2,8 @@
 token handling, and the options more than one command parses; and what the tuner's two command
 modules share (re-running a command as a group of processes, printing a step measurement).
 
-Each command module imports from here, downward: `cmtune.tuner.cli`, `cmtune.tuner.step_commands`,
-`cmtune.workers.cli`, `cmtune.service.cli` and the root `cmtune.cli`.  It imports no command module,
+Each command module imports from here, downward: `cmtune.tuning`, `cmtune.steps`,
+`cmtune.worker`, `cmtune.serving` and the root `cmtune.cli`.  It imports no command module,
 and nothing heavy at import (no JAX, nothing of the service): `cmtune --help` runs on every host.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from cmtune.tuner.cluster import DeviceSpec, launch
+from cmtune.workers.cluster import DeviceSpec, launch
 
 # A terminal keeps its own width.  A pipe or a log file would get rich's 80 columns, and a table cut to
 # fit loses the ends of its keys (`allgather_matmul:2048x1024x384:float…`): there the console is wider
@@ -98,7 +98,7 @@ def show_step(result, *, title: str, started: float, json_out: Path | None) -> N
     """Print a step measurement (and its fresh rounds), write it as JSON; exit 1 if a variant failed."""
     import time
 
-    from cmtune.tuner.report import step_table
+    from cmtune.report import step_table
 
     console.print(step_table(result, title=title))
     if result.confirmation:

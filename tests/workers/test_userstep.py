@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import collective_matmul.ring as ring
-from cmtune.tuner.step_commands import save_overrides
-from cmtune.tuner.userstep import Built, SpecError, SpecRef, UserStepSession, pair_outputs, step_variants
+from cmtune.steps import save_overrides
+from cmtune.workers.userstep import Built, SpecError, SpecRef, UserStepSession, pair_outputs, step_variants
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned, TunedConfig
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.models import slot_problems

@@ -1,6 +1,6 @@
 """One process of a 2-process `cmtune tune`, with this process's clocks perturbed on purpose.
 
-Launched by test_multiprocess_tune.py through `cmtune.tuner.cluster.launch`.  Process 1's
+Launched by test_multiprocess_tune.py through `cmtune.workers.cluster.launch`.  Process 1's
 ``time.perf_counter`` and ``time.monotonic`` run at a different rate (still monotonic, as real
 clocks are), so any decision taken from a local timing would differ between the processes
 (and their SPMD programs would diverge and hang).  Every process writes the trials it ran, in
@@ -13,7 +13,7 @@ import random
 import sys
 import time
 
-from cmtune.tuner.cluster import ClusterSpec
+from cmtune.workers.cluster import ClusterSpec
 
 spec = ClusterSpec.from_env()
 if spec.process_id == 1:
@@ -23,8 +23,8 @@ if spec.process_id == 1:
     time.perf_counter = lambda: start_perf + (real_perf() - start_perf) * rate
     time.monotonic = lambda: start_mono + (real_mono() - start_mono) * rate
 
-from cmtune.tuner import local  # noqa: E402
-from cmtune.tuner.cli import app  # noqa: E402
+from cmtune.tuning import app  # noqa: E402
+from cmtune.workers import runner as local  # noqa: E402
 
 ran = []
 run = local.LocalRunner.run

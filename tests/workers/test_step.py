@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul.ring as ring
-from cmtune.tuner.step import StepMeasurement, StepSession, standard_variants, step_layout
 from cmtune.tuner.variants import FIXED_RING
+from cmtune.workers.step import StepMeasurement, StepSession, standard_variants, step_layout
 from collective_matmul import (
     Bundle,
     Decomposition,
@@ -109,8 +109,8 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
 
     # the worker then times the reference, the all-baseline step and the chosen variant again
     from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.step import confirm
     from cmtune.tuner.variants import variant_configs
+    from cmtune.workers.step import confirm
 
     tuned = variant_configs(TUNED)["tuned"]
     chosen = step_decision(result, tuned).variant
@@ -126,7 +126,7 @@ def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the
     """A round of the step search, as a worker runs it on 8 virtual CPU devices: the variants its task names, in
     order, with the configs it gives them, and no confirmation; the next round of the same step compiles only
     what it has not timed before."""
-    from cmtune.tuner.local import LocalRunner
+    from cmtune.workers.runner import LocalRunner
     from collective_matmul.models import ROLES
     from collective_matmul.wire import StepTask, TrialTask
 
@@ -374,7 +374,7 @@ def test_when_the_reference_fails_while_timing_no_ratio_is_made_up():
     checks ratios against samples must refuse)."""
     import time
 
-    from cmtune.tuner.step import interleave
+    from cmtune.workers.step import interleave
     from collective_matmul.wire import StepVariant
 
     calls = {"as-written": 0}
@@ -399,7 +399,7 @@ def test_each_round_runs_the_variants_in_its_own_order_the_same_on_every_process
     (the project's runs timed the last of a fixed order 3-5% faster than the same program earlier in it)."""
     import time
 
-    from cmtune.tuner.step import interleave, round_order
+    from cmtune.workers.step import interleave, round_order
     from collective_matmul.wire import Protocol
 
     names = ["as-written", "baseline", "tuned", "always-ring", "searched"]

@@ -1,9 +1,9 @@
-"""Running trials on this process's devices (or its group's), and `cmtune tune` over the engine.
+"""Running trials on this process's devices (or its group's): the runner, its watchdog, what a follower of
+a group does, and the one record of a trial that could not run.
 
-`cmtune tune` is the study engine over an in-memory store with a local runner.  In a
-multi-process group only process 0 runs the engine: it decides every trial and hands each to
-the others (`cmtune.tuner.cluster.Group`), and all of them run it together as one SPMD program.
-No decision can depend on one process's timings, because no other process decides anything.
+In a multi-process group only process 0 decides: it hands each trial to the others
+(`cmtune.workers.cluster.Group`), and all of them run it together as one SPMD program.  No decision can
+depend on one process's timings, because no other process decides anything.
 """
 
 from __future__ import annotations
@@ -13,16 +13,10 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
-from cmtune.tuner.cluster import EXIT_HUNG
-from cmtune.tuner.engine import Engine, task_for
-from cmtune.tuner.search import SearchSettings
-from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
-from cmtune.tuner.warm import Known, best_ring
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.problem import Hardware, Problem
+from cmtune.workers.cluster import EXIT_HUNG
+from collective_matmul.problem import Problem
 from collective_matmul.text import as_message
 from collective_matmul.wire import (
     BoundsMeasurement,
@@ -44,7 +38,7 @@ class Runner(TypingProtocol):
         ...
 
 
-log = logging.getLogger("cmtune.tuner")
+log = logging.getLogger("cmtune.worker")
 
 
 class LocalRunner:
@@ -61,7 +55,7 @@ class LocalRunner:
         self._memory: int | None = None
 
     def session(self, problem: Problem, protocol: Protocol):
-        from cmtune.tuner.measure import Session
+        from cmtune.workers.measure import Session
 
         key = (problem.key, protocol.seed)
         if key not in self._sessions:
@@ -71,9 +65,9 @@ class LocalRunner:
 
     @property
     def device_memory(self) -> int | None:
-        """Bytes one local device may use (cached; see `cmtune.tuner.measure.device_memory`)."""
+        """Bytes one local device may use (cached; see `cmtune.workers.measure.device_memory`)."""
         if self._memory is None:
-            from cmtune.tuner.measure import device_memory
+            from cmtune.workers.measure import device_memory
 
             self._memory = device_memory()
         return self._memory
@@ -82,7 +76,7 @@ class LocalRunner:
         """A search trial's measurement (as a list), a confirmation (every contender, then the problem's bounds)
         or a step measurement.  Every process of a group takes the same path: nothing here depends on a
         result."""
-        from cmtune.tuner.measure import classify_failure
+        from cmtune.workers.measure import classify_failure
 
         if task.kind == TrialKind.STEP:
             return self._run_step(task)
@@ -90,26 +84,26 @@ class LocalRunner:
         if memory is not None and needed > memory:
             message = (f"inputs need {needed / 2**30:.1f} GiB per device, the device has {memory / 2**30:.1f} GiB: "
                        "nothing was allocated")
-            return failed_result(task, Status.OOM, message)
+            return failed(task, Status.OOM, message)
         try:
             session = self.session(task.problem, task.protocol)
         except Exception as exc:  # noqa: BLE001 - the inputs or the baseline could not be built: a result
             self._sessions.clear()
             message = f"preparing the inputs and the baseline failed: {type(exc).__name__}: {exc}"[:2000]
-            return failed_result(task, classify_failure(exc), message)
+            return failed(task, classify_failure(exc), message)
         measured = [session.measure(config, task.protocol) for config in task.decompositions]
         if task.kind != TrialKind.CONFIRM:
             return measured
         return Confirmation(measurements=measured, bounds=session.bounds(task.protocol))
 
     def _run_step(self, task: TrialTask) -> StepMeasurement:
-        """The whole training step (`cmtune.tuner.step`); a setup failure is a failed measurement.
+        """The whole training step (`cmtune.workers.step`); a setup failure is a failed measurement.
 
         The step's session (parameters, inputs, compiled programs) is kept for the next trial of the
         same step: the rounds of a step search time the reference and the incumbent again.
         """
-        from cmtune.tuner.measure import _message, classify_failure
-        from cmtune.tuner.step import failed_step, run_step, step_session, step_session_key
+        from cmtune.workers.measure import classify_failure, error_message
+        from cmtune.workers.step import run_step, step_session, step_session_key
 
         key = ("step", *step_session_key(task))
         if key not in self._sessions:
@@ -120,19 +114,23 @@ class LocalRunner:
             return run_step(task, session)
         except Exception as exc:  # noqa: BLE001 - the block could not be set up here: a result
             self._sessions.clear()
-            return failed_step(task, classify_failure(exc), _message(exc))
+            return failed(task, classify_failure(exc), error_message(exc))
 
 
-def failed_result(task: TrialTask, status: Status, message: str) -> list[Measurement] | Confirmation:
-    """A search or confirmation trial that could not be run: every candidate failed with ``status`` (and a
-    confirmation's bounds with them)."""
-    from cmtune.tuner.measure import failure
+def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | Confirmation | StepMeasurement:
+    """The record of a trial that could not be run at all, of its kind: every candidate failed with ``status``
+    (a confirmation's bounds with them), or a step trial's reference and tuned step."""
+    from cmtune.workers.measure import failure
 
-    failed = [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
+    if task.kind == TrialKind.STEP:
+        from cmtune.workers.step import failed_step
+
+        return failed_step(task, status, message)
+    records = [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
     if task.kind != TrialKind.CONFIRM:
-        return failed
-    return Confirmation(measurements=failed, bounds=BoundsMeasurement(
-        problem=task.problem, hardware=failed[0].hardware, status=status, message=as_message(message, 2000),
+        return records
+    return Confirmation(measurements=records, bounds=BoundsMeasurement(
+        problem=task.problem, hardware=records[0].hardware, status=status, message=as_message(message, 2000),
         protocol=task.protocol))
 
 
@@ -197,72 +195,3 @@ def follow(group, runner: Runner) -> int:
             except Exception:  # noqa: BLE001 - see above
                 log.exception("this process's record of trial %s failed", message.task.id)
             done += 1
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One finished study of a local run."""
-
-    study: StudyRecord
-    trials: list[TrialRecord]
-    tuned: TunedConfig | None
-
-    @property
-    def search(self) -> list[TrialRecord]:
-        return [t for t in self.trials if t.kind == TrialKind.SEARCH and t.finished_at is not None]
-
-    def known(self) -> Known | None:
-        """This study as the warm start of a later one (`cmtune.tuner.warm`); None if it tuned nothing."""
-        if self.tuned is None:
-            return None
-        ring, ratio = best_ring(self.trials) or (None, None)
-        return Known(self.tuned, ring, ratio, source="local")
-
-
-class LocalTuner:
-    """The engine over an in-memory store, trials run by ``runner`` (process 0 of a group decides).
-
-    Args:
-        runner: times the trials (a `LocalRunner`, or a test double).
-        group: the process group (None alone); process 0 sends each trial to the others.
-        on_trial: called with each finished trial (progress display).
-    """
-
-    def __init__(self, runner: Runner, *, group=None, engine: Engine | None = None,
-                 on_trial: Callable[[TrialRecord], None] | None = None, clock=utcnow, grace_s: float = 120.0):
-        self.runner, self.group, self.on_trial, self.clock = runner, group, on_trial, clock
-        self.grace_s = grace_s
-        self.engine = engine or Engine(ready=1)
-        self.store = InMemoryStore()
-
-    def tune(self, problem: Problem, hardware: Hardware, settings: SearchSettings, protocol: Protocol) -> Outcome:
-        """Run one study to its end; returns the study, its trials and its tuned config."""
-        with self.store.transaction(write=True) as tx:
-            study = self.engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
-                                             protocol=protocol, now=self.clock())
-        while True:
-            with self.store.transaction(write=True) as tx:
-                trial = self.engine.claim(tx, study_ids=[study.id], now=self.clock())
-                current = tx.study(study.id)
-            if trial is None:
-                if current.state.active:
-                    raise RuntimeError(f"study {study.id} is {current.state} with no trial to run")
-                break
-            task = task_for(current, trial)
-            if self.group is not None:
-                self.group.send(GroupMessage(kind="trial", task=task))
-            what = f"{problem.key}: trial {trial.number} ({', '.join(d.id for d in task.decompositions)})"
-            with Watchdog(Watchdog.deadline(task, self.grace_s), what):
-                results = self.runner.run(task)
-            with self.store.transaction(write=True) as tx:
-                finished = self.engine.record(tx, trial.id, results, now=self.clock())
-            if self.on_trial is not None:
-                self.on_trial(finished)
-        with self.store.transaction() as tx:
-            study = tx.study(study.id)
-            return Outcome(study, tx.trials(study.id, measurements=True), tx.tuned_config(problem, study.hardware))
-
-    def stop(self) -> None:
-        """Release the other processes of the group (call once, after the last study)."""
-        if self.group is not None:
-            self.group.send(GroupMessage(kind="stop"))
