@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.hlo import Instruction, Module, parse_module
+from collective_matmul.hlo import EIGHT_BIT, Instruction, Module, parse_module
 from collective_matmul.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
 from collective_matmul.roles import label, source_of
 from collective_matmul.wire import StepProblem
@@ -54,6 +55,17 @@ class SkippedCollective(BaseModel):
     count: int = Field(ge=1)
 
 
+class XlaDecomposed(BaseModel):
+    """A collective matmul XLA's own windowed einsum already rewrote as a loop of permutes and partial products."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    what: str = Field(max_length=400, description="the loop, e.g. 'while %loop: 2 permutes and 2 dots per step'")
+    problem: str | None = Field(default=None, max_length=200, description="the problem it decomposes, if read")
+    count: int = Field(ge=1)
+
+
 class Discovery(BaseModel):
     """What `discover` found in one step."""
 
@@ -61,6 +73,8 @@ class Discovery(BaseModel):
 
     problems: list[StepProblem] = Field(default_factory=list)
     skipped: list[SkippedCollective] = Field(default_factory=list)
+    decomposed: list[XlaDecomposed] = Field(default_factory=list, description="what XLA's windowed einsum already "
+                                            "decomposes in the compiled step (its problems are listed too)")
     warnings: list[str] = Field(default_factory=list)
     mesh: dict[str, int] = Field(default_factory=dict)
 
@@ -103,14 +117,32 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
         module = parse_module(module)
     axes = _axis_groups(mesh) if mesh else {}
     tally = _Tally()
-    dots = [(dot, times) for name, (times, _exact) in module.executions.items() if times > 0
-            for dot in module.computations[name].instructions.values()
-            if dot.opcode == "dot" and "rematted_computation" not in dot.op_name]  # remat's recompute: counted once
+    warnings: list[str] = []
+    loops = _xla_loops(module, axes)
+    in_loops = {c for loop in loops for c in loop.computations}
+    dots = [(dot, times) for dot, times in products(module, warnings)
+            if dot.computation not in in_loops  # XLA's windowed einsum: read as its loop, below
+            and "rematted_computation" not in dot.op_name]  # remat's recompute: counted once
     for backward in (False, True):  # the forward first: a weight gradient is known by its weight's shape
         for dot, times in dots:
             if ("transpose(" in dot.op_name) == backward:
                 _classify(module, dot, times, axes, tally, backward=backward)
-    problems, warnings = [], []
+    decomposed = []
+    for loop in loops:
+        decomposed.append(XlaDecomposed(role=loop.role, what=loop.what, problem=loop.problem.key if loop.problem else
+                                        None, count=loop.times))
+        if loop.problem is None:
+            warnings.append(f"{loop.what}: XLA's windowed einsum, whose problem could not be read ({loop.reason}); "
+                            "compile the step with XLA's windowed einsum off to list it")
+            continue
+        key = (loop.role, loop.problem.key)
+        if key in tally.problems:
+            tally.problems[key][1] += loop.times
+        else:
+            slots = slot_problems(loop.problem.collective, m=loop.problem.m, k=loop.problem.k, n=loop.problem.n,
+                                  dtype=loop.problem.dtype, axis_size=loop.problem.axis_size)
+            tally.problems[key] = [slots, loop.times, loop.axis, loop.source]
+    problems = []
     shapes_per_role: dict[str, set[str]] = {}
     for (role, key), (slots, count, axis, source) in tally.problems.items():
         shapes_per_role.setdefault(role, set()).add(key)
@@ -124,7 +156,8 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
                             "projection its own jax.named_scope (or Flax module) so that each is decided on its own")
     skipped = [SkippedCollective(role=role, what=what, reason=reason, count=count)
                for (role, what, reason), count in tally.skipped.items()]
-    return Discovery(problems=problems, skipped=skipped, warnings=warnings, mesh=dict(mesh or {}))
+    return Discovery(problems=problems, skipped=skipped, decomposed=decomposed, warnings=warnings,
+                     mesh=dict(mesh or {}))
 
 
 def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _Tally, *, backward: bool) -> None:
@@ -161,6 +194,13 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
         wanted = {frozenset(g) for g in groups}
         return next((name for name, g in axes.items() if g == wanted), None)
 
+    exchanged = next((o for o in (lhs, rhs) if _through(comp, o).opcode == "all-to-all"), None)
+    if exchanged is not None:
+        a2a = _through(comp, exchanged)
+        skip(f"all-to-all {a2a.name} -> {dot.name}",
+             "an all-to-all feeds the product (the exchange of expert or sequence parallelism): not a collective "
+             "matmul cmtune decomposes")
+        return
     if lhs_b and (gathered_lhs or gathered_rhs):
         collective = (gathered_lhs or gathered_rhs).collective
         skip(f"{collective.opcode} {collective.name} -> {dot.name}",
@@ -195,6 +235,10 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
             skip(what, "gathers the activation's contracting dimension (the activation is sharded on its features), "
                        "not its rows")
             return
+        if lhs_c != (len(lhs.shape.dims) - 1,):
+            skip(what, f"the product contracts the gathered operand's dimensions {set(lhs_c)}, not its last (its "
+                       "features): a weight gradient of another layout than cmtune's, not a projection")
+            return
         collective, ring, axis = COLUMN, gathered_lhs.ring, axis_of(gathered_lhs.collective)
         m, k, n = m_local, k_local, n_local * ring
     elif scattered is not None:
@@ -213,6 +257,11 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
         return
     if ring < 2:
         return
+    eight = _dequantized(comp, lhs) or _dequantized(comp, rhs)
+    if eight is not None:
+        skip(what, f"the product reads {eight} values dequantized by a scale: cmtune's ops take float32, bfloat16 "
+                   "or float16 operands, so XLA keeps this one")
+        return
     if dtype is None or rhs.shape.dtype != lhs.shape.dtype:
         skip(what, f"operands of types {lhs.shape.dtype} and {rhs.shape.dtype}: cmtune's ops take one dtype of "
                    "float32, bfloat16 or float16")
@@ -229,10 +278,300 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
         tally.problems[key] = [slots, times, axis, source]
 
 
+# ---- the products of a module, in every form a backend prints them ----------------------------
+
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$matmul")
+_PASS = ("convert", "bitcast", "copy", "reshape")  # inside a fusion, between its parameter and its dot
+
+
+def products(module: Module, warnings: list[str] | None = None) -> list[tuple[Instruction, int]]:
+    """Every matrix product of ``module`` as a ``dot`` in the computation that uses its value, with how often it
+    runs: a ``dot``; a ``convolution`` that is a matmul (``dim_labels=bf_io->bf``, as XLA's TPU compiler writes
+    dots); a cuBLAS/cuBLASLt GEMM custom call (its value: the call's first result); a fusion around one dot (a
+    Triton GEMM, an output fusion), with the fusion's operands for the dot's parameters.  A product whose
+    operands cannot be followed is a warning (in ``warnings``), never silence."""
+    warnings = [] if warnings is None else warnings
+    fused = {target for comp in module.computations.values() for inst in comp.instructions.values()
+             if inst.opcode == "fusion" for target in _called(inst)}
+    found = []
+    for name, (times, _exact) in module.executions.items():
+        if times <= 0 or name in fused:
+            continue
+        comp = module.computations[name]
+        for inst in list(comp.instructions.values()):
+            product, problem = _as_product(module, comp, inst)
+            if product is not None:
+                found.append((product, times))
+            elif problem:
+                warnings.append(f"{inst.opcode} {inst.name}: a product whose operands were not read ({problem})")
+    return found
+
+
+def _as_product(module: Module, comp, inst: Instruction) -> tuple[Instruction | None, str | None]:
+    """``inst`` as a dot (None if it is no product; then a reason if it is one that could not be read)."""
+    if inst.opcode == "dot":
+        return inst, None
+    if inst.opcode == "convolution":
+        dims = _convolution_as_dot(inst)
+        if dims is None:
+            return None, None  # a real convolution (spatial dimensions, groups): not a matmul
+        return _dot_like(inst, inst.name, inst.shape, inst.operands, dims, comp), None
+    if inst.opcode == "custom-call" and any(f'"{t}"' in inst.attributes for t in _GEMM_TARGETS):
+        dims = _gemm_dims(inst.attributes)
+        if dims is None or len(inst.operands) < 2:
+            return None, "no dot_dimension_numbers in its backend config"
+        value = inst
+        if inst.shape.is_tuple:  # (result, workspace): the product is element 0
+            value = next((u for u in comp.users.get(inst.name, ()) if u.opcode == "get-tuple-element"
+                          and u.attribute("index") == "0"), None)
+            if value is None:
+                return None, "its result is not read"
+        return _dot_like(inst, value.name, value.shape, inst.operands[:2], dims, comp), None
+    if inst.opcode == "fusion":
+        body = module.computations.get(next(iter(_called(inst)), ""))
+        inner = [i for i in body.instructions.values() if i.opcode in ("dot", "convolution")] if body else []
+        if len(inner) != 1:
+            return None, None if not inner else None
+        dot = inner[0]
+        dims = _dims_of(dot) if dot.opcode == "dot" else _convolution_as_dot(dot)
+        if dims is None:
+            return None, None
+        params = {i.name: int(i.args) for i in body.instructions.values() if i.opcode == "parameter"}
+        outer = []
+        for operand in dot.operands[:2]:
+            traced = _to_parameter(body, operand)
+            if traced is None or params.get(traced, len(inst.operands)) >= len(inst.operands):
+                return None, f"the fused {dot.opcode} {dot.name} reads {operand}, computed inside the fusion"
+            outer.append(inst.operands[params[traced]])
+        return _dot_like(dot, inst.name, inst.shape, tuple(outer), dims, comp), None
+    return None, None
+
+
+def _dot_like(source: Instruction, name: str, shape, operands, dims: dict[str, tuple[int, ...]], comp) -> Instruction:
+    """A dot named ``name`` in ``comp`` with ``operands``, the dimension numbers ``dims`` and ``source``'s metadata."""
+    numbers = ", ".join(f"{key}={{{','.join(map(str, value))}}}" for key, value in dims.items())
+    metadata = re.search(r"metadata=\{.*?\}(?=,\s*\w+=|\s*$)", source.attributes)
+    attributes = numbers + (", " + metadata.group(0) if metadata else "")
+    return Instruction(name, "dot", shape, tuple(operands), attributes, comp.name)
+
+
+def _dims_of(dot: Instruction) -> dict[str, tuple[int, ...]]:
+    return {key: dot.ints(key) for key in ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims",
+                                           "rhs_batch_dims")}
+
+
+def _convolution_as_dot(conv: Instruction) -> dict[str, tuple[int, ...]] | None:
+    """A convolution's dimension numbers as a dot's, where it is a matmul: no feature or batch groups, every window
+    of size 1 (XLA's TPU compiler writes a dot as ``dim_labels=bf_io->bf``, rows of several blocks as
+    ``0bf_io0->0bf``: a spatial dimension of the left operand is more rows, the kernel's is of size 1), the output
+    laid out as the left operand with the kernel's output features last."""
+    match = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", conv.attributes)
+    if match is None or re.search(r"(feature|batch)_group_count=([2-9]|\d\d)", conv.attributes):
+        return None
+    lhs, rhs, out = match.groups()
+    window = re.search(r"window=\{([^}]*)\}", conv.attributes)
+    sizes = re.search(r"size=([\dx]+)", window.group(1)) if window else None
+    if sizes and any(int(v) != 1 for v in sizes.group(1).split("x")):
+        return None
+    if window and re.search(r"(stride|pad|lhs_dilate|rhs_dilate)=", window.group(1)) and not \
+            re.fullmatch(r"size=[1x]+", window.group(1).strip()):
+        return None
+    if lhs.count("b") != 1 or lhs.count("f") != 1 or rhs.count("i") != 1 or rhs.count("o") != 1:
+        return None
+    if out.replace("f", "") != lhs.replace("f", "") or not out.endswith("f"):
+        return None
+    return {"lhs_contracting_dims": (lhs.index("f"),), "rhs_contracting_dims": (rhs.index("i"),),
+            "lhs_batch_dims": (), "rhs_batch_dims": ()}
+
+
+def _gemm_dims(attributes: str) -> dict[str, tuple[int, ...]] | None:
+    """A GEMM custom call's ``dot_dimension_numbers`` (its backend config) as a dot's."""
+    dims = {}
+    for key, field_ in (("lhs_contracting_dims", "lhs_contracting_dimensions"),
+                        ("rhs_contracting_dims", "rhs_contracting_dimensions"),
+                        ("lhs_batch_dims", "lhs_batch_dimensions"), ("rhs_batch_dims", "rhs_batch_dimensions")):
+        match = re.search(rf'"{field_}"\s*:\s*\[([^\]]*)\]', attributes)
+        if match is None:
+            return None
+        dims[key] = tuple(int(v) for v in re.findall(r"\d+", match.group(1)))
+    return dims
+
+
+def _to_parameter(body, name: str) -> str | None:
+    """The fusion parameter ``name`` is (through converts, bitcasts, copies, reshapes that keep the shape)."""
+    inst = body.instructions.get(name)
+    for _ in range(8):
+        if inst is None:
+            return None
+        if inst.opcode == "parameter":
+            return inst.name
+        if inst.opcode not in _PASS or not inst.operands:
+            return None
+        source = body.instructions.get(inst.operands[0])
+        if inst.opcode == "reshape" and (source is None or source.shape.dims != inst.shape.dims):
+            return None
+        inst = source
+    return None
+
+
+def _called(inst: Instruction) -> list[str]:
+    return re.findall(r"calls=%?([\w.\-]+)", inst.attributes)
+
+
+# ---- XLA's own windowed einsum --------------------------------------------------------------
+
+
+@dataclass
+class _XlaLoop:
+    role: str
+    what: str
+    times: int
+    computations: set[str]
+    problem: object | None = None  # a Problem
+    axis: str | None = None
+    source: str = ""
+    reason: str = ""
+
+
+def _xla_loops(module: Module, axes: Mapping[str, set[frozenset[int]]] | None = None) -> list[_XlaLoop]:
+    """The loops XLA's SPMD partitioner writes for a windowed einsum (its body ``windowed_dot_general_body_ag``
+    or ``_rs``): a ring of collective-permutes and partial products, with the problem each decomposes where
+    its shapes say it (a gather: m = the rows of all steps, n = the local columns times the ring; a scatter:
+    m = a step's rows times the ring, k = the local contraction times the ring)."""
+    from collective_matmul.problem import Problem
+
+    loops = []
+    for name, (times, _exact) in module.executions.items():
+        if times <= 0:
+            continue
+        for inst in module.computations[name].instructions.values():
+            body = module.computations.get(inst.attribute("body") or "") if inst.opcode == "while" else None
+            if body is None or "windowed_dot_general_body" not in body.name:
+                continue
+            kind = "allgather_matmul" if "_ag" in body.name else "matmul_reduce_scatter" if "_rs" in body.name \
+                else None
+            permutes = [i for i in body.instructions.values() if i.opcode.startswith("collective-permute")
+                        and not i.opcode.endswith("-done")]
+            dots = _body_products(module, body)
+            named = dots[0] if dots else inst  # the loop carries the product's metadata too
+            frames = [(f.file, f.line) for f in module.stack(named.stack_frame_id)]
+            role, source = label(named.op_name.rpartition("/")[0], frames), source_of(frames)
+            what = (f"while {inst.name}: XLA's windowed einsum ({'gather' if kind == COLUMN else 'scatter'}), "
+                    f"{len(permutes)} collective-permutes and {len(dots)} dots per step")
+            loop = _XlaLoop(role=role, what=what, times=times, source=source,
+                            computations={body.name, inst.attribute("condition") or ""})
+            loop.problem, loop.reason = _loop_problem(module, inst, body, kind, permutes, dots, Problem)
+            caller = module.computations[name]
+            init = caller.instructions.get(inst.operands[0]) if inst.operands else None
+            eight = next((e for o in (init.operands if init is not None and init.opcode == "tuple" else ())
+                          if (e := _dequantized(caller, caller.instructions.get(o)))), None)
+            if eight is not None and loop.problem is not None:
+                loop.problem, loop.reason = None, (f"its operands are {eight} values dequantized by a scale: cmtune's "
+                                                   "ops take float32, bfloat16 or float16")
+            ring = _ring_devices(permutes[0]) if permutes else None
+            loop.axis = next((a for a, groups in (axes or {}).items() if ring in groups), None)
+            if loop.problem is not None:
+                loop.what += f", a ring of {loop.problem.axis_size}"
+            loops.append(loop)
+    return loops
+
+
+def _ring_devices(permute: Instruction) -> frozenset[int] | None:
+    """The devices of one ring of a permute's source-target pairs (the cycle its first pair is on)."""
+    text = permute.attributes.split("source_target_pairs=", 1)
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", text[1].split("}}")[0] + "}")] \
+        if len(text) == 2 else []
+    if not pairs:
+        return None
+    after = dict(pairs)
+    ring, device = [], pairs[0][0]
+    while device in after and device not in ring:
+        ring.append(device)
+        device = after[device]
+    return frozenset(ring)
+
+
+def _body_products(module: Module, body) -> list[Instruction]:
+    return [product for inst in body.instructions.values()
+            if (product := _as_product(module, body, inst)[0]) is not None]
+
+
+def _loop_problem(module: Module, loop: Instruction, body, kind: str | None, permutes, dots, problem_type):
+    """The problem a windowed-einsum loop decomposes, or None and why.  A gather loop moves shards of the rows
+    (``[..., rows, k]``) round a ring: m = a shard's rows times the ring, n = the local columns times the ring.
+    A scatter loop slices its rows from the whole left operand (``[m, k_local]``) and moves partial sums
+    (``[m / ring, n]``): the ring is their ratio (its permutes may skip devices, two at a time)."""
+    if kind is None or not permutes:
+        return None, "neither a gather nor a scatter loop"
+    if not dots:
+        return None, "its products are fused with what feeds them (the partitioned module, which discovery reads, " \
+                     "has them whole)"
+    dot = dots[0]
+    lhs, rhs = (body.instructions.get(o) for o in dot.operands[:2])
+    moved = body.instructions.get(permutes[0].operands[0]) if permutes[0].operands else None
+    if lhs is None or rhs is None or moved is None or not moved.shape.dims:
+        return None, "its operands were not read"
+    lhs_c, rhs_c = dot.ints("lhs_contracting_dims"), dot.ints("rhs_contracting_dims")
+    k_local = math.prod(lhs.shape.dims[i] for i in lhs_c)
+    cols = math.prod(d for i, d in enumerate(rhs.shape.dims) if i not in rhs_c)
+    rows = math.prod(d for i, d in enumerate(lhs.shape.dims) if i not in lhs_c)
+    dtype = lhs.shape.dtype_name
+    if dtype not in ("float32", "bfloat16", "float16"):
+        return None, f"its operands are {lhs.shape.dtype}: cmtune's ops take float32, bfloat16 or float16"
+    shard_rows = math.prod(moved.shape.dims[:-1])
+    if kind == COLUMN:
+        ring = len(_ring_devices(permutes[0]) or ())
+        if rhs.opcode == "dynamic-slice" or moved.shape.dims[-1] != k_local or rows % max(shard_rows, 1):
+            return None, ("it moves shards of the weight or of the contracting dimension, not of the rows: not the "
+                          "layout of cmtune's ops")
+        m, k, n = shard_rows * ring, k_local, cols * ring
+    else:
+        whole = body.instructions.get(lhs.operands[0]) if lhs.opcode == "dynamic-slice" and lhs.operands else lhs
+        m = math.prod(d for i, d in enumerate(whole.shape.dims) if i not in lhs_c)
+        ring = m // max(shard_rows, 1)
+        if moved.shape.dims[-1] != cols or m % max(shard_rows, 1):
+            return None, "its partial sums are not row blocks of the product: not the layout of cmtune's ops"
+        k, n = k_local * ring, cols
+    if ring < 2:
+        return None, "its ring was not read"
+    try:
+        return problem_type(collective=kind, m=m, k=k, n=n, dtype=dtype, axis_size=ring), ""
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def _dequantized(comp, inst: Instruction | None) -> str | None:
+    """The 8-bit type ``inst`` was dequantized from (a convert of an FP8 or int8 value, times or over a broadcast
+    scale; through the ops a value passes unchanged and an all-gather), or None."""
+    for _ in range(16):
+        if inst is None:
+            return None
+        if inst.opcode == "convert" and inst.operands:
+            source = comp.instructions.get(inst.operands[0])
+            if source is not None and source.shape.dtype in EIGHT_BIT:
+                return source.shape.dtype
+        if inst.opcode in ("multiply", "divide") and len(inst.operands) == 2:
+            a, b = (comp.instructions.get(o) for o in inst.operands)
+            inst = a if b is not None and b.opcode == "broadcast" else b if a is not None and a.opcode == \
+                "broadcast" else None
+            continue
+        if inst.opcode in (*_THROUGH, "all-gather", "all-gather-done", "get-tuple-element") and inst.operands:
+            inst = comp.instructions.get(inst.operands[0])
+            continue
+        return None
+    return None
+
+
 def _gathered(module: Module, comp, inst: Instruction) -> _Gathered | None:
     """The all-gather that ``inst`` (a dot operand) is, through ops that keep its values."""
     chain = []
     for _ in range(16):
+        if inst.opcode == "async-done" and inst.operands:
+            start = comp.instructions.get(inst.operands[0])
+            wrapped = _wrapped(module, start) if start is not None else None
+            if wrapped is None or wrapped.opcode != "all-gather":
+                return None
+            inst = Instruction(inst.name, "all-gather", inst.shape, start.operands, wrapped.attributes, comp.name)
         if inst.opcode in ("all-gather", "all-gather-done", "all-gather-start"):
             start = inst
             if inst.opcode == "all-gather-done":
@@ -257,6 +596,15 @@ def _gathered(module: Module, comp, inst: Instruction) -> _Gathered | None:
                 inst = source
                 continue
             return None
+        if inst.opcode in ("multiply", "divide") and len(inst.operands) == 2:  # a dequantize's scale
+            a, b = (comp.instructions.get(o) for o in inst.operands)
+            scaled = a if b is not None and b.opcode == "broadcast" else b if a is not None and a.opcode == \
+                "broadcast" else None
+            if scaled is None or scaled.shape.dims != inst.shape.dims:
+                return None
+            chain.append(inst)
+            inst = scaled
+            continue
         if inst.opcode not in _THROUGH or not inst.operands:
             return None
         nxt = comp.instructions.get(inst.operands[0])
@@ -265,6 +613,15 @@ def _gathered(module: Module, comp, inst: Instruction) -> _Gathered | None:
         chain.append(inst)
         inst = nxt
     return None
+
+
+def _through(comp, inst: Instruction) -> Instruction:
+    """What ``inst`` is, past the ops a value passes unchanged."""
+    for _ in range(16):
+        if inst.opcode not in _THROUGH or not inst.operands or inst.operands[0] not in comp.instructions:
+            return inst
+        inst = comp.instructions[inst.operands[0]]
+    return inst
 
 
 def _forward_dim(through: Instruction, dim: int) -> int | None:
@@ -284,10 +641,13 @@ def _scattered(module: Module, comp, dot: Instruction) -> _Scattered | None:
             continue
         seen.add(inst.name)
         for user in comp.users.get(inst.name, ()):
-            if user.opcode == "reduce-scatter":
-                dims = user.ints("dimensions")
-                ring = _ratio(user, dims[0], inst) if len(dims) == 1 else 0
-                return _Scattered(user, "reduce-scatter", dims[0] if dims else None, ring)
+            wrapped = _wrapped(module, user)
+            if user.opcode in ("reduce-scatter", "reduce-scatter-start") or (wrapped and wrapped.opcode ==
+                                                                               "reduce-scatter"):
+                scatter = wrapped or user
+                dims = scatter.ints("dimensions")
+                ring = _ratio(scatter, dims[0], inst) if len(dims) == 1 else 0
+                return _Scattered(scatter, "reduce-scatter", dims[0] if dims else None, ring)
             if user.opcode in ("all-reduce", "all-reduce-start"):
                 reduced = user
                 groups = user.replica_groups(module.num_partitions)
@@ -302,6 +662,18 @@ def _scattered(module: Module, comp, dot: Instruction) -> _Scattered | None:
             if user.opcode in ("copy", "convert") and user.shape.dims == inst.shape.dims:
                 frontier.append(user)
     return None
+
+
+def _wrapped(module: Module, inst: Instruction) -> Instruction | None:
+    """The collective an ``async-start`` runs (the root of the computation it ``calls``), or None."""
+    if inst.opcode != "async-start":
+        return None
+    called = module.computations.get(next(iter(_called(inst)), ""))
+    root = called.root if called is not None else None
+    if root is None:
+        return None
+    return Instruction(root.name, root.opcode, _last_element(inst.shape) if root.opcode != "all-gather" else
+                       root.shape, inst.operands, root.attributes, inst.computation, args=root.args)
 
 
 def _slices(comp, reduced: Instruction, index: int) -> list[Instruction]:

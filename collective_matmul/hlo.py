@@ -16,11 +16,15 @@ from functools import cached_property
 
 import numpy as np
 
-DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "s32": "int32",
-          "s8": "int8", "u32": "uint32", "pred": "bool"}
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "s64": "int64", "s32": "int32",
+          "s16": "int16", "s8": "int8", "s4": "int4", "u64": "uint64", "u32": "uint32", "u16": "uint16", "u8": "uint8",
+          "u4": "uint4", "pred": "bool", "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
+          "f8e4m3fnuz": "float8_e4m3fnuz", "f8e5m2fnuz": "float8_e5m2fnuz", "f8e4m3b11fnuz": "float8_e4m3b11fnuz",
+          "f8e4m3": "float8_e4m3", "f8e3m4": "float8_e3m4", "f4e2m1fn": "float4_e2m1fn"}
+EIGHT_BIT = frozenset(k for k in DTYPES if k.startswith(("f8", "f4", "s8", "u8", "s4", "u4")))
 
 _ARRAY = re.compile(r"(\w+)\[([^\]]*)\]")
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
@@ -203,7 +207,11 @@ class Module:
 
 
 def parse_module(text: str) -> Module:
-    """Parse HLO module text (as ``Compiled.as_text()`` prints it, or an XLA dump file).
+    """Parse HLO module text (as ``Compiled.as_text()`` prints it, an XLA dump file, or a test's module).
+
+    Both spellings XLA prints are read: ``%name`` with typed operands (``f32[2]{0} %a``) and the short form
+    (bare names, ``ENTRY main {`` without a signature); an instruction or a header that continues on the
+    next lines (a long backend config) is joined first.
 
     Raises:
         ValueError: if the text holds no computation.
@@ -213,8 +221,7 @@ def parse_module(text: str) -> Module:
     tables: dict[str, dict[int, str]] = {}
     section: str | None = None
     current: Computation | None = None
-    for line in text.splitlines():
-        stripped = line.strip()
+    for stripped in _logical_lines(text):
         if stripped.startswith("HloModule"):
             name = stripped.split()[1].rstrip(",")
             match = re.search(r"num_partitions=(\d+)", stripped)
@@ -238,12 +245,55 @@ def parse_module(text: str) -> Module:
             current = None
             continue
         if current is not None:
-            inst = _instruction(line, current.name)
+            inst = _instruction(stripped, current.name)
             if inst is not None:
                 current.instructions[inst.name] = inst
     if not computations:
         raise ValueError("not an HLO module: no computation found")
+    if not any(c.is_entry for c in computations.values()):  # a module of one computation, or ENTRY not marked
+        last = list(computations.values())[-1]
+        last.is_entry = True
     return Module(name, partitions, computations, _frames(tables))
+
+
+def _logical_lines(text: str):
+    """The module's lines, stripped, with a line whose brackets do not close (outside quotes) joined to the next
+    until they do; a computation's header (ending in an open ``{``) and its closing ``}`` stay lines of their own."""
+    pending: list[str] = []
+    for line in text.splitlines():
+        stripped = re.sub(r"\s*//.*$", "", line).strip() if "//" in line and '"' not in line else line.strip()
+        if not stripped:
+            continue
+        if not pending and (stripped == "}" or _COMPUTATION.match(stripped)):
+            yield stripped
+            continue
+        pending.append(stripped)
+        joined = " ".join(pending)
+        if _balanced(joined) and not joined.endswith(","):  # attributes may go on after a trailing comma
+            pending.clear()
+            yield joined
+    if pending:
+        yield " ".join(pending)
+
+
+def _balanced(text: str) -> bool:
+    """Whether every bracket opened in ``text`` (outside quotes) is closed."""
+    depth, quote = 0, None
+    for i, c in enumerate(text):
+        if quote:
+            if c == quote and text[i - 1] != "\\":
+                quote = None
+            continue
+        if c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+    return depth <= 0
+
+
+_NO_OPERANDS = ("constant", "parameter", "iota", "partition-id", "replica-id", "rng-get-and-update-state")
 
 
 def _instruction(line: str, computation: str) -> Instruction | None:
@@ -256,14 +306,25 @@ def _instruction(line: str, computation: str) -> Instruction | None:
         shape_text, rest = rest[: end + 1], rest[end + 1 :].lstrip()
     else:
         shape_text, _, rest = rest.partition(" ")
+        while not _balanced(shape_text) and rest:  # dimensions or a layout with spaces: f32[32, 32]
+            more, _, rest = rest.partition(" ")
+            shape_text += " " + more
     opcode_match = re.match(r"([\w\-]+)\(", rest)
     if opcode_match is None:
         return None
+    opcode = opcode_match.group(1)
     start = opcode_match.end() - 1
     end = _closing(rest, start)
-    operands = tuple(_OPERAND.findall(rest[start + 1 : end]))
-    return Instruction(name, opcode_match.group(1), Shape.parse(shape_text), operands,
-                       rest[end + 1 :].lstrip(", "), computation, root, rest[start + 1 : end])
+    inside = rest[start + 1 : end]
+    operands = () if opcode in _NO_OPERANDS else tuple(_operand_name(part) for part in _split_top(inside)
+                                                       if part.strip())
+    return Instruction(name, opcode, Shape.parse(shape_text), operands, rest[end + 1 :].lstrip(", "), computation,
+                       root, inside)
+
+
+def _operand_name(part: str) -> str:
+    """An operand as the instruction names it: ``f32[2]{0} %a``, ``%a`` or ``a`` are all ``a``."""
+    return part.strip().split()[-1].lstrip("%")
 
 
 def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[Frame, int | None]]:
