@@ -58,9 +58,15 @@ def without_token(argv: list[str]) -> list[str]:
 def devices_option(text: str) -> DeviceSpec:
     """``--devices``, parsed (a bad one is a bad parameter, with the reason)."""
     try:
-        return DeviceSpec.parse(text)
+        spec = DeviceSpec.parse(text)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    if spec.kind == "tpu":  # before anything starts JAX's backends
+        import os
+
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{spec.topology.split(':', 1)[0]}-8")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    return spec
 
 
 def problems_from_options(problem: list[str] | None, model: str | None, mesh: str | None, tensor_axis: str | None):

@@ -153,12 +153,22 @@ def roles_table(resolved: dict, *, title: str) -> Table:
 def discovery_tables(discovery, *, title: str) -> list[Table]:
     """The problems a step's discovery found (role, slot, runs per step) and what it skipped, and why."""
     found = Table(title=title)
+    by_xla = any(p.xla for p in discovery.problems)
     for name, justify in [("role", "left"), ("slot", "left"), ("problem", "left"), ("per step", "right"),
-                          ("axis", "left"), ("source", "left")]:
+                          ("axis", "left"), ("source", "left"), *([("XLA", "left")] if by_xla else [])]:
         found.add_column(name, justify=justify)
     for p in discovery.problems:
-        found.add_row(p.role, p.slot, p.problem.key, str(p.count), p.axis or "-", p.source or "-")
+        found.add_row(p.role, p.slot, p.problem.key, str(p.count), p.axis or "-", p.source or "-",
+                      *(["decomposes it itself" if p.xla else "-"] if by_xla else []))
     tables = [found] if discovery.problems else []
+    if discovery.decomposed:
+        loops = Table(title="collective matmuls XLA's own windowed einsum decomposes in the step as compiled (each "
+                            "is a problem above too: tuned against XLA's choice)")
+        for name in ("role", "loop", "problem", "per step"):
+            loops.add_column(name)
+        for d in discovery.decomposed:
+            loops.add_row(d.role, d.what, d.problem or "-", str(d.count))
+        tables.append(loops)
     if discovery.skipped:
         skipped = Table(title="collectives next to a dot that are not decomposed")
         for name in ("role", "what", "per step", "why"):
@@ -181,4 +191,26 @@ def sites_table(sites, *, title: str) -> Table:
         cells = [f"{f.decomposition.id} ({f.match})" for f in (site.found[s] for s in
                                                               ("forward", "grad_input", "grad_weight"))]
         table.add_row(site.role, site.source, site.problems["forward"].key, *cells)
+    return table
+
+
+def compiled_table(results, *, title: str) -> Table:
+    """Candidates compiled and never run: compile seconds, memory per device and the schedule's overlap verdict.
+    The first rows are the product as written (XLA's windowed einsum at its default, then off and on)."""
+    table = Table(title=title, caption="compiled, not timed: a verdict says whether a product is scheduled while "
+                                       "each permute is in flight; times need the hardware")
+    for name, justify in (("program", "left"), ("status", "left"), ("compile", "right"), ("memory / device", "right"),
+                          ("overlap", "left"), ("why", "left")):
+        table.add_column(name, justify=justify)
+    for r in results:
+        name = r.decomposition.id
+        if r.decomposition.method == "baseline" and (r.xla_options or r is results[0]):
+            setting = "default" if not r.xla_options else "off" if any(v is False for v in r.xla_options.values()) \
+                else "on"
+            name = f"as written (XLA windowed einsum {setting})"
+        colour = {"overlaps": "green", "serialised": "red", "partly": "yellow"}.get(r.overlap or "", "")
+        verdict = f"[{colour}]{r.overlap}[/{colour}]" if colour else (r.overlap or "-")
+        table.add_row(name, r.status, fmt_seconds(r.compile_s),
+                      "-" if r.memory_bytes is None else f"{r.memory_bytes / 2**20:.1f} MiB", verdict,
+                      r.overlap_note if r.status == "compiled" else r.message[:200])
     return table

@@ -27,10 +27,17 @@ def prepare(devices: str) -> DeviceSpec | None:
         typer.BadParameter: for ``processes:N`` without D, or ``auto``.
     """
     from cmtune.workers.cluster import configure
+    from collective_matmul.topology import TopologyError
 
     spec = devices_option(devices)
     if spec.kind == "auto":
         spec = DeviceSpec.parse(DEFAULT_DEVICES)
+    if spec.kind == "tpu":
+        try:
+            configure(spec)
+        except TopologyError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--devices") from None
+        return spec
     if spec.kind == "processes" and not spec.local:
         raise typer.BadParameter(f"{devices!r}: a step's mesh decides the device count; give processes:PxD "
                                  f"(e.g. processes:{spec.count}x4)", param_hint="--devices")
@@ -57,13 +64,15 @@ def load(text: str):
         return ref, ref.load()
 
 
-def discover_step(ref: SpecRef, fn):
-    """NAME's step as written, and its collective matmuls: ``(Built, Discovery)``."""
+def discover_step(ref: SpecRef, fn, spec: DeviceSpec | None = None):
+    """NAME's step as written, and its collective matmuls: ``(Built, Discovery)`` (on a TPU topology's devices
+    where ``spec`` names one: compiled, never run)."""
     from cmtune.workers.userstep import Built
     from collective_matmul.discovery import discover
 
+    devices = spec.tpu_devices() if spec is not None and spec.kind == "tpu" else None
     with spec_errors():
-        built = Built.of(fn, None, spec=str(ref))
+        built = Built.of(fn, None, spec=str(ref), devices=devices)
         return built, discover(built.step, built.args, built.mesh)
 
 
@@ -92,10 +101,11 @@ def no_problems(ref: SpecRef, discovery) -> None:
 
 def problems(step: str, devices: str, as_json: bool) -> None:
     """`cmtune problems --step`: list what discovery finds."""
-    if prepare(devices) is None:
+    spec = prepare(devices)
+    if spec is None:
         return
     ref, fn = load(step)
-    built, discovery = discover_step(ref, fn)
+    built, discovery = discover_step(ref, fn, spec)
     if not _leader():
         return
     if as_json:

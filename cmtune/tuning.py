@@ -27,7 +27,8 @@ def bench(
     out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines (the bounds last)")] = None,
 ) -> None:
     """Time every valid decomposition of one problem against the baseline, then its bounds (the local matmul
-    alone, the collective alone)."""
+    alone, the collective alone); on a TPU topology (--devices tpu:v5p:2x2x2) compile each instead: its memory and
+    its schedule's overlap verdict, beside the product as written with XLA's windowed einsum off and on."""
     from collective_matmul import Problem
 
     try:
@@ -38,9 +39,39 @@ def bench(
     if spec.needs_group:
         return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count)
     from cmtune.workers.cluster import configure
+    from collective_matmul.topology import TopologyError
 
-    configure(spec, auto_virtual=parsed.axis_size)
+    try:
+        configure(spec, auto_virtual=parsed.axis_size)
+    except TopologyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    if spec.compile_only:
+        return _compile_sweep(parsed, spec, out=out)
     _run_sweep(parsed, repeats=repeats, warmup=warmup, out=out)
+
+
+def _compile_sweep(problem, spec, *, out: Path | None) -> None:
+    """`cmtune bench` on a TPU topology: every candidate compiled (memory, overlap verdict), nothing timed."""
+    from rich.progress import Progress
+
+    from cmtune.report import compiled_table
+    from cmtune.workers.aot import compile_all, ring_mesh_of
+    from collective_matmul import candidates
+
+    devices = spec.tpu_devices()
+    try:
+        mesh = ring_mesh_of(devices, problem.axis_size)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc} of tpu:{spec.topology}", param_hint="--problem") from None
+    configs = candidates(problem)
+    with Progress(console=console, transient=True) as progress:
+        progress.add_task(f"compiling {len(configs) + 3} programs of {problem.key} for tpu:{spec.topology}")
+        results = compile_all(problem, mesh, configs)
+    console.print(compiled_table(results, title=f"{problem.key} compiled for tpu:{spec.topology} "
+                                                f"({len(devices)} devices, rings of {problem.axis_size})"))
+    if out is not None:
+        out.write_text("".join(r.model_dump_json() + "\n" for r in results))
+        console.print(f"wrote {len(results)} compiled candidates to {out}")
 
 
 def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:

@@ -299,7 +299,7 @@ def products(module: Module, warnings: list[str] | None = None) -> list[tuple[In
             continue
         comp = module.computations[name]
         for inst in list(comp.instructions.values()):
-            product, problem = _as_product(module, comp, inst)
+            product, problem = as_product(module, comp, inst)
             if product is not None:
                 found.append((product, times))
             elif problem:
@@ -307,7 +307,7 @@ def products(module: Module, warnings: list[str] | None = None) -> list[tuple[In
     return found
 
 
-def _as_product(module: Module, comp, inst: Instruction) -> tuple[Instruction | None, str | None]:
+def as_product(module: Module, comp, inst: Instruction) -> tuple[Instruction | None, str | None]:
     """``inst`` as a dot (None if it is no product; then a reason if it is one that could not be read)."""
     if inst.opcode == "dot":
         return inst, None
@@ -339,12 +339,25 @@ def _as_product(module: Module, comp, inst: Instruction) -> tuple[Instruction | 
         params = {i.name: int(i.args) for i in body.instructions.values() if i.opcode == "parameter"}
         outer = []
         for operand in dot.operands[:2]:
-            traced = _to_parameter(body, operand)
+            traced = _to_parameter(body, operand, module)
             if traced is None or params.get(traced, len(inst.operands)) >= len(inst.operands):
                 return None, f"the fused {dot.opcode} {dot.name} reads {operand}, computed inside the fusion"
             outer.append(inst.operands[params[traced]])
         return _dot_like(dot, inst.name, inst.shape, tuple(outer), dims, comp), None
     return None, None
+
+
+def is_product(module: Module, inst: Instruction, depth: int = 0) -> bool:
+    """Whether ``inst`` computes a matrix product: a dot, a convolution that is a matmul, a GEMM custom call, or a
+    fusion holding one (at any depth)."""
+    if inst.opcode == "dot" or (inst.opcode == "convolution" and _convolution_as_dot(inst) is not None):
+        return True
+    if inst.opcode == "custom-call":
+        return any(f'"{t}"' in inst.attributes for t in _GEMM_TARGETS)
+    if inst.opcode == "fusion" and depth < 8:
+        body = module.computations.get(next(iter(_called(inst)), ""))
+        return body is not None and any(is_product(module, i, depth + 1) for i in body.instructions.values())
+    return False
 
 
 def _dot_like(source: Instruction, name: str, shape, operands, dims: dict[str, tuple[int, ...]], comp) -> Instruction:
@@ -397,14 +410,22 @@ def _gemm_dims(attributes: str) -> dict[str, tuple[int, ...]] | None:
     return dims
 
 
-def _to_parameter(body, name: str) -> str | None:
-    """The fusion parameter ``name`` is (through converts, bitcasts, copies, reshapes that keep the shape)."""
+def _to_parameter(body, name: str, module: Module | None = None) -> str | None:
+    """The fusion parameter ``name`` is (through converts, bitcasts, copies, reshapes that keep the shape, and
+    nested fusions of one operand that are only such ops, as XLA's TPU compiler writes a layout change)."""
     inst = body.instructions.get(name)
     for _ in range(8):
         if inst is None:
             return None
         if inst.opcode == "parameter":
             return inst.name
+        if inst.opcode == "fusion" and module is not None and len(inst.operands) == 1:
+            nested = module.computations.get(next(iter(_called(inst)), ""))
+            root = nested.root if nested is not None else None
+            if root is None or _to_parameter(nested, root.name, module) is None:
+                return None
+            inst = body.instructions.get(inst.operands[0])
+            continue
         if inst.opcode not in _PASS or not inst.operands:
             return None
         source = body.instructions.get(inst.operands[0])
@@ -493,7 +514,7 @@ def _ring_devices(permute: Instruction) -> frozenset[int] | None:
 
 def _body_products(module: Module, body) -> list[Instruction]:
     return [product for inst in body.instructions.values()
-            if (product := _as_product(module, body, inst)[0]) is not None]
+            if (product := as_product(module, body, inst)[0]) is not None]
 
 
 def _loop_problem(module: Module, loop: Instruction, body, kind: str | None, permutes, dots, problem_type):
@@ -714,12 +735,14 @@ def _axis_groups(mesh: Mapping[str, int]) -> dict[str, set[frozenset[int]]]:
 # ---- lowering a step (JAX) ------------------------------------------------------------------
 
 
-def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None) -> tuple[str, str | None]:
+def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None,
+                       options: Mapping | None = None) -> tuple[str, str | None]:
     """The text of ``step``'s module after SPMD partitioning, compiled for ``args`` (never run), and a
     note when only the optimized module could be had.
 
     ``step`` is jitted if it is not already; ``args`` may be arrays or `jax.ShapeDtypeStruct`s
-    with shardings.
+    with shardings; ``options``: more compile options (XLA's windowed einsum off, say).  XLA's TPU compiler
+    writes the module as ``after_tpu-spmd-partitioning``, the others as ``after_spmd-partitioning``.
     """
     import jax
 
@@ -727,8 +750,9 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None) -
     lowered = jitted.lower(*args, **(kwargs or {}))
     with tempfile.TemporaryDirectory(prefix="cmtune-discover-") as directory:
         compiled = lowered.compile(compiler_options={"xla_dump_to": directory,
-                                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        dumps = sorted(f for f in os.listdir(directory) if "after_spmd-partitioning" in f and f.endswith(".txt"))
+                                                     "xla_dump_hlo_pass_re": "spmd-partitioning", **(options or {})})
+        dumps = sorted(f for f in os.listdir(directory)
+                       if re.search(r"after_(tpu-)?spmd-partitioning", f) and f.endswith(".txt"))
         if dumps:
             with open(os.path.join(directory, dumps[-1])) as handle:
                 return handle.read(), None
@@ -741,18 +765,44 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None) -
 def discover(step, args: Sequence, mesh=None, *, kwargs: Mapping | None = None) -> Discovery:
     """The collective matmuls of one training step (see the module docstring).
 
+    Where XLA's own windowed einsum already decomposes some of them (TPU, at its size threshold), the step is
+    compiled a second time with it off: the problems are read from that plain module, each marked with how XLA
+    decomposes it (`StepProblem.xla`), and the loops are listed in ``decomposed``.
+
     Args:
         step: the step, jitted or not (as a step spec's ``NAME(tuned=None)`` returns it).
         args: its arguments: arrays or `jax.ShapeDtypeStruct`s with their shardings.
-        mesh: the step's mesh, to name each ring's axis (optional).
+        mesh: the step's mesh, to name each ring's axis and to know its platform (optional).
         kwargs: keyword arguments of the step, if any.
 
     Returns:
-        A `Discovery`: problems with slot, role and runs per step; skipped collectives and why.
+        A `Discovery`: problems with slot, role and runs per step; skipped collectives and why; what XLA decomposes.
     """
+    from collective_matmul.xla_options import windowed_einsum
+
     text, note = partitioned_module(step, args, kwargs=kwargs)
     shape = {str(name): int(size) for name, size in mesh.shape.items()} if mesh is not None else None
     found = scan(text, shape)
+    platform = mesh.devices.flat[0].platform if mesh is not None else None
+    off = windowed_einsum(platform, "off") if platform else None
+    if found.decomposed and off is not None:
+        plain_text, _ = partitioned_module(step, args, kwargs=kwargs, options=off)
+        found = _marked(scan(plain_text, shape), found)
     if note:
         found.warnings.append(note)
     return found
+
+
+def _marked(plain: Discovery, default: Discovery) -> Discovery:
+    """The problems of the step compiled with XLA's windowed einsum off, each marked with how XLA decomposes it in
+    the step as compiled (matched by role and problem, or by role where the loop's problem was not read)."""
+    by_problem = {(d.role, d.problem): d for d in default.decomposed if d.problem}
+    by_role = {d.role: d for d in default.decomposed}
+    problems = []
+    for p in plain.problems:
+        loop = by_problem.get((p.role, p.problem.key)) or (by_role.get(p.role) if p.slot == "forward" else None)
+        note = f"XLA's windowed einsum decomposes this at its threshold: {loop.what}"[:400] if loop else None
+        problems.append(p.model_copy(update={"xla": note}) if note else p)
+    warnings = [w for w in default.warnings if "windowed einsum" not in w] + plain.warnings
+    return plain.model_copy(update={"problems": problems, "decomposed": default.decomposed,
+                                    "warnings": list(dict.fromkeys(warnings))})

@@ -100,6 +100,9 @@ class Status(StrEnum):
     ERROR = "error"
 
 
+OverlapVerdict = Literal["overlaps", "partly", "serialised", "synchronous", "no permutes"]
+
+
 # --- the measurement record -------------------------------------------------------------------
 
 
@@ -212,15 +215,40 @@ class Measurement(_Timed, BaseModel):
     ratio: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                 description="median of candidate/baseline paired ratios")
     ratio_iqr: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    overlap: OverlapVerdict | None = Field(default=None, description="the compiled schedule's verdict "
+                                           "(collective_matmul.schedule): does a product run while each permute "
+                                           "is in flight?")
+    overlap_note: Message = Field(default="", description="the verdict in words: how many permutes hide behind "
+                                                          "a product")
     protocol: Protocol = Protocol()
 
     @model_validator(mode="after")
     def _consistent(self) -> Measurement:
         if self.status == Status.OK and (self.candidate is None or self.baseline is None or self.ratio is None):
             raise ValueError("an 'ok' measurement needs 'candidate' and 'baseline' timings and a 'ratio'")
+
         if self.ratio is not None and self.candidate is not None and self.baseline is not None:
             _check_ratio(self, self.candidate, self.baseline, "the candidate's", "the baseline's")
         return self
+
+
+class CompiledCandidate(BaseModel):
+    """One candidate compiled for devices it cannot run on (a TPU topology compiled ahead of time): its compile,
+    its memory per device and its schedule's overlap verdict, never a time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    problem: Problem
+    decomposition: Decomposition
+    hardware: Hardware
+    status: Literal["compiled", "compile_error", "oom"]
+    message: Message = ""
+    compile_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60)
+    overlap: OverlapVerdict | None = None
+    overlap_note: Message = ""
+    xla_options: dict[ShortText, bool | int] = Field(default_factory=dict, description="the compile options it "
+                                                     "needs (method 'xla': XLA's windowed einsum on)")
 
 
 class BoundsMeasurement(BaseModel):
@@ -529,6 +557,8 @@ class StepProblem(BaseModel):
     count: int = Field(ge=1, le=1 << 30, description="runs per step")
     axis: ShortText | None = Field(default=None, description="the mesh axis of the ring, where known")
     source: Source = Field(default="", description="file:line of the call")
+    xla: message(400) | None = Field(default=None, description="how XLA's own windowed einsum decomposes it in the "
+                                     "step as compiled, where it does (the contender of a ring)")
 
 
 class DiscoveredStep(BaseModel):

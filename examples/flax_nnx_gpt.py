@@ -15,10 +15,11 @@ plainly (``tuned=None``), XLA's partitioner places the all-gathers and reduce-sc
 `collective_matmul.Tuned` client the same layers take cmtune's ``dot_general``
 (`collective_matmul.flax`), which runs the tuned decompositions.
 
-`gpt_step` is the step spec cmtune's commands take: ``gpt_step(tuned=None) -> (step, args, mesh)``
-builds the model, the optimizer and a batch on a mesh of ``jax.devices()`` (model axis up to 8
-devices, data axis the rest) and returns the jitted training step (it donates its state) and
-its arguments.  `tiny_gpt_step` is the same at a size for tests, on a 2 × 4 mesh.
+`gpt_step` is the step spec cmtune's commands take: ``gpt_step(tuned=None, devices=None) -> (step, args,
+mesh)`` builds the model, the optimizer and a batch on a mesh of ``devices`` (cmtune's; model axis up to 8
+devices, data axis the rest) and returns the jitted training step (it donates its state) and its
+arguments; on a TPU slice compiled for ahead of time (``--devices tpu:v5p:2x2x1``) the arguments are
+abstract and nothing runs.  `tiny_gpt_step` is the same at a size for tests, on a 2 × 4 mesh.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul import flax as cm_flax
+from collective_matmul.topology import compile_only, mesh_of
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,12 @@ class GPT(nnx.Module):
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
 
-def make_mesh(model: int | None = None):
-    """A data × model mesh of ``jax.devices()``: the model axis up to 8 devices (or ``model``), data the rest."""
-    count = jax.device_count()
-    model = model or math.gcd(count, 8)
-    return jax.make_mesh((count // model, model), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+def make_mesh(model: int | None = None, devices=None):
+    """A data × model mesh of ``devices`` (default ``jax.devices()``): the model axis up to 8 devices (or
+    ``model``), data the rest."""
+    devices = list(devices) if devices is not None else jax.devices()
+    model = model or math.gcd(len(devices), 8)
+    return mesh_of(devices, (len(devices) // model, model), ("data", "model"), axis_types=AxisType.Auto)
 
 
 def loss_fn(model: GPT, tokens, targets):
@@ -135,42 +138,53 @@ def train_step(graphdef, loss):
     return jax.jit(step, donate_argnums=0)
 
 
-def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int = 0, optimizer=None):
+def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int = 0, optimizer=None, devices=None):
     """``(step, (state, tokens, targets), mesh)``: the training step, its arguments and the mesh.
 
-    ``optimizer``: an optax transformation (default AdamW at ``cfg.learning_rate``).
+    ``optimizer``: an optax transformation (default AdamW at ``cfg.learning_rate``); ``devices``: the mesh's
+    (default ``jax.devices()``).  On devices that cannot run here (a TPU slice compiled ahead of time,
+    `collective_matmul.topology.compile_only`) the arguments are abstract: shapes, dtypes and shardings.
     """
-    mesh = make_mesh(model_axis)
+    mesh = make_mesh(model_axis, devices)
 
-    with jax.set_mesh(mesh):  # parameters and optimizer state are created sharded as annotated
+    def create():
         model = GPT(cfg, mesh, tuned, rngs=nnx.Rngs(seed))
-        optimizer = nnx.Optimizer(model, optimizer or optax.adamw(cfg.learning_rate), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
+        return model, nnx.Optimizer(model, optimizer or optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+
     batch_sharding = NamedSharding(mesh, P("data", "model"))
+    if devices is not None and compile_only(devices):
+        with jax.set_mesh(mesh):
+            graphdef, state = nnx.split(nnx.eval_shape(create))
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                             nnx.get_named_sharding(state, mesh))
+        batch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32, sharding=batch_sharding)
+        return train_step(graphdef, loss_fn), (state, batch, batch), mesh
+    with jax.set_mesh(mesh):  # parameters and optimizer state are created sharded as annotated
+        graphdef, state = nnx.split(create())
     keys = jax.random.split(jax.random.key(seed + 1))
     tokens, targets = (jax.jit(partial(jax.random.randint, shape=(cfg.batch, cfg.seq), minval=0, maxval=cfg.vocab),
                                out_shardings=batch_sharding)(k) for k in keys)
     return train_step(graphdef, loss_fn), (state, tokens, targets), mesh
 
 
-def gpt_step(tuned=None):
+def gpt_step(tuned=None, devices=None):
     """The step spec at the demo's size (see the module docstring)."""
-    return build(DEMO, tuned)
+    return build(DEMO, tuned, devices=devices)
 
 
-def wide_gpt_step(tuned=None):
+def wide_gpt_step(tuned=None, devices=None):
     """The step spec with heads of 128 (see `WIDE`)."""
-    return build(WIDE, tuned)
+    return build(WIDE, tuned, devices=devices)
 
 
-def one_layer_gpt_step(tuned=None):
+def one_layer_gpt_step(tuned=None, devices=None):
     """The step spec with one block (the demo preset's shapes): the layer count's share of the gain."""
-    return build(Config(head_dim=16, layers=1), tuned)
+    return build(Config(head_dim=16, layers=1), tuned, devices=devices)
 
 
-def tiny_gpt_step(tuned=None):
+def tiny_gpt_step(tuned=None, devices=None):
     """The step spec at a test size, on a 2 × 4 (data × model) mesh."""
-    return build(TINY, tuned, model_axis=4)
+    return build(TINY, tuned, model_axis=4, devices=devices)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ decision can depend on one process's timings.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,23 +70,33 @@ def join(spec: ClusterSpec) -> None:
     )
 
 
-DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N (N local gloo processes) "
-                "or processes:PxD (P processes of D devices each)")
+DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N (N local gloo processes), "
+                "processes:PxD (P processes of D devices each) or tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, "
+                "compiled for ahead of time: needs libtpu, nothing runs)")
+_TOPOLOGY = re.compile(r"[a-z][a-z0-9]*:\d+(x\d+)*")
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """``auto``, ``virtual:N``, ``processes:N`` or ``processes:PxD`` as given on the command line.
+    """``auto``, ``virtual:N``, ``processes:N``, ``processes:PxD`` or ``tpu:TOPOLOGY`` as given on the command line.
 
-    ``local`` is D of ``processes:PxD`` (devices per process), 0 where the command decides.
+    ``local`` is D of ``processes:PxD`` (devices per process), 0 where the command decides; ``topology`` is a TPU
+    slice's name as libtpu takes it (``v5p:2x2x1``): its devices are compiled for, never run.
     """
 
     kind: str
     count: int = 0
     local: int = 0
+    topology: str = ""
 
     @classmethod
     def parse(cls, text: str) -> DeviceSpec:
+        if text.startswith("tpu:"):
+            topology = text.removeprefix("tpu:")
+            if not _TOPOLOGY.fullmatch(topology):
+                raise ValueError(f"{text!r}: expected tpu:TOPOLOGY, a TPU slice as libtpu names it (tpu:v5p:2x2x1, "
+                                 "tpu:v5e:2x2, tpu:v4:4x4x4)")
+            return cls("tpu", topology=topology)
         kind, _, count = text.partition(":")
         local = ""
         if kind == "processes" and "x" in count:
@@ -96,6 +107,17 @@ class DeviceSpec:
                 or (kind != "auto" and int(count) < 1) or (kind == "auto" and count):
             raise ValueError(f"{text!r}: expected {DEVICES_HELP}, or auto")
         return cls(kind, int(count) if count else 0, int(local) if local else 0)
+
+    @property
+    def compile_only(self) -> bool:
+        """True for a TPU topology: programs are compiled for its devices and checked, never timed."""
+        return self.kind == "tpu"
+
+    def tpu_devices(self) -> list:
+        """The devices of ``tpu:TOPOLOGY`` (`collective_matmul.topology.tpu_devices`)."""
+        from collective_matmul.topology import tpu_devices
+
+        return tpu_devices(self.topology)
 
     @property
     def needs_group(self) -> bool:
@@ -121,10 +143,15 @@ def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
     if cluster is not None:
         join(cluster)
         return
+    import jax
+
+    if spec.kind in ("virtual", "tpu") and not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # a TPU plugin installed for compiles must not start up
+    if spec.kind == "tpu":
+        spec.tpu_devices()  # libtpu is there and takes the name, or the command says what to do
+        return
     count = spec.count if spec.kind == "virtual" else auto_virtual if spec.kind == "auto" else 0
     if count > 0:
-        import jax
-
         jax.config.update("jax_num_cpu_devices", count)
 
 

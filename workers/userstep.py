@@ -113,17 +113,25 @@ class Built:
     mesh: object
 
     @classmethod
-    def of(cls, fn: Callable, tuned, *, spec: str = "NAME") -> Built:
-        """Call ``fn(tuned=tuned)`` and check what it returns.
+    def of(cls, fn: Callable, tuned, *, spec: str = "NAME", devices=None) -> Built:
+        """Call ``fn(tuned=tuned)`` (with ``devices=devices`` where NAME takes them and they are given: the devices
+        cmtune set up, a TPU slice compiled for ahead of time among them) and check what it returns.
 
         Raises:
-            SpecError: if NAME raises or returns something other than ``(step, args, mesh)``.
+            SpecError: if NAME raises or returns something other than ``(step, args, mesh)``, or is given devices
+                it does not take.
         """
+        import inspect
+
         import jax
         from jax.sharding import Mesh
 
+        takes = "devices" in inspect.signature(fn).parameters
+        if devices is not None and not takes:
+            raise SpecError(f"{spec} takes no 'devices': to compile for a TPU topology, give it a devices argument "
+                            "and build its mesh and (abstract) arguments on them (collective_matmul.topology)")
         try:
-            out = fn(tuned=tuned)
+            out = fn(tuned=tuned, devices=devices) if takes and devices is not None else fn(tuned=tuned)
         except Exception as exc:
             kind = "None" if tuned is None else type(tuned).__name__
             raise SpecError(f"{spec}(tuned={kind}) raised {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,31 @@
+"""The XLA options a backend's own decomposition of collective matmuls is set with (its *windowed einsum*).
+
+XLA's SPMD partitioner can itself rewrite an all-gather → dot or a dot → reduce-scatter as a loop of
+collective-permutes and partial dots, above a size threshold: on TPU by default, on GPU when asked.  cmtune
+times that as a candidate family of its own (``method="xla"``), and discovery compiles a step with it off to
+see the plain collectives it rewrites.  CPU has no windowed einsum: no options, nothing extra is timed there.
+"""
+
+from __future__ import annotations
+
+# per platform: the options that turn XLA's windowed einsum off (plain collectives) and on (at any size)
+WINDOWED_EINSUM: dict[str, dict[str, dict[str, object]]] = {
+    "tpu": {
+        "off": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False},
+        "on": {"xla_jf_spmd_threshold_for_windowed_einsum_mib": 0},
+    },
+    "gpu": {  # not compiled here: the options of the pinned XLA, as its debug options name them
+        "off": {"xla_gpu_threshold_for_windowed_einsum_mib": 1_000_000},
+        "on": {"xla_gpu_threshold_for_windowed_einsum_mib": 0},
+    },
+}
+PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def windowed_einsum(platform: str, setting: str) -> dict[str, object] | None:
+    """The compile options that turn XLA's windowed einsum ``setting`` (``on`` or ``off``) on ``platform``, or None
+    where the backend has none (CPU)."""
+    if setting not in ("on", "off"):
+        raise ValueError(f"windowed einsum is 'on' or 'off', got {setting!r}")
+    return WINDOWED_EINSUM.get(PLATFORM_ALIASES.get(platform, platform), {}).get(setting)

@@ -1,0 +1,107 @@
+"""Compiling candidates for devices that cannot run them here (a TPU slice compiled ahead of time).
+
+`CompileSession` is the measurement protocol without its timing: each candidate of a problem is lowered for
+abstract inputs laid out as the problem says, compiled by the backend's real compiler, and recorded as a
+`collective_matmul.wire.CompiledCandidate`: compile seconds, memory per device
+(``Compiled.memory_analysis()``) and the compiled schedule's overlap verdict (`collective_matmul.schedule`).
+Beside cmtune's candidates it compiles the product as a user writes it, with XLA's own windowed einsum off
+and on (`collective_matmul.xla_options`), where the backend has one: what a ring is up against there.
+Nothing runs; nothing here is a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cmtune.workers.measure import compiled_memory, default_program, error_message, operand_shapes
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.ops import input_shardings
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.schedule import overlap
+from collective_matmul.text import as_message
+from collective_matmul.wire import CompiledCandidate
+from collective_matmul.xla_options import windowed_einsum
+
+AS_WRITTEN = "as written"  # the plain product under GSPMD, XLA's windowed einsum as the backend has it by default
+
+
+class CompileSession:
+    """One problem's candidates compiled for ``mesh`` (its last axis the ring: every ring of the mesh runs the
+    program at once), never run."""
+
+    def __init__(self, problem: Problem, mesh: Mesh):
+        self.problem, self.mesh = problem, mesh
+        self.axis = mesh.axis_names[-1]
+        if mesh.shape[self.axis] != problem.axis_size:
+            raise ValueError(f"{problem.key} needs a ring of {problem.axis_size} devices, the mesh has "
+                             f"{mesh.shape[self.axis]}")
+        self.platform = mesh.devices.flat[0].platform
+        self.hardware = Hardware.detect(list(mesh.devices.flat))
+        shapes, dtype = operand_shapes(problem), jnp.dtype(problem.dtype)
+        self.args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, sharding in
+                     zip(shapes, input_shardings(problem.collective, mesh, self.axis), strict=True)]
+
+    def compile(self, config: Decomposition) -> CompiledCandidate:
+        """Compile ``config``'s program; a failure is the record's status, never an exception."""
+        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware)
+        try:
+            self.problem.check(config)
+        except ValueError as exc:
+            return CompiledCandidate(**record, status="compile_error", message=f"invalid decomposition: {exc}")
+        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis), {})
+
+    def as_written(self, windowed: str | None = None) -> CompiledCandidate:
+        """The product as a user writes it (a plain ``jnp`` product, GSPMD placing the collective), with XLA's
+        windowed einsum ``off`` or ``on`` (None: the backend's default, its size threshold)."""
+        options = windowed_einsum(self.platform, windowed) if windowed else {}
+        record = dict(problem=self.problem, decomposition=Decomposition.baseline(), hardware=self.hardware)
+        return self._compiled(record, plain_program(self.problem, self.mesh, self.axis), options or {})
+
+    def _compiled(self, record: dict, program, options: dict) -> CompiledCandidate:
+        started = time.perf_counter()
+        try:
+            compiled = jax.jit(program).lower(*self.args).compile(compiler_options=options or None)
+        except Exception as exc:  # noqa: BLE001 - any compile failure is a result
+            oom = "RESOURCE_EXHAUSTED" in str(exc) or "out of memory" in str(exc).lower()
+            return CompiledCandidate(**record, status="oom" if oom else "compile_error",
+                                     message=as_message(error_message(exc), 2000), xla_options=options)
+        seconds = time.perf_counter() - started
+        verdict = overlap(compiled.as_text())
+        return CompiledCandidate(**record, status="compiled", compile_s=seconds, memory_bytes=compiled_memory(compiled),
+                                 overlap=verdict.verdict, overlap_note=verdict.summary(), xla_options=options)
+
+
+def plain_program(problem: Problem, mesh: Mesh, axis: str):
+    """The problem's product as a user writes it: one ``jnp`` product of the sharded operands, its result laid out
+    as the problem's op lays it (XLA's partitioner places the collective, and may decompose it itself)."""
+    out = {"allgather_matmul": P(None, axis), "matmul_reduce_scatter": P(axis, None),
+           "allgather_grad_weight": P(None, axis)}[problem.collective]
+    sharding = NamedSharding(mesh, out)
+    if problem.collective == "allgather_grad_weight":
+        return lambda u, v: jax.lax.with_sharding_constraint(jnp.tensordot(u, v, axes=((0,), (0,))), sharding)
+    return lambda x, w: jax.lax.with_sharding_constraint(x @ w, sharding)
+
+
+def ring_mesh_of(devices: Sequence, ring: int) -> Mesh:
+    """The devices as ``len(devices) // ring`` rings of ``ring`` neighbours (axes ``rings``, ``ring``)."""
+    from collective_matmul.topology import mesh_of
+
+    if len(devices) % ring:
+        raise ValueError(f"a ring of {ring} does not divide the {len(devices)} devices")
+    return mesh_of(devices, (len(devices) // ring, ring), ("rings", "ring"))
+
+
+def compile_all(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[CompiledCandidate]:
+    """The product as written (by default, and with XLA's windowed einsum off and on where the backend has it),
+    then every one of ``configs``, compiled for ``mesh``."""
+    session = CompileSession(problem, mesh)
+    written = [session.as_written()]
+    if windowed_einsum(session.platform, "off") is not None:
+        written += [session.as_written("off"), session.as_written("on")]
+    return written + [session.compile(config) for config in configs]
