@@ -878,6 +878,10 @@ class HeartbeatOut(BaseModel):
     lease: LeasePublic | None = None
 
 
+# the field of a result's body (`ResultIn`) that carries the result of each kind of trial
+RESULT_FIELDS = {TrialKind.SEARCH: "measurement", TrialKind.CONFIRM: "measurements", TrialKind.STEP: "step"}
+
+
 class ResultIn(BaseModel):
     """A trial's result: ``measurement`` (search trial), ``measurements`` (confirmation) or ``step`` (step)."""
 
