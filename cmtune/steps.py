@@ -339,7 +339,7 @@ def _write_decision(decision, model: str, hardware, bundle: Path, say, overrides
     """Say what the search chose, and the step against its bound (``tuned``: the tuned config of each collective
     matmul the step runs, None where untuned), and write its overrides (``overrides``: those of ``decision``)
     into ``bundle``."""
-    from cmtune.tuner.engine import with_step_bound
+    from cmtune.tuner.stepping import with_step_bound
 
     if not decision.ok:
         say(f"[red]no decision: {decision.summary}[/red]")

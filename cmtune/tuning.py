@@ -179,7 +179,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cmtune.report import tune_table
-    from cmtune.tuner.engine import study_settings
+    from cmtune.tuner.searching import study_settings
     from cmtune.tuner.warm import Known, seeds
     from cmtune.workers.cluster import Group
     from cmtune.workers.local import LocalTuner

@@ -5,7 +5,7 @@ tests all speak these types, so a field means the same thing everywhere:
 
 - keys: `Problem`, `Hardware`, `Decomposition` (defined beside the ops, re-exported here);
 - the measurement record: `Protocol`, `Timing`, `Measurement`, `Status`, a confirmation's `BoundsMeasurement`;
-- the lifecycle: `StudyState`, `TrialState`, `TrialKind` (the database checks the same values);
+- the lifecycle: `StudyState`, `TrialState`, `TrialKind` (the database checks the same values), `StopReason`;
 - tuned configs and bundles: `TunedConfig`, `Bundle`;
 - the REST API's bodies: ``XCreate`` in, ``XPublic`` out, and the worker's lease and result.
 
@@ -33,8 +33,8 @@ from collective_matmul.text import label, message
 
 __all__ = [
     "BoundsMeasurement", "Bundle", "Confirmation", "Decomposition", "Hardware", "Measurement", "OpConfigs", "Problem",
-    "Protocol", "Reconfirmation", "RoleOverride", "Software", "Status", "StepMeasurement", "StepVariant", "StudyKind",
-    "StudyState", "Timing",
+    "Protocol", "Reconfirmation", "RoleOverride", "Software", "Status", "StepMeasurement", "StepVariant", "StopReason",
+    "StudyKind", "StudyState", "Timing",
     "TrialKind", "TrialState", "TunedConfig",
 ]
 
@@ -87,6 +87,25 @@ class StudyKind(StrEnum):
 
     SEARCH = "search"
     STEP = "step"
+
+
+class StopReason(StrEnum):
+    """Why a study stopped searching, or how it ended (a study's ``stop_reason``, stored as its value).
+
+    A step study that grades its step search stores the search's own reason instead
+    (`cmtune.tuner.stepsearch.StepSearch.plan`: the budget of rounds it spent, or the full pass that changed nothing).
+    """
+
+    TRIAL_BUDGET = "trial budget"
+    TIME_BUDGET = "time budget"
+    NO_IMPROVEMENT = "no improvement"
+    NEIGHBOURS_AGREE = "neighbours agree"  # a warm-started search learnt what its neighbours predicted
+    EXHAUSTED = "exhausted"
+    BASELINE_FAILED = "baseline failed"
+    CANCELLED = "cancelled"
+    MEASURED = "measured"  # a step study of one round, graded by its worker
+    RECONFIRMED = "re-confirmed"  # a re-confirmation whose stored winner won again
+    REPLACED = "replaced"  # a re-confirmation that a new winner decided
 
 
 class Status(StrEnum):
@@ -645,7 +664,7 @@ def reconfirm_outcome(state: StudyState, stop_reason: str | None) -> Outcome:
     if state.active:
         return "waiting"
     if state == StudyState.COMPLETED:
-        return "replaced" if stop_reason == "replaced" else "re-confirmed"
+        return "replaced" if stop_reason == StopReason.REPLACED else "re-confirmed"
     return "failed" if state == StudyState.FAILED else "cancelled"
 
 
@@ -889,6 +908,10 @@ class HeartbeatOut(BaseModel):
     lease: LeasePublic | None = None
 
 
+# the field of a result's body (`ResultIn`) that carries the result of each kind of trial
+RESULT_FIELDS = {TrialKind.SEARCH: "measurement", TrialKind.CONFIRM: "measurements", TrialKind.STEP: "step"}
+
+
 class ResultIn(BaseModel):
     """A trial's result: ``measurement`` (search trial), ``measurements`` (confirmation) or ``step`` (step)."""
 
@@ -1078,7 +1101,7 @@ class Speedup(BaseModel):
 
 
 class StepChoice(BaseModel):
-    """What a step measurement decided (`cmtune.tuner.engine.step_decision`), stored with its step study and
+    """What a step measurement decided (`cmtune.tuner.stepsearch.step_decision`), stored with its step study and
     served as stored: the variant that runs, graded in the fresh rounds after the decision where the
     worker ran them."""
 

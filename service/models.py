@@ -134,7 +134,7 @@ class Study(Base):
     # a re-confirmation study: the stored config it re-times on its stack (collective_matmul.wire.Reconfirmation)
     reconfirm: Mapped[dict[str, Any] | None]
     submission_id: Mapped[int | None] = mapped_column(ForeignKey("submissions.id", ondelete="SET NULL"))
-    # the transitions: cmtune.tuner.engine.STUDY_MOVES
+    # the transitions: cmtune.tuner.states.STUDY_MOVES
     state: Mapped[StudyState] = mapped_column(enum_column(StudyState, "study_state"), index=True,
                                               default=StudyState.PENDING)
     settings: Mapped[dict[str, Any]]
@@ -188,7 +188,7 @@ class Trial(Base):
     # the candidate (search) or the contenders (confirm), as Decomposition JSON objects
     decompositions: Mapped[list[Any]]
     decomposition_id: Mapped[str] = mapped_column(String(64))
-    # the transitions: cmtune.tuner.engine.TRIAL_MOVES
+    # the transitions: cmtune.tuner.states.TRIAL_MOVES
     state: Mapped[TrialState] = mapped_column(enum_column(TrialState, "trial_state"), index=True,
                                               default=TrialState.PENDING)
     attempts: Mapped[int] = mapped_column(default=0)

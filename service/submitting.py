@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 from cmtune.service.errors import InvalidError
 from cmtune.service.views import studies_public
-from cmtune.tuner.engine import Engine, study_settings
+from cmtune.tuner.engine import Engine
+from cmtune.tuner.searching import study_settings
+from cmtune.tuner.stepping import step_study_of
 from cmtune.tuner.warm import nearest_seeds
 from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems
 from collective_matmul.problem import Hardware, Problem
@@ -110,7 +112,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     if model is not None and body.step.measure and not body.force:
         # two identical submissions at once: the second sees the first's study
         tx.submissions.lock_hardware(hardware)
-        joined = engine.step_study_of(tx, block=model, mesh=mesh, hardware=hardware)
+        joined = step_study_of(tx, block=model, mesh=mesh, hardware=hardware)
         if joined is not None:
             return StudyCreated(studies=[], submission_id=joined.submission_id, joined=True, skipped=[
                 Skipped(problem=f"step:{model.name}", study_id=joined.id, reason="under study")])

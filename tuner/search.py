@@ -40,7 +40,7 @@ from collective_matmul.costmodel import PROFILES, HardwareProfile, rank
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import candidates
-from collective_matmul.wire import Measurement, Seed, TunedConfig
+from collective_matmul.wire import Measurement, Seed, StopReason, TunedConfig
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
 MAX_REPEATS = 8  # TPE proposals of already-seen candidates before the cost model's next choice is taken
@@ -271,18 +271,18 @@ class Searcher:
 
 def stop_reason(
     settings: SearchSettings, finished: Sequence[Finished], *, elapsed_s: float, exhausted: bool, in_flight: int = 0
-) -> str | None:
+) -> StopReason | None:
     """Why a study should ask for no more candidates, or None to go on.
 
     Trials in flight count against the trial budget: they will finish.  A seeded study also stops when
     its neighbours agree (`neighbours_agree`).
     """
     if exhausted:
-        return "exhausted"
+        return StopReason.EXHAUSTED
     if settings.max_trials is not None and len(finished) + in_flight >= settings.max_trials:
-        return "trial budget"
+        return StopReason.TRIAL_BUDGET
     if settings.max_seconds is not None and elapsed_s >= settings.max_seconds:
-        return "time budget"
+        return StopReason.TIME_BUDGET
     if settings.patience is not None:
         best, since = float("inf"), 0
         for f in finished:
@@ -291,9 +291,9 @@ def stop_reason(
             else:
                 since += 1
         if since >= settings.patience:
-            return "no improvement"
+            return StopReason.NO_IMPROVEMENT
     if neighbours_agree(settings, finished):
-        return "neighbours agree"
+        return StopReason.NEIGHBOURS_AGREE
     return None
 
 

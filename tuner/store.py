@@ -112,7 +112,7 @@ class StudyRecord:
     kind: StudyKind = StudyKind.SEARCH
     step: StepSpec | None = None
     submission_id: int | None = None
-    decision: StepChoice | None = None  # a completed step study's (`cmtune.tuner.engine.step_decision`)
+    decision: StepChoice | None = None  # a completed step study's (`cmtune.tuner.stepsearch.step_decision`)
     software: Software | None = None  # the stack its trials run on (None: any worker of the hardware)
     reconfirm: Reconfirmation | None = None  # a re-confirmation study's (`Engine.create_reconfirmation`)
 
@@ -216,8 +216,8 @@ class StoreTx(TypingProtocol):
 
     def apply_study_move(self, study_id: int, to: StudyState, *, expected: StudyState, **changes) -> bool:
         """The study's state becomes ``to``, with ``changes``, if it is still ``expected`` (one conditional
-        statement); whether it moved.  Called by `Engine._move_study` alone, once `STUDY_MOVES` allows the move
-        (tests/tuner/test_engine.py checks that nothing else calls it)."""
+        statement); whether it moved.  Called by `cmtune.tuner.states.move_study` alone, once `STUDY_MOVES` allows
+        the move (tests/tuner/test_engine.py checks that nothing else calls it)."""
         ...
 
     def apply_trial_move(self, trial_id: int, to: TrialState, *, expected: TrialState, study_id: int,
@@ -225,8 +225,8 @@ class StoreTx(TypingProtocol):
         """The trial's state becomes ``to``, with ``changes``, if it is still ``expected`` (a trial another
         transaction claimed since this one read it stays as it is); whether it moved.  ``study_changes``
         (progress, as `update_study`) update its study ``study_id`` in the same write (one statement where the
-        store can), only if the trial moved.  Called by `Engine._move_trial` alone, once `TRIAL_MOVES` allows
-        the move."""
+        store can), only if the trial moved.  Called by `cmtune.tuner.states.move_trial` alone, once
+        `TRIAL_MOVES` allows the move."""
         ...
 
     def save_tuned(self, config: TunedConfig, *, study_id: int | None) -> None:
@@ -239,7 +239,8 @@ def refuse_state(changes: dict) -> dict:
     """``changes`` of a study's or a trial's columns, refused with `TypeError` if they set a state: states change
     only through the engine's guard (`apply_study_move`, `apply_trial_move`)."""
     if "state" in changes:
-        raise TypeError("a state changes only through the engine's guard (Engine._move_study, Engine._move_trial)")
+        raise TypeError("a state changes only through the engine's guard (cmtune.tuner.states.move_study, "
+                        "move_trial)")
     return changes
 
 

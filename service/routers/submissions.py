@@ -7,7 +7,8 @@ from fastapi import APIRouter
 from cmtune.service.deps import Id, ReaderDep, StoreDep
 from cmtune.service.errors import NotFoundError, responses
 from cmtune.service.lookup import bounds_fields
-from cmtune.tuner.engine import step_decision, step_task_configs
+from cmtune.tuner.stepping import step_task_configs
+from cmtune.tuner.stepsearch import step_decision
 from collective_matmul.wire import (
     StepPublic,
     StudyState,

@@ -2,8 +2,8 @@
 
 The policy (when expiry runs, what a late result gets, who may report) is `cmtune.service.leasing`'s;
 this room holds its SQL.  A claim is a trial's move from pending to leased, checked against the
-engine's `TRIAL_MOVES` where it is made (`Leases.claim`); a lease that expires or is given back moves
-its trial through the engine (`Engine.release`, `Engine.abandon`).  Claims use ``FOR UPDATE SKIP
+engine's `TRIAL_MOVES` (`cmtune.tuner.states`) where it is made (`Leases.claim`); a lease that expires or is
+given back moves its trial through the engine (`Engine.release`, `Engine.abandon`).  Claims use ``FOR UPDATE SKIP
 LOCKED`` on PostgreSQL; SQLite's write transaction is exclusive.
 
 On PostgreSQL a result's lease ends, its worker's trial counts, and the next trial is claimed and
@@ -37,7 +37,7 @@ from cmtune.service.store.base import (
     workers,
 )
 from cmtune.service.store.prepared import Prepared
-from cmtune.tuner.engine import check_trial_move
+from cmtune.tuner.states import check_trial_move
 from cmtune.tuner.store import TrialRecord
 from collective_matmul.problem import Hardware, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyState, TrialState

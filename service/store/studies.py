@@ -2,7 +2,7 @@
 
 The hot paths (a claim, a result, a study's history, a new study) are single Core statements, built once at
 import and run through `Prepared`.  States change only in `apply_study_move` / `apply_trial_move`, which
-the engine's guard calls (`Engine._move_study` / `_move_trial`); `update_study` refuses a state.
+the engine's guard calls (`cmtune.tuner.states.move_study` / `move_trial`); `update_study` refuses a state.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ import pytest
 from cmtune.service import migrate
 from cmtune.service.db import Database
 from cmtune.service.store import SqlStore, SubmissionRecord
-from cmtune.tuner import engine as engine_module
-from cmtune.tuner.engine import Engine, study_settings
+from cmtune.tuner import states
+from cmtune.tuner.engine import Engine
 from cmtune.tuner.errors import ConflictError
+from cmtune.tuner.searching import study_settings
 from collective_matmul import Hardware, Problem
 from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol, TrialState
@@ -36,7 +37,7 @@ def test_a_lease_claims_only_along_trial_moves(store, monkeypatch):
         study = Engine().create_study(tx, problem=PROBLEM, hardware=HW, settings=study_settings(PROBLEM, HW),
                                       protocol=Protocol(), now=NOW)
         worker_id, _ = tx.workers.add(name="w", hardware=HW, software=Software(), memory_bytes=None, now=NOW)
-    monkeypatch.setitem(engine_module.TRIAL_MOVES, TrialState.PENDING, frozenset({TrialState.CANCELLED}))
+    monkeypatch.setitem(states.TRIAL_MOVES, TrialState.PENDING, frozenset({TrialState.CANCELLED}))
     with pytest.raises(ConflictError, match="cannot become leased"), store.write() as tx:
         tx.leases.claim_leased(hardware=HW, worker_id=worker_id, now=NOW, seconds=60)
     monkeypatch.undo()

@@ -15,7 +15,7 @@ def test_profiles_are_chosen_by_hardware():
 
 
 def test_an_unknown_platform_is_tuned_with_the_generic_profile():
-    from cmtune.tuner.engine import profile_name_for, study_settings
+    from cmtune.tuner.searching import profile_name_for, study_settings
 
     rocm = Hardware(platform="rocm", device_kind="MI300X", device_count=8)
     assert profile_for(rocm) is None

@@ -18,10 +18,12 @@ from sqlalchemy import create_engine
 from cmtune.service import migrate
 from cmtune.service.db import Database
 from cmtune.service.store import SqlStore
-from cmtune.tuner import engine as engine_module
-from cmtune.tuner.engine import Engine, profile_name_for, study_settings, task_for
+from cmtune.tuner import states
+from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.search import SearchSettings, default_budget
+from cmtune.tuner.searching import profile_name_for, study_settings
+from cmtune.tuner.states import move_study, move_trial
 from cmtune.tuner.store import InMemoryStore
 from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition, Hardware, MeshSpec, OpConfigs, Problem, TunedConfig, candidates
@@ -389,7 +391,7 @@ def test_states_change_only_through_the_engines_guard(store, monkeypatch):
             tx.apply_study_move(study_id, StudyState.RUNNING, expected=StudyState.PENDING,
                                 state=StudyState.COMPLETED)
     assert driver.study(study_id)[0].state == StudyState.PENDING
-    monkeypatch.setitem(engine_module.TRIAL_MOVES, TrialState.PENDING,
+    monkeypatch.setitem(states.TRIAL_MOVES, TrialState.PENDING,
                         frozenset({TrialState.FAILED, TrialState.CANCELLED}))
     with pytest.raises(ConflictError, match="is pending; it cannot become leased"):
         driver.claim(study_id)
@@ -407,11 +409,11 @@ def test_a_move_from_a_state_read_before_another_claim_changes_nothing(store):
         study = tx.study(study_id)
     driver.claim(study_id)  # another worker claims it (and starts the study) in between
     with driver.store.transaction(write=True) as tx:
-        assert not Engine._move_trial(tx, stale, TrialState.CANCELLED, strict=False, message="not needed")
+        assert not move_trial(tx, stale, TrialState.CANCELLED, strict=False, message="not needed")
         with pytest.raises(ConflictError, match="no longer pending"):
-            Engine._move_trial(tx, stale, TrialState.CANCELLED, message="not needed")
+            move_trial(tx, stale, TrialState.CANCELLED, message="not needed")
     with driver.store.transaction(write=True) as tx:
-        assert not Engine._move_study(tx, study, StudyState.RUNNING, strict=False, started_at=START)
+        assert not move_study(tx, study, StudyState.RUNNING, strict=False, started_at=START)
     with driver.store.transaction() as tx:
         assert tx.trial(stale.id).state == TrialState.LEASED and tx.trial(stale.id).message is None
         assert tx.study(study_id).state == StudyState.RUNNING
@@ -438,8 +440,8 @@ def test_a_search_that_stops_keeps_what_a_worker_claimed_in_between(store):
 
 
 def test_only_the_guard_applies_a_move():
-    """`apply_study_move` / `apply_trial_move` are called from `Engine._move_study` / `_move_trial` alone (the
-    stores define them; nothing else in the installed packages calls them)."""
+    """`apply_study_move` / `apply_trial_move` are called from `move_study` / `move_trial` (`tuner/states.py`) alone
+    (the stores define them; nothing else in the installed packages calls them)."""
     callers = set()
     for path in sorted(ROOT.glob("*/**/*.py")):
         if path.parts[len(ROOT.parts)] in ("tests", "docs", "bench", ".venv"):
@@ -452,8 +454,52 @@ def test_only_the_guard_applies_a_move():
                 if isinstance(node, ast.Attribute) and node.attr in ("apply_study_move", "apply_trial_move") \
                         and isinstance(node.ctx, ast.Load):
                     callers.add((path.relative_to(ROOT).as_posix(), function.name, node.attr))
-    assert callers == {("tuner/engine.py", "_move_study", "apply_study_move"),
-                       ("tuner/engine.py", "_move_trial", "apply_trial_move")}, callers
+    assert callers == {("tuner/states.py", "move_study", "apply_study_move"),
+                       ("tuner/states.py", "move_trial", "apply_trial_move")}, callers
+
+
+class KindBranches(ast.NodeVisitor):
+    """Where code outside the dispatch (`part_of`) tells the kinds of study apart: a comparison with a
+    `StudyKind` / `TrialKind` or a re-confirmation, or a read of a study's kind or re-confirmation."""
+
+    def __init__(self):
+        self.found: list[str] = []
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        if node.name != "part_of":
+            self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        if {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & {"StudyKind", "TrialKind"}:
+            self.found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr == "reconfirm" or (node.attr == "kind" and isinstance(node.value, ast.Name)
+                                        and node.value.id == "study"):
+            self.found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        self.generic_visit(node)
+
+    @classmethod
+    def of(cls, source: str) -> list[str]:
+        visitor = cls()
+        visitor.visit(ast.parse(source))
+        return visitor.found
+
+
+def test_the_engine_tells_the_kinds_of_study_apart_in_one_place():
+    """`Engine` owns the lifecycle's entry points and leaves what differs by kind to the kind's module
+    (`tuner/searching.py`, `tuner/stepping.py`): `part_of` chooses it, and nothing else in `tuner/engine.py`
+    branches on a study's kind, a trial's kind or a re-confirmation; the class stays under 300 lines."""
+    assert KindBranches.of("if study.kind == StudyKind.STEP or trial.kind != TrialKind.CONFIRM: pass")
+    assert KindBranches.of("x = {1: 2}[study.kind] if study.reconfirm is None else 3")
+    source = (ROOT / "tuner" / "engine.py").read_text()
+    assert KindBranches.of(source) == []
+    tree = ast.parse(source)
+    (dispatch,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "part_of"]
+    assert "StudyKind" in ast.unparse(dispatch)
+    (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+    assert engine.end_lineno - engine.lineno + 1 < 300
 
 
 # ---- the step study's search ---------------------------------------------------------------------------------
