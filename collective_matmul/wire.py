@@ -92,8 +92,8 @@ class StudyKind(StrEnum):
 class StopReason(StrEnum):
     """Why a study stopped searching, or how it ended (a study's ``stop_reason``, stored as its value).
 
-    A step study that grades its step search stores the search's own reason instead
-    (`cmtune.tuner.stepsearch.StepSearch.plan`: the budget of rounds it spent, or the full pass that changed nothing).
+    A step study's search stops at its budget of rounds or after a full pass over the roles that changed nothing
+    (`cmtune.tuner.stepsearch.StepSearch.plan` says which in words).
     """
 
     TRIAL_BUDGET = "trial budget"
@@ -106,6 +106,8 @@ class StopReason(StrEnum):
     MEASURED = "measured"  # a step study of one round, graded by its worker
     RECONFIRMED = "re-confirmed"  # a re-confirmation whose stored winner won again
     REPLACED = "replaced"  # a re-confirmation that a new winner decided
+    STEP_BUDGET = "step budget"  # a step search that spent its rounds
+    NOTHING_LEFT = "nothing left to try"  # a step search whose full pass over the roles changed nothing
 
 
 class Status(StrEnum):

@@ -202,7 +202,7 @@ class Stepping:
             move_study(tx, study, S.FAILED, finished_at=now, message=plan.reason[:2000])
             return done
         if plan.kind == "grade":
-            move_study(tx, study, S.CONFIRMING, stop_reason=plan.reason[:200])
+            move_study(tx, study, S.CONFIRMING, stop_reason=plan.stop)
         tx.add_trials(study.id, TrialKind.STEP, [_flat(winners)], now, after=trial.number, variants=[plan.variants])
         return done
 

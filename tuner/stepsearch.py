@@ -67,7 +67,7 @@ from cmtune.tuner.variants import (
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem, Software
-from collective_matmul.wire import MAX_VARIANT_NAME, Speedup, StepChoice, StepMeasurement, StepVariant
+from collective_matmul.wire import MAX_VARIANT_NAME, Speedup, StepChoice, StepMeasurement, StepVariant, StopReason
 
 Setting = Mapping[str, OpConfigs]  # a variant's configs per role; a role it does not name runs its op-level winners
 Variants = dict[str, dict[str, OpConfigs] | None]  # name -> setting, in the order to time them (None: the reference)
@@ -269,7 +269,8 @@ class Plan:
     round: int
     variants: Variants
     role: str | None = None  # the role a search round improves (None: the seeds)
-    reason: str = ""  # why the search stopped (grade) or failed
+    reason: str = ""  # why the search stopped (grade) or failed, in words
+    stop: StopReason | None = None  # why it stopped (grade), as a study stores it
 
 
 @dataclass(frozen=True)
@@ -362,7 +363,8 @@ class StepSearch:
         if not self.rounds:
             return Plan("search", 1, self.seeds())
         if len(self.rounds) >= self.budget:
-            return self._grade(f"the search budget of {self.budget} round{'s' * (self.budget > 1)}")
+            return self._grade(f"the search budget of {self.budget} round{'s' * (self.budget > 1)}",
+                               StopReason.STEP_BUDGET)
         roles = self.space.roles
         timed: Variants = {REFERENCE: None, self.incumbent: self.names[self.incumbent]}
         if self._pending is not None:
@@ -374,7 +376,8 @@ class StepSearch:
                 return Plan("search", number, timed | proposals, role=role)
         if self._pending is not None:  # nothing left to propose: the round re-checks the last acceptance alone
             return Plan("search", number, timed)
-        return self._grade("a full pass over the roles changed nothing: no role has a change left to try")
+        return self._grade("a full pass over the roles changed nothing: no role has a change left to try",
+                           StopReason.NOTHING_LEFT)
 
     def seeds(self) -> Variants:
         """Round 1: the reference, the all-baseline step, the op-level winners and the whole-step alternatives
@@ -430,9 +433,10 @@ class StepSearch:
                 break
         return found
 
-    def _grade(self, reason: str) -> Plan:
+    def _grade(self, reason: str, stop: StopReason) -> Plan:
         names = dict.fromkeys([REFERENCE, "baseline", *self._fixed(), self.seed, self.incumbent])
-        return Plan("grade", len(self.rounds) + 1, {name: self.names[name] for name in names}, reason=reason)
+        return Plan("grade", len(self.rounds) + 1, {name: self.names[name] for name in names}, reason=reason,
+                    stop=stop)
 
     def _fixed(self) -> list[str]:
         """The seeds the first round timed and ran (the fixed settings the choice is graded against)."""

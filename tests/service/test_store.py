@@ -76,3 +76,13 @@ def test_both_stores_answer_exactly_the_engines_interface():
 
     assert public(Studies) == public(StoreTx)
     assert public(InMemoryStore) == public(StoreTx) | {"transaction"}
+
+
+def test_every_stop_reason_fits_its_column():
+    """A study stores its stop reason as the enum's value: each must fit studies.stop_reason (PostgreSQL refuses a
+    longer one, which left a step search that stopped after a full pass unable to be saved there)."""
+    from cmtune.service.models import Study
+    from collective_matmul.wire import StopReason
+
+    length = Study.__table__.c.stop_reason.type.length
+    assert all(len(reason.value) <= length for reason in StopReason), length

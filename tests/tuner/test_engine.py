@@ -596,7 +596,7 @@ def test_a_step_study_searches_round_by_round_and_every_store_decides_alike(stor
     assert list(graded) == ["as-written", "baseline", "tuned", "always-ring", "r2-qkv-fw2"]  # every fixed setting
     assert graded["r2-qkv-fw2"]["qkv"].forward == driver.runner_up
     decision = study.decision
-    assert study.stop_reason == "the search budget of 3 rounds" and decision.variant == "r2-qkv-fw2"
+    assert study.stop_reason == "step budget" and decision.variant == "r2-qkv-fw2"
     assert decision.seed == "always-ring" and decision.fresh_rounds and decision.rounds == 3
     assert decision.vs_seed.median == pytest.approx(driver.seconds(graded["always-ring"])
                                                     / driver.seconds(graded["r2-qkv-fw2"]))
