@@ -167,6 +167,17 @@ def slot_collective(collective: str, slot: str) -> str:
     return {"forward": collective, "grad_input": DUAL[collective], "grad_weight": GRAD_WEIGHT}[slot]
 
 
+def slot_label(role: str, slot: str) -> str:
+    """A role's slot as a label: ``role`` for its forward, else ``role.slot`` (``mlp_up.grad_weight``)."""
+    return role if slot == "forward" else f"{role}.{slot}"
+
+
+def parse_slot_label(text: str) -> tuple[str, str]:
+    """``(role, slot)`` of a `slot_label` (``role.forward`` is read as ``role``)."""
+    role, dot, slot = text.rpartition(".")
+    return (role, slot) if dot and slot in SLOTS else (text, "forward")
+
+
 def slot_problems(collective: str, *, m: int, k: int, n: int, dtype: str, axis_size: int) -> dict[str, Problem]:
     """The three problems of one op call, ``{"forward" | "grad_input" | "grad_weight": problem}``: the one rule.
 
@@ -227,7 +238,7 @@ def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem
     found: dict[str, tuple[Problem, list[str]]] = {}
     for role, slots in role_problems(model, mesh).items():
         for slot, problem in slots.items():
-            found.setdefault(problem.key, (problem, []))[1].append(role if slot == "forward" else f"{role}.{slot}")
+            found.setdefault(problem.key, (problem, []))[1].append(slot_label(role, slot))
     return [ModelProblem(problem=prob, count=len(roles), roles=tuple(roles)) for prob, roles in found.values()]
 
 
