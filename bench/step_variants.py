@@ -6,12 +6,13 @@
         'r4-mlp_up-tuned+*.grad_weight=baseline'
 
 A variant is a name the record's rounds timed (``always-ring``, ``r4-mlp_up-tuned``, ...), then any
-number of edits ``+<role>.<slot>=<what>``: ``<role>`` one of the block's roles or ``*`` (every role),
-``<slot>`` ``forward``, ``grad_input`` or ``grad_weight``, ``<what>`` ``baseline`` (the fused baseline
-for a weight gradient), ``ring`` (the fixed ring) or another recorded variant's name (that slot as
-it runs it).  The step as written is the reference; the variants are timed in interleaved rounds,
-each in its own order, slowest process per run (`cmtune.workers.step.StepSession`), as bench/step.py
-times them.
+number of edits ``+<role>.<slot>=<what>``: ``<role>.<slot>`` a role's slot as
+`collective_matmul.models.slot_label` names it (``mlp_up`` or ``mlp_up.forward`` the forward,
+``mlp_up.grad_input``, ``mlp_up.grad_weight``), ``<role>`` one of the block's roles or ``*`` (every
+role), ``<what>`` ``baseline`` (the fused baseline for a weight gradient), ``ring`` (the fixed ring)
+or another recorded variant's name (that slot as it runs it).  The step as written is the
+reference; the variants are timed in interleaved rounds, each in its own order, slowest process
+per run (`cmtune.workers.step.StepSession`), as bench/step.py times them.
 
 Prints one line per variant: its time over the step as written, and over the first variant
 (paired by round: quartiles), and whether it is faster than the first in 3 of 4 rounds
@@ -28,7 +29,6 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-SLOTS = ("forward", "grad_input", "grad_weight")
 
 
 def recorded(record: dict) -> dict:
@@ -53,6 +53,7 @@ def parse_variant(spec: str, named: dict) -> dict:
     """
     from cmtune.tuner.variants import FIXED_RING
     from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+    from collective_matmul.models import SLOTS, parse_slot_label
 
     base, *edits = spec.split("+")
     if base not in named:
@@ -60,9 +61,9 @@ def parse_variant(spec: str, named: dict) -> dict:
     setting = dict(named[base])
     for edit in edits:
         target, _, what = edit.partition("=")
-        role, _, slot = target.partition(".")
+        role, slot = parse_slot_label(target)
         roles = list(setting) if role == "*" else [role]
-        if slot not in SLOTS or not what or any(r not in setting for r in roles):
+        if not what or any(r not in setting for r in roles):
             raise SystemExit(f"{spec!r}: {edit!r} is not <role>.<slot>=<what> with a role of {sorted(setting)} "
                              f"or '*', a slot of {SLOTS}, and baseline, ring or a recorded variant")
         for r in roles:

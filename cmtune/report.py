@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from collective_matmul.bounds import Bounds, hidden_fraction
+from collective_matmul.models import slot_label
 from collective_matmul.wire import BoundsMeasurement, Measurement
 
 
@@ -145,8 +146,7 @@ def roles_table(resolved: dict, *, title: str) -> Table:
         table.add_column(name)
     for role, slots in resolved.items():
         for slot, found in slots.items():
-            name = role if slot == "forward" else f"{role}.{slot}"
-            table.add_row(name, found.problem, found.decomposition, f"{found.match} ({found.source})")
+            table.add_row(slot_label(role, slot), found.problem, found.decomposition, f"{found.match} ({found.source})")
     return table
 
 

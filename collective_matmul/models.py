@@ -148,30 +148,55 @@ Role = label(MAX_ROLE_LENGTH)  # role_overrides.role
 ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")  # the reference block's
 SLOTS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
 COLUMN, ROW = "allgather_matmul", "matmul_reduce_scatter"  # the two forward collectives
-_DUAL = {COLUMN: ROW, ROW: COLUMN}
+GRAD_WEIGHT = "allgather_grad_weight"  # every op call's weight-gradient collective
+DUAL = {COLUMN: ROW, ROW: COLUMN}  # the collective of a forward's input gradient
+
+
+def slot_collective(collective: str, slot: str) -> str:
+    """The collective of ``slot`` of an op call whose forward is ``collective``: the forward itself, its dual for
+    the input gradient (`DUAL`: an all-gather matmul's ``dx`` is a matmul reduce-scatter, and the reverse),
+    `GRAD_WEIGHT` for the weight gradient.
+
+    Raises:
+        ValueError: if ``collective`` is not one of the two forward collectives, or ``slot`` not one of `SLOTS`.
+    """
+    if collective not in DUAL:
+        raise ValueError(f"collective must be one of {sorted(DUAL)}, got {collective!r}")
+    if slot not in SLOTS:
+        raise ValueError(f"slot must be one of {list(SLOTS)}, got {slot!r}")
+    return {"forward": collective, "grad_input": DUAL[collective], "grad_weight": GRAD_WEIGHT}[slot]
+
+
+def slot_label(role: str, slot: str) -> str:
+    """A role's slot as a label: ``role`` for its forward, else ``role.slot`` (``mlp_up.grad_weight``)."""
+    return role if slot == "forward" else f"{role}.{slot}"
+
+
+def parse_slot_label(text: str) -> tuple[str, str]:
+    """``(role, slot)`` of a `slot_label` (``role.forward`` is read as ``role``)."""
+    role, dot, slot = text.rpartition(".")
+    return (role, slot) if dot and slot in SLOTS else (text, "forward")
 
 
 def slot_problems(collective: str, *, m: int, k: int, n: int, dtype: str, axis_size: int) -> dict[str, Problem]:
     """The three problems of one op call, ``{"forward" | "grad_input" | "grad_weight": problem}``: the one rule.
 
-    The forward is ``(collective, m, k, n)``.  The input gradient is the dual collective with k
-    and n swapped (an all-gather matmul's ``dx`` is a matmul reduce-scatter, and the reverse).
-    The weight gradient contracts the tokens: ``allgather_grad_weight`` with k, n = K, N for an
-    all-gather matmul (``dW = all_gather(x)ᵀ dy``) and N, K for a matmul reduce-scatter
-    (``dWᵀ = all_gather(dy)ᵀ x``).
+    The forward is ``(collective, m, k, n)``.  The input gradient is the dual collective
+    (`slot_collective`) with k and n swapped.  The weight gradient contracts the tokens:
+    ``allgather_grad_weight`` with k, n = K, N for an all-gather matmul
+    (``dW = all_gather(x)ᵀ dy``) and N, K for a matmul reduce-scatter (``dWᵀ = all_gather(dy)ᵀ x``).
 
     Raises:
         ValueError: if ``collective`` is not one of the two forward collectives, or a dimension
             does not divide over the ring.
     """
-    if collective not in _DUAL:
-        raise ValueError(f"collective must be one of {sorted(_DUAL)}, got {collective!r}")
+    collectives = {slot: slot_collective(collective, slot) for slot in SLOTS}
     common = dict(m=m, dtype=dtype, axis_size=axis_size)
     grad_weight = (k, n) if collective == COLUMN else (n, k)
     return {
-        "forward": Problem(collective=collective, k=k, n=n, **common),
-        "grad_input": Problem(collective=_DUAL[collective], k=n, n=k, **common),
-        "grad_weight": Problem(collective="allgather_grad_weight", k=grad_weight[0], n=grad_weight[1], **common),
+        "forward": Problem(collective=collectives["forward"], k=k, n=n, **common),
+        "grad_input": Problem(collective=collectives["grad_input"], k=n, n=k, **common),
+        "grad_weight": Problem(collective=collectives["grad_weight"], k=grad_weight[0], n=grad_weight[1], **common),
     }
 
 
@@ -213,7 +238,7 @@ def model_problems(model: TransformerBlock, mesh: MeshSpec) -> list[ModelProblem
     found: dict[str, tuple[Problem, list[str]]] = {}
     for role, slots in role_problems(model, mesh).items():
         for slot, problem in slots.items():
-            found.setdefault(problem.key, (problem, []))[1].append(role if slot == "forward" else f"{role}.{slot}")
+            found.setdefault(problem.key, (problem, []))[1].append(slot_label(role, slot))
     return [ModelProblem(problem=prob, count=len(roles), roles=tuple(roles)) for prob, roles in found.values()]
 
 

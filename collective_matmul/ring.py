@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+from collective_matmul.models import slot_collective
 from collective_matmul.problem import check_decomposition, resolved_accumulate, ring_hops
 from collective_matmul.reference import (
     baseline_allgather_grad_weight_shard,
@@ -52,9 +53,6 @@ from collective_matmul.reference import (
 )
 
 Pieces = tuple[jax.Array, ...]
-
-_DUAL = {"allgather_matmul": "matmul_reduce_scatter", "matmul_reduce_scatter": "allgather_matmul"}
-
 
 def allgather_matmul_shard(
     x: jax.Array,
@@ -196,8 +194,8 @@ def _plan(
     )
     checks = (
         ("", plan.config, collective),
-        ("grad_input: ", plan.grad_input, _DUAL[collective]),
-        ("grad_weight: ", plan.grad_weight, "allgather_grad_weight"),
+        ("grad_input: ", plan.grad_input, slot_collective(collective, "grad_input")),
+        ("grad_weight: ", plan.grad_weight, slot_collective(collective, "grad_weight")),
     )
     for prefix, cfg, coll in checks:
         try:

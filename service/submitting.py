@@ -20,7 +20,7 @@ from cmtune.tuner.engine import Engine
 from cmtune.tuner.searching import study_settings
 from cmtune.tuner.stepping import step_study_of
 from cmtune.tuner.warm import nearest_seeds
-from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems
+from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems, slot_label
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.space import has_ring, no_ring_reason
 from collective_matmul.wire import Protocol, Seed, Skipped, StudyCreate, StudyCreated, StudyState
@@ -52,7 +52,7 @@ def _discovered(body: StudyCreate) -> tuple[MeshSpec, list[tuple]]:
     targets: dict[str, list] = {}
     for p in found.problems:
         entry = targets.setdefault(p.problem.key, [p.problem, [], 0])
-        entry[1].append(p.role if p.slot == "forward" else f"{p.role}.{p.slot}")
+        entry[1].append(slot_label(p.role, p.slot))
         entry[2] += p.count
         if entry[2] > MAX_COUNT:
             raise InvalidError(f"{p.problem.key} runs {entry[2]} times per step in all: at most {MAX_COUNT}")

@@ -3,26 +3,19 @@
 What users buy cmtune for is a faster step, so each *variant* of the step (a `ConfigSource` for
 the block's four op calls, or `AS_WRITTEN`, the block as a user writes it without cmtune: GSPMD
 einsums and JAX's autodiff) is timed whole:
-``value_and_grad`` of the block's loss and the SGD update, jitted.  The protocol follows
-`cmtune.workers.measure`:
+``value_and_grad`` of the block's loss and the SGD update, jitted.  The protocol is
+`cmtune.workers.stepmeasure`'s (compiled ahead of time, checked against the reference, timed in
+interleaved rounds, failures as statuses); what is the block's own:
 
 1. Parameters from `init_params` and inputs (x, target) from a seeded normal distribution, laid
    out as the block expects (seq over the tensor axis, batch over the data axes).
-2. Each variant's `train_step` is compiled ahead of time, with the learning rate an argument;
-   compile seconds and the compiled memory estimate are recorded.
+2. Each variant's `train_step` is compiled with the learning rate an argument.
 3. The very program that is timed is checked: one step at a learning rate large enough that
    the update dwarfs every parameter (found from one step of the reference), so ``p - new``
    carries ``lr * grad`` to the last bits.  Every variant's loss and gradients are compared
    with the reference variant's (the block as written) by dtype (relative error in norm: float32
-   <= 1e-5, bfloat16 <= 2e-2); a variant that disagrees is ``invalid`` and is not timed.
-4. Warm-up, then the variants in rounds, each variant once a round, every round in its own order
-   (a shuffle seeded by the protocol's seed and the round, the same on every process: no variant
-   always runs right after the same neighbour, at the same place in the round), each run
-   synchronised with `block_until_ready`; with several processes a barrier precedes each run and the slowest
-   process's time counts.  Every sample is kept; per variant the median, the IQR and the median
-   of its time over the reference's in the same round (paired by round) with that ratio's IQR.
-5. Failures are results per variant (``compile_error``, ``oom``, ``invalid``, ``error``); the
-   protocol's timeout is checked between rounds (every process agrees to stop together).
+   <= 1e-5, bfloat16 <= 2e-2).
+4. Every timed run starts from the same parameters and inputs (the update is not fed back).
 
 `standard_variants` builds the usual set (as-written, baseline, tuned, two whole-step
 alternatives and a per-role ablation) and `step_layout` the mesh and batch to measure a submission on.
@@ -34,18 +27,18 @@ wire contract (`collective_matmul.wire`).
 from __future__ import annotations
 
 import math
-import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING
 
 from cmtune.tuner.variants import REFERENCE, variant_configs
+from cmtune.workers.stepmeasure import MeasurementSession
 from collective_matmul.decomposition import OpConfigs
 from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware
-from collective_matmul.wire import ChosenVariant, Protocol, Status, StepMeasurement, StepVariant, Timing, quartiles
+from collective_matmul.wire import ChosenVariant, Protocol, Status, StepMeasurement, StepVariant
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -269,7 +262,7 @@ class _Recorder:
         return configs
 
 
-class StepSession:
+class StepSession(MeasurementSession):
     """Parameters and inputs of one block on one mesh: measure variants of its training step.
 
     Works in one process or across a `jax.distributed` cluster (every process must make the
@@ -287,6 +280,8 @@ class StepSession:
         ValueError: if the block does not fit the mesh.
     """
 
+    not_checked = "not checked: the reference variant {reference!r} failed"
+
     def __init__(self, block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,
                  protocol: Protocol = Protocol(), lr: float = 1e-3):
         import jax
@@ -294,6 +289,7 @@ class StepSession:
 
         from collective_matmul.block import activation_sharding, check_block, init_params
 
+        super().__init__()
         if axis not in mesh.shape:
             raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
         if batch_axis == AUTO:
@@ -312,9 +308,6 @@ class StepSession:
         normal = jax.jit(lambda k: jax.random.normal(k, shape, dtype),
                          out_shardings=activation_sharding(mesh, axis=axis, batch_axis=batch_axis))
         self.x, self.target = normal(key_x), normal(key_target)
-        # program (`_program`) -> (source, executable, record fields): a variant measured again (the
-        # confirmation after a decision, the incumbent of every search round) is not compiled again
-        self._compiled: dict[object, tuple[object, object, dict]] = {}
 
     @property
     def batch_axes(self) -> list[str]:
@@ -336,41 +329,18 @@ class StepSession:
         Raises:
             ValueError: if ``reference`` is not one of ``variants``.
         """
-        if reference not in variants:
-            raise ValueError(f"the reference variant {reference!r} is not among {list(variants)}")
         protocol = protocol or self.protocol
-        say = on_event or (lambda _line: None)
-        started = time.monotonic()
-        order = [reference, *(name for name in variants if name != reference)]
-        records: dict[str, dict] = {name: {"name": name} for name in order}
-        steps = {name: step for name in order
-                 if (step := self._compile(name, variants[name], records[name], say)) is not None}
-        expected = check_lr = None
-        if reference in steps:
-            check_lr = self._check_lr(steps[reference], records[reference])
-            expected = None if check_lr is None else self._run_check(steps[reference], check_lr, records[reference])
-        for name in order:
-            if name not in steps:
-                continue
-            if expected is None:
-                records[name].setdefault("status", Status.ERROR)
-                records[name].setdefault("message", f"not checked: the reference variant {reference!r} failed")
-                del steps[name]
-            elif name != reference:
-                got = self._run_check(steps[name], check_lr, records[name])
-                if got is None or not self._agrees(records[name], got, expected, reference):
-                    del steps[name]
-                del got
-        say(f"checked {len(steps)} of {len(order)} variants against {reference!r}")
-        del expected
-        if steps:
-            self._time(steps, records, reference, started, protocol, say)
-        results = [StepVariant(**records[name]) for name in variants]
+        results = self.measure_variants(variants, reference=reference, protocol=protocol, on_event=on_event)
         return StepMeasurement(
             block=self.block, mesh={name: int(size) for name, size in self.mesh.shape.items()},
             tensor_axis=self.axis, batch_axes=self.batch_axes, hardware=self.hardware, protocol=protocol,
             reference=reference, variants=results,
         )
+
+    @cached_property
+    def _inputs(self) -> tuple:
+        """The step's arguments: the parameters, the inputs and the learning rate."""
+        return self.params, self.x, self.target, self._scalar(self.lr)
 
     def _scalar(self, value: float):
         """``value`` as a float32 scalar replicated over the mesh (an input every process agrees on)."""
@@ -380,77 +350,59 @@ class StepSession:
 
         return jax.jit(lambda: jnp.float32(value), out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
-    def _compile(self, name: str, source, record: dict, say):
-        """Compile one variant's `train_step` (``lr`` an argument) ahead of time; None if it fails.
+    def _program_key(self, source) -> Hashable:
+        """A `FixedConfigs` by its configs (equal configs, one program), any other source by itself."""
+        per_role = getattr(source, "per_role", None)
+        if per_role is not None and hasattr(source, "default"):
+            return "fixed", tuple(sorted(per_role.items())), source.default
+        return super()._program_key(source)
 
-        A variant this session compiled before from the same source object is reused, with the
-        compile time and memory recorded then.
-        """
-        cached = self._compiled.get(_program(source))
-        if cached is not None:
-            record.update(cached[2])
-            say(f"{name}: compiled before in {record['compile_s']:.1f}s")
-            return cached[1]
+    def _tracer(self, source):
+        """``source`` behind a `_Recorder` (the block as written uses none)."""
+        from collective_matmul.block import AsWritten
+
+        return source if isinstance(source, AsWritten) else _Recorder(source)
+
+    def _lowering(self, tracer) -> Callable[[], object]:
+        """The variant's `train_step`, jitted with the learning rate an argument."""
         import jax
 
-        from cmtune.workers.measure import classify_failure, compiled_memory, error_message
-        from collective_matmul.block import AsWritten, train_step
+        from collective_matmul.block import train_step
 
-        recorder = source if isinstance(source, AsWritten) else _Recorder(source)
-        kwargs = dict(block=self.block, mesh=self.mesh, axis=self.axis, source=recorder, batch_axis=self.batch_axis)
-        try:
-            start = time.perf_counter()
-            step = jax.jit(lambda params, x, target, lr: train_step(params, x, target, lr=lr, **kwargs))
-            step = step.lower(self.params, self.x, self.target, self._scalar(self.lr)).compile()
-            record["compile_s"] = time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 - any compile failure is a result
-            oom = classify_failure(exc) == Status.OOM
-            prefix = "invalid decomposition: " if isinstance(exc, ValueError) else ""
-            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=prefix + error_message(exc),
-                          configs=getattr(recorder, "used", {}))
-            say(f"{name}: {record['status']}")
-            return None
-        record.update(memory_bytes=compiled_memory(step), configs=getattr(recorder, "used", {}))
-        say(f"{name}: compiled in {record['compile_s']:.1f}s")
-        if len(self._compiled) >= MAX_COMPILED:  # the oldest program goes first (a long search times many)
-            self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[_program(source)] = (source, step, {key: record[key] for key in ("compile_s", "memory_bytes",
-                                                                                        "configs")})
-        return step
+        kwargs = dict(block=self.block, mesh=self.mesh, axis=self.axis, source=tracer, batch_axis=self.batch_axis)
+        step = jax.jit(lambda params, x, target, lr: train_step(params, x, target, lr=lr, **kwargs))
+        return lambda: step.lower(*self._inputs)
 
-    def _check_lr(self, step, record: dict):
+    def _used(self, tracer) -> dict[str, OpConfigs]:
+        return getattr(tracer, "used", {})
+
+    def _compile_failure(self, exc: Exception) -> str:
+        """A `ValueError` (the ops' check of a config) is an invalid decomposition."""
+        prefix = "invalid decomposition: " if isinstance(exc, ValueError) else ""
+        return prefix + super()._compile_failure(exc)
+
+    def _check_run(self, step, record: dict, expected):
+        """One step at the check learning rate (the reference's: `_check_lr`): ``(new_params, loss, lr)``."""
+        import jax
+
+        lr = self._check_lr(step) if expected is None else expected[2]
+        new, loss = jax.block_until_ready(step(self.params, self.x, self.target, lr))
+        record["loss"] = float(loss)
+        return new, loss, lr
+
+    def _check_lr(self, step):
         """A learning rate whose update dwarfs every parameter, so ``p - new`` carries the gradient
-        to the last bits (a power of two, from one step of the reference at lr=1); None if it fails."""
+        to the last bits (a power of two, from one step of the reference at lr=1)."""
         import jax
         import jax.numpy as jnp
 
-        from cmtune.workers.measure import classify_failure, error_message
-
-        try:
-            new, _ = step(self.params, self.x, self.target, self._scalar(1.0))
-            norms = jax.jit(lambda p, n: jax.tree.map(
-                lambda a, b: (jnp.linalg.norm(a.astype(jnp.float32)),
-                              jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))), p, n))(self.params, new)
-            ratio = max(float(size) / max(float(change), 1e-30) for size, change in jax.tree.leaves(
-                norms, is_leaf=lambda v: isinstance(v, tuple)))
-        except Exception as exc:  # noqa: BLE001
-            record.update(status=classify_failure(exc), message=error_message(exc))
-            return None
+        new, _ = step(self.params, self.x, self.target, self._scalar(1.0))
+        norms = jax.jit(lambda p, n: jax.tree.map(
+            lambda a, b: (jnp.linalg.norm(a.astype(jnp.float32)),
+                          jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))), p, n))(self.params, new)
+        ratio = max(float(size) / max(float(change), 1e-30) for size, change in jax.tree.leaves(
+            norms, is_leaf=lambda v: isinstance(v, tuple)))
         return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
-
-    def _run_check(self, step, lr, record: dict):
-        """One step of a variant at the check learning rate: ``(new_params, loss)``, or None if it fails."""
-        import jax
-
-        from cmtune.workers.measure import classify_failure, error_message
-
-        try:
-            new, loss = jax.block_until_ready(step(self.params, self.x, self.target, lr))
-        except Exception as exc:  # noqa: BLE001
-            record.update(status=classify_failure(exc), message=error_message(exc))
-            return None
-        record["loss"] = float(loss)
-        return new, loss
 
     def _agrees(self, record: dict, got, expected, reference: str) -> bool:
         """Compare a variant's loss and gradients with the reference's; mark it ``invalid`` if they differ.
@@ -460,7 +412,7 @@ class StepSession:
         """
         from cmtune.workers.measure import TOLERANCE, relative_error
 
-        (new, loss), (want_new, want_loss) = got, expected
+        (new, loss, _), (want_new, want_loss, _) = got, expected
         errors = {"loss": relative_error(loss, want_loss)}
         for name in sorted(want_new):
             diff, size = (float(v) for v in _update_error()(self.params[name], new[name], want_new[name]))
@@ -474,103 +426,10 @@ class StepSession:
             return False
         return True
 
-    def _time(self, steps: dict, records: dict, reference: str, started: float, protocol: Protocol, say) -> None:
-        """Warm up, then run ``steps`` once a round, each round in its own order, on this session's inputs
-        (`interleave`)."""
-        inputs = (self.params, self.x, self.target, self._scalar(self.lr))
-        interleave({name: (lambda step=step: step(*inputs)) for name, step in steps.items()}, records, reference,
-                   started, protocol, say)
-
-
-MAX_COMPILED = 32  # compiled step programs a session keeps
-
-
-def _program(source) -> object:
-    """What identifies the program a config source compiles to: the configs of a `FixedConfigs` (equal
-    configs, one program), else the source object itself."""
-    per_role = getattr(source, "per_role", None)
-    if per_role is not None and hasattr(source, "default"):
-        return "fixed", tuple(sorted(per_role.items())), source.default
-    return "source", id(source)  # the cache keeps the source alive, so its id is not reused
-
-
-def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,
-               protocol: Protocol, say: Callable[[str], None]) -> None:
-    """Warm up, then call each of ``runs`` once a round, each round in its own order (one synchronised step per
-    call); fill in the records.
-
-    Each call is timed from a barrier (with several processes) to `block_until_ready` of what it
-    returns; the slowest process's time counts.  A run that raises leaves the rotation with its
-    failure as its status.  Every process must call this together, with the same runs.  Each
-    record gets ``status``, ``timing``, and ``ratio`` / ``ratio_iqr``: its time over the
-    ``reference``'s, paired by round.  The order of round ``r`` is `round_order`: what runs just
-    before a step (another program's buffers, a collective still draining) and its place in the
-    round move from round to round, so they are spread over every variant instead of always
-    favouring the same one.
-    """
-    import jax
-
-    from cmtune.workers.measure import any_process, barrier, classify_failure, error_message, slowest_process
-
-    running = list(runs)
-    samples: dict[str, list[float]] = {name: [] for name in running}
-
-    def run(name: str, timed: bool) -> None:
-        try:
-            if timed:
-                barrier()
-            start = time.perf_counter()
-            jax.block_until_ready(runs[name]())
-            if timed:
-                samples[name].append(time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
-            records[name].update(status=classify_failure(exc), message=error_message(exc))
-            running.remove(name)
-
-    say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
-    for _ in range(protocol.warmup):
-        for name in list(running):
-            run(name, timed=False)
-    say(f"timing {len(running)} variants, {protocol.repeats} rounds, each in its own order")
-    rounds = 0
-    timed_out = False
-    for number in range(protocol.repeats):
-        for name in round_order(list(running), protocol.seed, number):
-            run(name, timed=True)
-        rounds += 1
-        # every process must agree to stop, or the SPMD programs would diverge
-        if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
-            timed_out = True
-            break
-    slowest = {name: slowest_process(samples[name]) for name in runs}
-    base = slowest[reference]
-    reference_failed = "status" in records[reference]
-    for name in runs:
-        record = records[name]
-        if "status" in record:  # failed while timing
-            continue
-        times = slowest[name]
-        if reference_failed:  # nothing to compare against: a ratio would be made up
-            record.update(status=Status.ERROR, message=f"not compared: the reference {reference} failed",
-                          timing=Timing.of(times) if times else None)
-            continue
-        ratios = [t / b for t, b in zip(times, base, strict=True)]
-        q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
-        record.update(
-            status=Status.TIMEOUT if timed_out else Status.OK,
-            message=f"stopped after {rounds} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
-            if timed_out else "",
-            timing=Timing.of(times) if times else None, ratio=ratio,
-            ratio_iqr=None if ratio is None else q3 - q1,
-        )
-
-
-def round_order(names: list[str], seed: int, number: int) -> list[str]:
-    """``names`` in round ``number``'s order: a shuffle seeded by ``seed`` and ``number`` alone (the same on every
-    process of a group, SPMD)."""
-    order = list(names)
-    random.Random(f"{seed}:{number}").shuffle(order)
-    return order
+    def _timed_run(self, step, got) -> Callable[[], object]:
+        """One step on this session's inputs (the same every run: the update is not fed back)."""
+        inputs = self._inputs
+        return lambda: step(*inputs)
 
 
 @cache

@@ -16,7 +16,7 @@ multi-process run every process calls NAME and gets the same arguments, and ever
 the configs process 0 resolved (`Tuned.pinned`).
 
 `UserStepSession` times the step as written against variants through the drop-in with the
-protocol of `cmtune.workers.step`: every variant compiled ahead of time (compile seconds and
+protocol of `cmtune.workers.stepmeasure`: every variant compiled ahead of time (compile seconds and
 memory recorded), checked after one step against the step as written, warmed up, then timed in
 interleaved rounds (slowest process per round; paired median and IQR).  The check compares every
 output: a leaf that updates an argument (parameters, optimizer state) is held to its dtype's
@@ -33,14 +33,14 @@ import importlib.util
 import math
 import re
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from cmtune.tuner.variants import REFERENCE
+from cmtune.workers.stepmeasure import MeasurementSession
 from collective_matmul.decomposition import OpConfigs
-from collective_matmul.wire import Protocol, Status, StepMeasurement, StepVariant
+from collective_matmul.wire import Protocol, Status, StepMeasurement
 
 # The share of an updated leaf's elements that may miss the reference's update.  An optimizer that
 # normalises the gradient (Adam: g / (|g| + eps)) turns float rounding in a gradient near eps into a
@@ -211,7 +211,7 @@ def step_variants(tuned) -> dict:
 # ---- the session ----------------------------------------------------------------------------
 
 
-class UserStepSession:
+class UserStepSession(MeasurementSession):
     """A user's step and its arguments: measure the step as written against variants through the drop-in.
 
     Every process of a group must make the same calls in the same order, with the same variants.
@@ -230,6 +230,7 @@ class UserStepSession:
                  spec: str = "NAME"):
         import jax
 
+        super().__init__()
         abstract = [leaf for leaf in jax.tree.leaves(reference.args) if not isinstance(leaf, jax.Array)]
         if abstract:
             raise SpecError(f"{spec}(tuned=None) returned abstract arguments ({type(abstract[0]).__name__}): "
@@ -239,12 +240,11 @@ class UserStepSession:
         self.mesh = reference.mesh
         self.args = reference.args
         self._signature = [signature(a) for a in self.args]
-        self._compiled: dict[str, tuple] = {}  # name -> (source, (executable, donated), record fields)
         self._built: dict[int, Built] = {}  # id(source) -> NAME(tuned=source), built before measuring
 
     def built(self, source) -> Built:
         """``NAME(tuned=source)``, checked to take the reference's arguments; kept for `measure` to compile."""
-        built = self._built.get(id(source))  # `_compile` takes it out: nothing is kept once compiled
+        built = self._built.get(id(source))  # `_lowering` takes it out: nothing is kept once compiled
         if built is None:
             built = Built.of(self.fn, source, spec=self.spec)
             if [signature(a) for a in built.args] != self._signature:
@@ -262,114 +262,49 @@ class UserStepSession:
         """
         from collective_matmul.problem import Hardware
 
-        if reference not in variants:
-            raise ValueError(f"the reference variant {reference!r} is not among {list(variants)}")
-        say = on_event or (lambda _line: None)
-        started = time.monotonic()
-        order = [reference, *(name for name in variants if name != reference)]
-        records: dict[str, dict] = {name: {"name": name} for name in order}
-        compiled = {}
-        for name in order:
-            program = self._compile(name, variants[name], records[name], say)
-            if _agreed(program is not None, records[name]):  # every process runs the same variants, or none
-                compiled[name] = program
-        states = self._check(compiled, records, reference, say)
-        if states:
-            from cmtune.workers.step import interleave
-
-            runs = {name: self._runner(compiled[name], states, name) for name in states}
-            interleave(runs, records, reference, started, self.protocol, say)
-        results = [StepVariant(**records[name]) for name in variants]
+        results = self.measure_variants(variants, reference=reference, protocol=self.protocol, on_event=on_event)
         return StepMeasurement(model=self.model, mesh={str(n): int(s) for n, s in self.mesh.shape.items()},
                                tensor_axis=axis or self.mesh.axis_names[-1], batch_axes=[],
                                hardware=Hardware.detect(self.mesh.devices.flat), protocol=self.protocol,
                                reference=reference, variants=results)
 
-    def _compile(self, name: str, source, record: dict, say):
-        """Build one variant (NAME with its source) and compile its step ahead of time; None if either fails.
+    def _lowering(self, source) -> Callable[[], object]:
+        """NAME with the variant's source (the step as written for None)."""
+        step = self.reference.step if source is None else self.built(source).step
+        self._built.pop(id(source), None)
+        return lambda: step.lower(*self.args)
 
-        A variant compiled before from the same source object is reused, with its record's compile
-        time and memory (the confirmation after a decision times the same programs again).
+    def _used(self, source) -> dict[str, OpConfigs]:
+        per_role = source.per_role() if source is not None and hasattr(source, "per_role") else {}
+        return {role: configs[0] for role, configs in per_role.items() if configs}
+
+    def _check_run(self, executable, record: dict, expected):
+        """One step from the reference's arguments (a copy of each it donates): ``(arguments, outputs, pairs)``,
+        the pairs those of `pair_outputs`.
+
+        Raises:
+            SpecError: if the step donates an argument and returns nothing of its structure.
         """
-        from cmtune.workers.measure import classify_failure, compiled_memory, error_message
+        donated = _donated(executable)
+        args = _fresh(self.args, donated)
+        out = executable(*args)
+        pairs = pair_outputs(self.args, out)
+        missing = [i for i, d in enumerate(donated) if d and i not in pairs.values()]
+        if missing:
+            raise SpecError(f"argument {missing[0]} is donated but the step returns nothing of its structure: "
+                            "return the updated state so that the next step can take it")
+        record["loss"] = _loss(out)
+        if expected is None:
+            record["rel_error"] = 0.0
+        return args, out, pairs
 
-        cached = self._compiled.get(name)
-        if cached is not None and cached[0] is source:
-            record.update(cached[2])
-            say(f"{name}: compiled before in {record['compile_s']:.1f}s")
-            return cached[1]
-        try:
-            step = self.reference.step if source is None else self.built(source).step
-            self._built.pop(id(source), None)
-            start = time.perf_counter()
-            lowered = step.lower(*self.args)
-            executable = lowered.compile()
-            record["compile_s"] = time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 - any failure to build or compile is a result
-            record.update(status=Status.OOM if classify_failure(exc) == Status.OOM else Status.COMPILE_ERROR,
-                          message=error_message(exc), configs=_configs(source))
-            say(f"{name}: {record['status']}")
-            return None
-        import jax
-
-        donated = [any(info.donated for info in jax.tree.leaves(arg_info)) for arg_info in lowered.args_info[0]]
-        record.update(memory_bytes=compiled_memory(executable), configs=_configs(source))
-        say(f"{name}: compiled in {record['compile_s']:.1f}s")
-        self._compiled[name] = (source, (executable, donated),
-                                {key: record[key] for key in ("compile_s", "memory_bytes", "configs")})
-        return executable, donated
-
-    def _check(self, compiled: dict, records: dict, reference: str, say) -> dict[str, list]:
-        """One step of every variant from the same arguments; the outputs compared with the reference's.
-
-        Returns, per checked variant, ``[arguments of its next run, output pairs]`` (its outputs
-        fed back where the step donates them).  Every process keeps the same variants: one that
-        fails or disagrees on any process is dropped on all.
-        """
-        from cmtune.workers.measure import classify_failure, error_message
-
-        states: dict[str, list] = {}
-        expected = None
-        for name in [reference, *(n for n in compiled if n != reference)]:
-            if name not in compiled:
-                continue
-            executable, donated = compiled[name]
-            if expected is None and name != reference:
-                records[name].update(status=Status.ERROR, message=f"not checked: the reference {reference!r} failed")
-                continue
-            ok = False
-            try:
-                args = _fresh(self.args, donated)
-                out = executable(*args)
-                pairs = pair_outputs(self.args, out)
-                missing = [i for i, d in enumerate(donated) if d and i not in pairs.values()]
-                if missing:
-                    raise SpecError(f"argument {missing[0]} is donated but the step returns nothing of its structure: "
-                                    "return the updated state so that the next step can take it")
-                if name == reference:
-                    expected = (out, pairs)
-                    records[name].update(loss=_loss(out), rel_error=0.0)
-                    ok = True
-                else:
-                    ok = self._agrees(records[name], out, expected, reference)
-            except Exception as exc:  # noqa: BLE001 - a step that fails or returns something else is a result
-                records[name].update(status=classify_failure(exc), message=error_message(exc))
-            if not _agreed(ok, records[name]):
-                if name == reference:
-                    expected = None
-                continue
-            states[name] = [_next_args(args, out, pairs, donated), pairs]
-        say(f"checked {len(states)} of {len(compiled)} variants against {reference!r}")
-        return states
-
-    def _agrees(self, record: dict, out, expected, reference: str) -> bool:
+    def _agrees(self, record: dict, got, expected, reference: str) -> bool:
         """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
         import jax
 
         from cmtune.workers.measure import TOLERANCE
 
-        want, pairs = expected
-        record["loss"] = _loss(out)
+        (_, out, _), (_, want, pairs) = got, expected
         if signature(out) != signature(want):
             record.update(status=Status.INVALID, message=f"the step returns outputs of another structure than "
                                                          f"{reference!r}")
@@ -414,30 +349,27 @@ class UserStepSession:
             return False
         return True
 
-    @staticmethod
-    def _runner(compiled, states: dict, name: str) -> Callable[[], object]:
-        executable, donated = compiled
-        feed = any(donated)
+    def _timed_run(self, executable, got) -> Callable[[], object]:
+        """One step on the arguments its last step left: each donated one replaced by its output."""
+        args, out, pairs = got
+        donated = _donated(executable)
+        state = [_next_args(args, out, pairs, donated)]
+        if not any(donated):
+            return lambda: executable(*state[0])
 
         def run():
-            args, pairs = states[name]
-            out = executable(*args)
-            if feed:
-                states[name][0] = _next_args(args, out, pairs, donated)
+            out = executable(*state[0])
+            state[0] = _next_args(state[0], out, pairs, donated)
             return out
 
         return run
 
 
-def _agreed(ok: bool, record: dict) -> bool:
-    """True if ``ok`` on every process; a variant that failed on another process only fails here too."""
-    from cmtune.workers.measure import any_process
+def _donated(executable) -> list[bool]:
+    """Per top-level argument of a compiled step: whether it donates any of its buffers."""
+    import jax
 
-    if not any_process(not ok):
-        return True
-    if ok or "status" not in record:
-        record.update(status=Status.ERROR, message="failed on another process of the group")
-    return False
+    return [any(info.donated for info in jax.tree.leaves(arg_info)) for arg_info in executable.args_info[0]]
 
 
 def _numeric(leaf):
@@ -447,11 +379,6 @@ def _numeric(leaf):
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(leaf)
     return leaf
-
-
-def _configs(source) -> dict[str, OpConfigs]:
-    per_role = source.per_role() if source is not None and hasattr(source, "per_role") else {}
-    return {role: configs[0] for role, configs in per_role.items() if configs}
 
 
 def _fresh(args: tuple, donated: list[bool]) -> tuple:

@@ -85,3 +85,16 @@ def test_mesh_parse():
     with pytest.raises(ValueError, match="names axis 'model' twice: give each axis once"):
         MeshSpec.parse("model=8,model=2")  # not the last value silently
     assert Problem.parse("ag:64x64x96:float32:4").m == 64
+
+
+def test_a_slot_label_reads_back_and_a_slot_names_its_collective():
+    from collective_matmul.models import SLOTS, parse_slot_label, slot_collective, slot_label
+
+    for role in ("mlp_up", "Block_0/Dense_0", "model.py:12"):  # a role may hold dots of its own
+        assert [parse_slot_label(slot_label(role, slot)) for slot in SLOTS] == [(role, slot) for slot in SLOTS]
+    assert slot_label("mlp_up", "forward") == "mlp_up" and parse_slot_label("mlp_up.forward") == ("mlp_up", "forward")
+    assert [slot_collective("allgather_matmul", slot) for slot in SLOTS] == [
+        "allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight"]
+    assert slot_collective("matmul_reduce_scatter", "grad_input") == "allgather_matmul"
+    with pytest.raises(ValueError, match="collective must be one of"):
+        slot_collective("allgather_grad_weight", "forward")

@@ -374,7 +374,7 @@ def test_when_the_reference_fails_while_timing_no_ratio_is_made_up():
     checks ratios against samples must refuse)."""
     import time
 
-    from cmtune.workers.step import interleave
+    from cmtune.workers.stepmeasure import interleave
     from collective_matmul.wire import StepVariant
 
     calls = {"as-written": 0}
@@ -399,7 +399,7 @@ def test_each_round_runs_the_variants_in_its_own_order_the_same_on_every_process
     (the project's runs timed the last of a fixed order 3-5% faster than the same program earlier in it)."""
     import time
 
-    from cmtune.workers.step import interleave, round_order
+    from cmtune.workers.stepmeasure import interleave, round_order
     from collective_matmul.wire import Protocol
 
     names = ["as-written", "baseline", "tuned", "always-ring", "searched"]

@@ -1,0 +1,273 @@
+"""The whole-step measurement protocol, one skeleton for the reference block's step and a user's own.
+
+A *variant* of a step is a config source (or the step as written); a `MeasurementSession` runs
+the protocol of `cmtune.workers.measure` over a set of them, the reference first:
+
+1. Every variant's step is compiled ahead of time: compile seconds, compiled memory and the
+   per-role configs it used are recorded; a failure to build or compile is the variant's status
+   (``compile_error``, ``oom``).  A program compiled before is reused with what was recorded then.
+2. Every variant runs one step from the reference's arguments and its outputs are checked against
+   the reference's by dtype; one that disagrees is ``invalid`` and is not timed; none is checked
+   when the reference fails.
+3. The variants that passed are timed together (`interleave`): warm-up, then rounds, each in its
+   own seeded order (`round_order`), a barrier before each run with several processes, the
+   slowest process counting.
+
+Every process must make the same calls; after each compile and each check every process agrees
+(`any_process`): a variant that fails on one process fails on all.  What differs between the
+reference block (`cmtune.workers.step.StepSession`) and a user's step
+(`cmtune.workers.userstep.UserStepSession`) is the subclass's: how a variant's step is built and
+lowered, how its check runs and compares, and how its timed runs are fed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from collective_matmul.decomposition import OpConfigs
+from collective_matmul.wire import Protocol, Status, StepVariant, Timing, quartiles
+
+MAX_COMPILED = 32  # compiled step programs a session keeps
+
+
+class MeasurementSession:
+    """The protocol over variants of one step; a subclass says how its step is built, checked and fed."""
+
+    # the message of a variant left unchecked because the reference failed (formatted with ``reference``)
+    not_checked = "not checked: the reference {reference!r} failed"
+
+    def __init__(self):
+        # program (`_program_key`) -> (source, executable, record fields): a variant measured again (the
+        # confirmation after a decision, the incumbent of every search round) is not compiled again
+        self._compiled: dict[Hashable, tuple[object, object, dict]] = {}
+
+    # ---- what a kind of step says ----------------------------------------------------------------
+
+    def _program_key(self, source) -> Hashable:
+        """What identifies the program ``source`` compiles to (here: the source object itself)."""
+        return "source", id(source)  # the cache keeps the source alive, so its id is not reused
+
+    def _tracer(self, source):
+        """What the step is traced with for ``source`` (here: ``source`` itself)."""
+        return source
+
+    def _lowering(self, tracer) -> Callable[[], Any]:
+        """Build the variant's step (not timed; may raise) and return its lowering (timed with its compile)."""
+        raise NotImplementedError
+
+    def _used(self, tracer) -> dict[str, OpConfigs]:
+        """The per-role configs the variant's step used, as far as its build went."""
+        raise NotImplementedError
+
+    def _compile_failure(self, exc: Exception) -> str:
+        """What a variant that failed to build or compile says."""
+        from cmtune.workers.measure import error_message
+
+        return error_message(exc)
+
+    def _check_run(self, executable, record: dict, expected) -> object:
+        """Run one step of a variant to check it (``expected``: the reference's, None for the reference itself);
+        what it returned, to compare.  Raises what the step raises."""
+        raise NotImplementedError
+
+    def _agrees(self, record: dict, got, expected, reference: str) -> bool:
+        """Compare a variant's check with the reference's; mark it ``invalid`` if they differ."""
+        raise NotImplementedError
+
+    def _timed_run(self, executable, got) -> Callable[[], object]:
+        """One timed step of a checked variant (``got``: its check's), on the arguments it is fed."""
+        raise NotImplementedError
+
+    # ---- the protocol ----------------------------------------------------------------------------
+
+    def measure_variants(self, variants: Mapping, *, reference: str, protocol: Protocol,
+                         on_event: Callable[[str], None] | None = None) -> list[StepVariant]:
+        """Run the protocol for every variant (name -> config source), in the order given.
+
+        Args:
+            variants: name -> config source, as the subclass takes it.
+            reference: the variant every other one is checked and timed against.
+            protocol: the warm-up, repeats and timeout of the timed rounds.
+            on_event: called with a line of progress (compiles, checks, timing).
+
+        Returns:
+            One record per variant, in the order of ``variants``; failures are their statuses.
+
+        Raises:
+            ValueError: if ``reference`` is not one of ``variants``.
+        """
+        if reference not in variants:
+            raise ValueError(f"the reference variant {reference!r} is not among {list(variants)}")
+        say = on_event or (lambda _line: None)
+        started = time.monotonic()
+        order = [reference, *(name for name in variants if name != reference)]
+        records: dict[str, dict] = {name: {"name": name} for name in order}
+        compiled = {}
+        for name in order:
+            executable = self._compile(name, variants[name], records[name], say)
+            if _agreed(executable is not None, records[name]):  # every process runs the same variants, or none
+                compiled[name] = executable
+        runs = self._check(compiled, records, reference, say)
+        say(f"checked {len(runs)} of {len(order)} variants against {reference!r}")
+        if runs:
+            interleave(runs, records, reference, started, protocol, say)
+        return [StepVariant(**records[name]) for name in variants]
+
+    def _compile(self, name: str, source, record: dict, say):
+        """Build and compile one variant's step ahead of time; None if either fails.
+
+        A program this session compiled before (`_program_key`) is reused, with the compile time,
+        memory and configs recorded then.
+        """
+        from cmtune.workers.measure import classify_failure, compiled_memory
+
+        key = self._program_key(source)
+        cached = self._compiled.get(key)
+        if cached is not None:
+            record.update(cached[2])
+            say(f"{name}: compiled before in {record['compile_s']:.1f}s")
+            return cached[1]
+        tracer = self._tracer(source)
+        try:
+            lower = self._lowering(tracer)
+            start = time.perf_counter()
+            executable = lower().compile()
+            record["compile_s"] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - any failure to build or compile is a result
+            oom = classify_failure(exc) == Status.OOM
+            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=self._compile_failure(exc),
+                          configs=self._used(tracer))
+            say(f"{name}: {record['status']}")
+            return None
+        record.update(memory_bytes=compiled_memory(executable), configs=self._used(tracer))
+        say(f"{name}: compiled in {record['compile_s']:.1f}s")
+        if len(self._compiled) >= MAX_COMPILED:  # the oldest program goes first (a long search times many)
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[key] = (source, executable, {field: record[field] for field in ("compile_s", "memory_bytes",
+                                                                                       "configs")})
+        return executable
+
+    def _check(self, compiled: dict, records: dict, reference: str, say) -> dict[str, Callable[[], object]]:
+        """One step of every compiled variant, compared with the reference's; the timed run of each that agrees.
+
+        Every process keeps the same variants: one that fails or disagrees on any process is
+        dropped on all.
+        """
+        from cmtune.workers.measure import classify_failure, error_message
+
+        runs: dict[str, Callable[[], object]] = {}
+        expected = None
+        for name in [reference, *(n for n in compiled if n != reference)]:
+            if name not in compiled:
+                continue
+            if expected is None and name != reference:
+                records[name].update(status=Status.ERROR, message=self.not_checked.format(reference=reference))
+                continue
+            ok, got = False, None
+            try:
+                got = self._check_run(compiled[name], records[name], expected)
+                if name == reference:
+                    expected, ok = got, True
+                else:
+                    ok = self._agrees(records[name], got, expected, reference)
+            except Exception as exc:  # noqa: BLE001 - a step that fails or returns something else is a result
+                records[name].update(status=classify_failure(exc), message=error_message(exc))
+            if not _agreed(ok, records[name]):
+                if name == reference:
+                    expected = None
+                continue
+            runs[name] = self._timed_run(compiled[name], got)
+        return runs
+
+
+def _agreed(ok: bool, record: dict) -> bool:
+    """True if ``ok`` on every process; a variant that failed on another process only fails here too."""
+    from cmtune.workers.measure import any_process
+
+    if not any_process(not ok):
+        return True
+    if ok or "status" not in record:
+        record.update(status=Status.ERROR, message="failed on another process of the group")
+    return False
+
+
+def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,
+               protocol: Protocol, say: Callable[[str], None]) -> None:
+    """Warm up, then call each of ``runs`` once a round, each round in its own order (one synchronised step per
+    call); fill in the records.
+
+    Each call is timed from a barrier (with several processes) to `block_until_ready` of what it
+    returns; the slowest process's time counts.  A run that raises leaves the rotation with its
+    failure as its status.  Every process must call this together, with the same runs.  Each
+    record gets ``status``, ``timing``, and ``ratio`` / ``ratio_iqr``: its time over the
+    ``reference``'s, paired by round.  The order of round ``r`` is `round_order`: what runs just
+    before a step (another program's buffers, a collective still draining) and its place in the
+    round move from round to round, so they are spread over every variant instead of always
+    favouring the same one.
+    """
+    import jax
+
+    from cmtune.workers.measure import any_process, barrier, classify_failure, error_message, slowest_process
+
+    running = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in running}
+
+    def run(name: str, timed: bool) -> None:
+        try:
+            if timed:
+                barrier()
+            start = time.perf_counter()
+            jax.block_until_ready(runs[name]())
+            if timed:
+                samples[name].append(time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
+            records[name].update(status=classify_failure(exc), message=error_message(exc))
+            running.remove(name)
+
+    say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
+    for _ in range(protocol.warmup):
+        for name in list(running):
+            run(name, timed=False)
+    say(f"timing {len(running)} variants, {protocol.repeats} rounds, each in its own order")
+    rounds = 0
+    timed_out = False
+    for number in range(protocol.repeats):
+        for name in round_order(list(running), protocol.seed, number):
+            run(name, timed=True)
+        rounds += 1
+        # every process must agree to stop, or the SPMD programs would diverge
+        if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
+            timed_out = True
+            break
+    slowest = {name: slowest_process(samples[name]) for name in runs}
+    base = slowest[reference]
+    reference_failed = "status" in records[reference]
+    for name in runs:
+        record = records[name]
+        if "status" in record:  # failed while timing
+            continue
+        times = slowest[name]
+        if reference_failed:  # nothing to compare against: a ratio would be made up
+            record.update(status=Status.ERROR, message=f"not compared: the reference {reference} failed",
+                          timing=Timing.of(times) if times else None)
+            continue
+        ratios = [t / b for t, b in zip(times, base, strict=True)]
+        q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
+        record.update(
+            status=Status.TIMEOUT if timed_out else Status.OK,
+            message=f"stopped after {rounds} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
+            if timed_out else "",
+            timing=Timing.of(times) if times else None, ratio=ratio,
+            ratio_iqr=None if ratio is None else q3 - q1,
+        )
+
+
+def round_order(names: list[str], seed: int, number: int) -> list[str]:
+    """``names`` in round ``number``'s order: a shuffle seeded by ``seed`` and ``number`` alone (the same on every
+    process of a group, SPMD)."""
+    order = list(names)
+    random.Random(f"{seed}:{number}").shuffle(order)
+    return order
