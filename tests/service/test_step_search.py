@@ -69,7 +69,7 @@ def test_the_step_search_runs_a_trial_per_round_and_serves_what_it_found(api):
     # the grading: every fixed setting of the seeds' round again beside the choice, in fresh rounds
     assert asked[3] == ["as-written", "baseline", "tuned", "always-ring", "r2-qkv-fuse"]
     decision = study["decision"]
-    assert study["stop_reason"] == "the search budget of 3 rounds" and decision["variant"] == "r2-qkv-fuse"
+    assert study["stop_reason"] == "step budget" and decision["variant"] == "r2-qkv-fuse"
     assert decision["seed"] == "always-ring" and decision["rounds"] == 3 and decision["fresh_rounds"]
     assert decision["vs_seed"]["median"] == pytest.approx(0.74 / 0.725)
     assert decision["vs_reference"]["median"] == pytest.approx(1 / 0.725) and decision["search_s"] >= 0
