@@ -62,10 +62,9 @@ def devices_option(text: str) -> DeviceSpec:
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--devices") from None
     if spec.kind == "tpu":  # before anything starts JAX's backends
-        import os
+        from collective_matmul.topology import quiet_libtpu
 
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{spec.topology.split(':', 1)[0]}-8")
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        quiet_libtpu(spec.topology)
     return spec
 
 

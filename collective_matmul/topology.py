@@ -46,9 +46,11 @@ def tpu_devices(topology: str) -> list:
 
 def quiet_libtpu(topology: str) -> None:
     """Tell libtpu it runs on no TPU host (call before JAX starts its backends): without these it prints errors
-    about the worker hostnames it could not find, on every start.  Variables already set are kept."""
+    about the worker hostnames it could not find, on every start, and a second process that compiles (a test's
+    subprocess, a process group) finds libtpu's lock taken.  Variables already set are kept."""
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.split(':', 1)[0]}-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiles only: several processes may hold libtpu
 
 
 def compile_only(devices: Sequence) -> bool:

@@ -7,6 +7,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # libtpu, where installed, starts quietly
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # the tests and the commands they start both compile
 
 import jax  # noqa: E402
 

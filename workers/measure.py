@@ -1,7 +1,8 @@
 """The measurement protocol: time one candidate decomposition against the baseline, honestly.
 
 1. Inputs from a seeded normal distribution, laid out as the problem says.
-2. Ahead-of-time compile; compile seconds and the compiled memory estimate are recorded.
+2. Ahead-of-time compile; compile seconds, the compiled memory estimate and the schedule's overlap verdict
+   (`collective_matmul.schedule`: is a product scheduled while each permute is in flight?) are recorded.
 3. Validation against the baseline's result (relative error bound by dtype); a wrong candidate
    is ``invalid`` and can never win.
 4. Warm-up, then candidate and baseline alternately (ABAB...), each run synchronised with
@@ -32,6 +33,7 @@ from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import OPS as MATMULS
 from collective_matmul.ops import allgather_grad_weight, input_shardings
 from collective_matmul.problem import Hardware, Problem
+from collective_matmul.schedule import overlap
 from collective_matmul.text import as_message
 from collective_matmul.wire import BoundsMeasurement, Measurement, Protocol, Status, Timing, quartiles
 
@@ -242,7 +244,9 @@ class Session:
             status = classify_failure(exc)
             return Measurement(**record, status="oom" if status == "oom" else "compile_error",
                                message=error_message(exc))
-        record |= dict(compile_s=compile_s, memory_bytes=memory)
+        verdict = overlap(compiled.as_text())
+        record |= dict(compile_s=compile_s, memory_bytes=memory, overlap=verdict.verdict,
+                       overlap_note=verdict.summary())
         try:
             out = compiled(self.x, self.w).block_until_ready()
             rel_error = relative_error(out, self.reference)

@@ -1,0 +1,151 @@
+"""TPU without a TPU: programs compiled for TPU slices by XLA's real TPU compiler (libtpu), nothing run.
+
+Every candidate family (an all-gather matmul, a matmul reduce-scatter, the weight gradient's ring, a fused
+backward) compiles for v4, v5e and v5p topologies; the overlap verdict is read from the schedule both ways (a
+ring whose permutes hide behind its products, one built so they cannot); discovery on a TPU compile lists
+what it lists on CPU devices, and names what XLA's windowed einsum decomposes itself.  Marked ``tpu_aot``:
+skipped, saying what to install, where libtpu is not installed (CI installs it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cmtune.workers.aot import AS_WRITTEN, CompileSession, compile_all, ring_mesh_of  # noqa: F401
+from collective_matmul import Decomposition, Problem, allgather_matmul, candidates
+from collective_matmul.discovery import discover
+from collective_matmul.schedule import overlap
+from collective_matmul.topology import TopologyError, compile_only, mesh_of, tpu_devices
+from tests.cli import cmtune
+
+pytestmark = pytest.mark.tpu_aot
+TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1"]  # 8 devices (two per chip), 4, 4
+D = Decomposition.from_id
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def devices(request):
+    return tpu_devices(request.param)
+
+
+def test_a_topology_gives_devices_that_only_compile_and_a_mesh_of_them(devices):
+    assert compile_only(devices) and all(d.platform == "tpu" for d in devices)
+    mesh = mesh_of(devices, (len(devices) // 4, 4), ("data", "model"))  # v4's two devices per chip too
+    assert mesh.shape == {"data": len(devices) // 4, "model": 4}
+    with pytest.raises(TopologyError, match="libtpu refused the topology 'v9x:2x2'"):
+        tpu_devices("v9x:2x2")
+
+
+@pytest.mark.parametrize("key", ["ag:512x256x512:bfloat16:4", "rs:512x256x512:bfloat16:4",
+                                 "gw:512x256x512:bfloat16:4"])
+def test_every_family_compiles_with_its_memory_and_a_verdict(devices, key):
+    """A sample of each family's space (both directions, chunked, a loop, each accumulation) compiles for the
+    slice; each record carries its memory per device and its schedule's verdict (the slow tier compiles all)."""
+    problem = Problem.parse(key)
+    session = CompileSession(problem, ring_mesh_of(devices, 4))
+    space = candidates(problem)
+    sample = [space[0], *space[1::7], space[-1]]
+    records = [session.compile(config) for config in sample]
+    assert all(r.status == "compiled" and r.memory_bytes and r.compile_s for r in records), [
+        (r.decomposition.id, r.message) for r in records]
+    assert records[0].overlap == "no permutes"  # cmtune's baseline: a plain collective, then the product
+    assert all(r.overlap in ("overlaps", "partly", "serialised") for r in records[1:])
+    assert any(r.overlap in ("overlaps", "partly") for r in records[1:])  # some ring hides some transfer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["ag:512x256x512:bfloat16:4", "rs:512x256x512:bfloat16:4",
+                                 "gw:512x256x512:bfloat16:4"])
+def test_every_candidate_compiles_for_every_topology(key):
+    problem = Problem.parse(key)
+    for topology in TOPOLOGIES:
+        session = CompileSession(problem, ring_mesh_of(tpu_devices(topology), 4))
+        failed = [(c.id, r.message) for c in candidates(problem) if (r := session.compile(c)).status != "compiled"]
+        assert not failed, (topology, failed)
+
+
+def test_a_fused_backward_compiles_and_its_rings_overlap(devices):
+    """The backward of an all-gather matmul whose input-gradient and weight-gradient rings share one loop."""
+    mesh = ring_mesh_of(devices, 4)
+    x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("ring", None)))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ring")))
+    def loss(x, w):
+        y = allgather_matmul(x, w, mesh=mesh, axis="ring", config=D("ring-uni-c1-full-dus"),
+                             grad_input=D("ring-uni-c1-full-f32"), grad_weight=D("ring-uni-c1-full-f32-fuse"))
+        return jnp.sum(y.astype(jnp.float32))
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile()
+    verdict = overlap(compiled.as_text())
+    assert verdict.windows and verdict.verdict in ("overlaps", "partly")
+    assert compiled.memory_analysis().temp_size_in_bytes >= 0
+
+
+def test_the_overlap_verdict_both_ways(devices):
+    """cmtune's ring hides each permute behind a block's product; a ring whose every permute needs the product
+    before it (a data dependence) is serialised, whatever the clock would say."""
+    mesh = ring_mesh_of(devices, 4)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("ring", None)))
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ring")))
+    ring = jax.jit(lambda x, w: allgather_matmul(x, w, mesh=mesh, axis="ring", config=D("ring-bi-c2-full-dus")))
+    assert overlap(ring.lower(x, w).compile().as_text()).verdict == "overlaps"
+
+    def serial(x, w):
+        pairs = [(i, (i + 1) % 4) for i in range(4)]
+
+        def body(x, w):
+            acc = jnp.zeros((x.shape[0], w.shape[1]), jnp.float32)
+            for _ in range(4):  # the next permute waits for this product: nothing can run while it is in flight
+                x = jax.lax.ppermute(x + 0 * acc[:1, :1].astype(x.dtype), "ring", pairs)
+                acc = acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+            return acc
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("ring", None), P(None, "ring")),
+                             out_specs=P("ring", None))(x, w)
+
+    verdict = overlap(jax.jit(serial).lower(x, w).compile().as_text())
+    assert verdict.verdict == "serialised" and len(verdict.windows) == 4
+    assert verdict.summary() == "0 of 4 permutes have a product scheduled while in flight"
+
+
+def test_xlas_windowed_einsum_is_named_and_the_problem_still_listed():
+    """On v4:2x2x1 XLA decomposes a large all-gather matmul itself: discovery compiles the step again with its
+    windowed einsum off, lists the plain problem and says that XLA decomposes it; a small one XLA leaves alone."""
+    mesh = mesh_of(tpu_devices("v4:2x2x1"), (8,), ("model",))
+    found = {}
+    for m, k, n in ((8192, 4096, 16384), (1024, 1024, 1024)):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=NamedSharding(mesh, P("model", None)))
+        w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
+        step = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(None, "model")))
+        found[m] = discover(step, (x, w), mesh)
+    (big,) = found[8192].problems
+    assert big.problem.key == "allgather_matmul:8192x4096x16384:bfloat16:8" and big.axis == "model"
+    assert big.xla and "XLA's windowed einsum decomposes this" in big.xla
+    (loop,) = found[8192].decomposed
+    assert loop.problem == big.problem.key and "collective-permutes" in loop.what
+    (small,) = found[1024].problems
+    assert small.xla is None and not found[1024].decomposed
+
+
+@pytest.mark.parametrize("spec, devices", [
+    ("examples/flax_nnx_gpt.py:tiny_gpt_step", ("tpu:v5p:2x2x2", "virtual:8")),
+    ("examples/flax_linen_llama.py:bf16_llama_step", ("tpu:v5p:2x2x2", "virtual:8")),
+])
+def test_a_users_step_lists_the_same_problems_on_a_tpu_topology_as_on_cpu_devices(spec, devices):
+    """`cmtune problems --step` on a TPU slice compiled ahead of time (an NNX model; a linen model with nn.scan
+    over remat layers, in bfloat16) lists the roles, slots, problems and counts of CPU devices of the same mesh."""
+    import json
+
+    listed = []
+    for device_spec in devices:
+        run = cmtune("problems", "--step", spec, "--devices", device_spec, "--json", timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        found = json.loads(run.stdout)
+        listed.append(sorted((p["role"], p["slot"], p["problem"]["collective"], p["problem"]["m"], p["problem"]["k"],
+                              p["problem"]["n"], p["problem"]["dtype"], p["count"]) for p in found["problems"]))
+    assert listed[0] == listed[1] and listed[0]
+    if "bf16" in spec:
+        assert {entry[6] for entry in listed[0]} == {"bfloat16"}
