@@ -214,3 +214,22 @@ def compiled_table(results, *, title: str) -> Table:
                       "-" if r.memory_bytes is None else f"{r.memory_bytes / 2**20:.1f} MiB", verdict,
                       r.overlap_note if r.status == "compiled" else r.message[:200])
     return table
+
+
+def compiled_steps_table(rows, *, title: str) -> Table:
+    """Whole steps compiled and never run: ``(name, compile s, memory bytes, collective counts, Overlap, error)``."""
+    table = Table(title=title, caption="compiled, not timed: memory per device, the collectives of the step and "
+                                       "whether a product is scheduled while each permute is in flight")
+    for name, justify in (("step", "left"), ("compile", "right"), ("memory / device", "right"),
+                          ("all-gathers", "right"), ("reduce-scatters", "right"), ("all-reduces", "right"),
+                          ("permutes", "right"), ("overlap", "left")):
+        table.add_column(name, justify=justify)
+    for name, seconds, memory, counts, verdict, error in rows:
+        if error:
+            table.add_row(name, "[red]failed[/red]", error, "", "", "", "", "")
+            continue
+        table.add_row(name, fmt_seconds(seconds), "-" if memory is None else f"{memory / 2**20:.1f} MiB",
+                      *(str(counts[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
+                                                   "collective-permute")),
+                      verdict.summary() if verdict.windows else verdict.verdict)
+    return table

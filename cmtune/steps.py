@@ -123,10 +123,11 @@ def tune(step: str, devices: str, tune_problems) -> None:
     """
     from cmtune.workers.userstep import tuning_ring
 
-    if prepare(devices) is None:
+    spec = prepare(devices)
+    if spec is None:
         return
     ref, fn = load(step)
-    built, discovery = discover_step(ref, fn)
+    built, discovery = discover_step(ref, fn, spec)
     if _leader():
         show_discovery(ref, built, discovery)
     if not discovery.problems:
@@ -144,6 +145,64 @@ def tune(step: str, devices: str, tune_problems) -> None:
         with spec_errors():
             ring = tuning_ring(built.mesh, axis)
         tune_problems(unique, ring)
+
+
+def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
+                    name: str | None) -> None:
+    """`cmtune verify --step --compile-only` (what a TPU topology allows): the step as written (with XLA's windowed
+    einsum at its default, off and on, where the backend has it), through the drop-in at the baseline and with the
+    tuned configs, each compiled and checked: memory per device, its collectives and its schedule's overlap
+    verdict.  Nothing runs."""
+    import jax
+
+    from cmtune.report import compiled_steps_table, sites_table
+    from cmtune.workers.userstep import Built, step_variants
+    from collective_matmul.client import Tuned
+    from collective_matmul.schedule import overlap
+    from collective_matmul.xla_options import windowed_einsum
+
+    spec = prepare(devices)
+    if spec is None:
+        return
+    if jax.process_count() > 1:
+        raise typer.BadParameter("--compile-only compiles in one process: give virtual:N or tpu:TOPOLOGY",
+                                 param_hint="--devices")
+    ref, fn = load(step)
+    topology = spec.tpu_devices() if spec.kind == "tpu" else None
+    tuned = Tuned(server, token=token, bundle=bundle, model=name or ref.name)
+    rows = []
+    with spec_errors():
+        reference = Built.of(fn, None, spec=str(ref), devices=topology)
+        platform = reference.mesh.devices.flat[0].platform
+        settings = [(None, {})] + [(s, windowed_einsum(platform, s)) for s in ("off", "on")
+                                   if windowed_einsum(platform, s) is not None]
+        variants = [(f"as written (XLA windowed einsum {s or 'default'})" if len(settings) > 1 else "as written",
+                     reference, options) for s, options in settings]
+        variants += [(label, Built.of(fn, source, spec=str(ref), devices=topology), {})
+                     for label, source in step_variants(tuned).items() if source is not None]
+    for label, built, options in variants:
+        started = time.monotonic()
+        try:
+            compiled = built.step.lower(*built.args).compile(compiler_options=options or None)
+        except Exception as exc:  # noqa: BLE001 - a step that does not compile is a row with the reason
+            rows.append((label, None, None, {}, None, f"{type(exc).__name__}: {exc}"[:300]))
+            continue
+        text = compiled.as_text()
+        counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in
+                  ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")}
+        rows.append((label, time.monotonic() - started, _memory(compiled), counts, overlap(text), ""))
+    sites = tuned.report()
+    console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} applied, "
+                                           f"{len(sites.fell_back)} fell back)"))
+    where = f"tpu:{spec.topology}" if spec.kind == "tpu" else platform
+    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
+    console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
+
+
+def _memory(compiled) -> int | None:
+    from cmtune.workers.measure import compiled_memory
+
+    return compiled_memory(compiled)
 
 
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,

@@ -16,6 +16,8 @@ from cmtune.workers.cluster import DEVICES_HELP
 from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
 app = typer.Typer(no_args_is_help=True)
+COMPILE_ONLY_HELP = ("compile each candidate and read its memory and its schedule's overlap verdict, timing nothing "
+                     "(what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")
 
 
 @app.command()
@@ -25,10 +27,12 @@ def bench(
     repeats: Annotated[int, typer.Option(min=1, help="interleaved runs per candidate")] = 7,
     warmup: Annotated[int, typer.Option(min=0)] = 2,
     out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines (the bounds last)")] = None,
+    compile_only: Annotated[bool, typer.Option(help=COMPILE_ONLY_HELP)] = False,
 ) -> None:
     """Time every valid decomposition of one problem against the baseline, then its bounds (the local matmul
-    alone, the collective alone); on a TPU topology (--devices tpu:v5p:2x2x2) compile each instead: its memory and
-    its schedule's overlap verdict, beside the product as written with XLA's windowed einsum off and on."""
+    alone, the collective alone); with --compile-only, or on a TPU topology (--devices tpu:v5p:2x2x2), compile each
+    instead: its memory and its schedule's overlap verdict, beside the product as written with XLA's windowed
+    einsum off and on."""
     from collective_matmul import Problem
 
     try:
@@ -45,33 +49,46 @@ def bench(
         configure(spec, auto_virtual=parsed.axis_size)
     except TopologyError as exc:
         raise typer.BadParameter(str(exc), param_hint="--devices") from None
-    if spec.compile_only:
-        return _compile_sweep(parsed, spec, out=out)
+    if compile_only or spec.compile_only:
+        results = _compile_sweep([parsed], spec)
+        if out is not None:
+            out.write_text("".join(r.model_dump_json() + "\n" for r in results))
+            console.print(f"wrote {len(results)} compiled candidates to {out}")
+        return
     _run_sweep(parsed, repeats=repeats, warmup=warmup, out=out)
 
 
-def _compile_sweep(problem, spec, *, out: Path | None) -> None:
-    """`cmtune bench` on a TPU topology: every candidate compiled (memory, overlap verdict), nothing timed."""
+def _compile_sweep(problems, spec, devices=None) -> list:
+    """Every candidate of each of ``problems`` compiled (memory per device, overlap verdict) beside the product as
+    written, on ``spec``'s devices (a TPU topology's, or ``devices``, else this process's), nothing timed; the
+    tables printed by process 0.  Returns the records."""
+    import jax
     from rich.progress import Progress
 
     from cmtune.report import compiled_table
     from cmtune.workers.aot import compile_all, ring_mesh_of
     from collective_matmul import candidates
 
-    devices = spec.tpu_devices()
-    try:
-        mesh = ring_mesh_of(devices, problem.axis_size)
-    except ValueError as exc:
-        raise typer.BadParameter(f"{exc} of tpu:{spec.topology}", param_hint="--problem") from None
-    configs = candidates(problem)
-    with Progress(console=console, transient=True) as progress:
-        progress.add_task(f"compiling {len(configs) + 3} programs of {problem.key} for tpu:{spec.topology}")
-        results = compile_all(problem, mesh, configs)
-    console.print(compiled_table(results, title=f"{problem.key} compiled for tpu:{spec.topology} "
-                                                f"({len(devices)} devices, rings of {problem.axis_size})"))
-    if out is not None:
-        out.write_text("".join(r.model_dump_json() + "\n" for r in results))
-        console.print(f"wrote {len(results)} compiled candidates to {out}")
+    devices = list(devices) if devices is not None else spec.tpu_devices() if spec.kind == "tpu" else jax.devices()
+    where = f"tpu:{spec.topology}" if spec.kind == "tpu" else devices[0].platform
+    leader, everything = jax.process_index() == 0, []
+    for problem in problems:
+        try:
+            mesh = ring_mesh_of(devices, problem.axis_size)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{problem.key}: {exc} of {where}") from None
+        configs = candidates(problem)
+        with Progress(console=console, transient=True, disable=not leader) as progress:
+            progress.add_task(f"compiling {len(configs) + 3} programs of {problem.key} for {where}")
+            results = compile_all(problem, mesh, configs)
+        if leader:
+            console.print(compiled_table(results, title=f"{problem.key} compiled for {where} ({len(devices)} "
+                                                        f"devices, rings of {problem.axis_size})"))
+        everything += results
+    if leader:
+        console.print("compiled only: no tuned config was written (times need the hardware; run `cmtune tune` or a "
+                      "worker there)")
+    return everything
 
 
 def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
@@ -130,8 +147,10 @@ def tune(
         help="time the winners and best rings of the nearest problems tuned before (in this run, and in the "
              "--out bundle if it exists) right after the baseline; a study whose seeds run as their "
              "neighbours did stops early")] = True,
+    compile_only: Annotated[bool, typer.Option(help=COMPILE_ONLY_HELP)] = False,
 ) -> None:
-    """Tune the decompositions of one or more problems, a model's or your own step's, on local devices."""
+    """Tune the decompositions of one or more problems, a model's or your own step's, on local devices (with
+    --compile-only, or on a TPU topology: compile every candidate of each and check it, timing nothing)."""
     if sampler not in ("auto", "enumerate", "tpe", "random"):
         raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
     bundled = []
@@ -150,6 +169,9 @@ def tune(
 
         if problem or model or mesh:
             raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
+        if compile_only or devices.startswith("tpu:"):
+            return steps.tune(step, devices, lambda found, ring: _compile_sweep(found, devices_option(devices),
+                                                                               devices=ring))
         return steps.tune(step, devices, lambda found, ring: _tune(found, ring=len(ring), ring_devices=ring,
                                                                            **options))
     problems = problems_from_options(problem, model, mesh, tensor_axis)
@@ -163,8 +185,15 @@ def tune(
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
         return relaunch_as_group(spec.count, local_devices=ring // spec.count)
     from cmtune.workers.cluster import configure
+    from collective_matmul.topology import TopologyError
 
-    configure(spec, auto_virtual=ring)
+    try:
+        configure(spec, auto_virtual=ring)
+    except TopologyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    if compile_only or spec.compile_only:
+        _compile_sweep(problems, spec)
+        return
     _tune(problems, ring=ring, **options)
 
 
@@ -311,6 +340,10 @@ def verify(
                             "graded in fresh rounds (0 or 1: one round of the standard menu)")] = STEP_SEARCH_ROUNDS,
     round_variants: Annotated[int, typer.Option(
         min=1, max=16, help="with --decide: changes of one role a search round times")] = STEP_ROUND_VARIANTS,
+    compile_only: Annotated[bool, typer.Option(
+        help="with --step: compile the step as written (XLA's windowed einsum at its default, off and on, where the "
+             "backend has it) and through the drop-in, and check each (memory, collectives, overlap), timing "
+             "nothing (what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")] = False,
 ) -> None:
     """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
     from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
@@ -324,11 +357,17 @@ def verify(
 
         if model or mesh:
             raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
+        if compile_only or devices.startswith("tpu:"):
+            if decide:
+                raise typer.BadParameter("--decide times the step: it needs devices that run (not --compile-only)")
+            return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name)
         return steps.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
                                     repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
                                     json_out=json_out, search_rounds=search_rounds, round_variants=round_variants)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
+    if compile_only or devices.startswith("tpu:"):
+        raise typer.BadParameter("--compile-only verifies a step spec (--step): the reference block is timed only")
     if name:
         raise typer.BadParameter("--name is for --step (a model's overrides are stored under its name)")
     if decide and bundle is None:
