@@ -21,24 +21,14 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cmtune.launcher import running_server, stop
-from collective_matmul.wire import (
-    Budget,
-    HardwareIn,
-    MeshIn,
-    StepOptions,
-    StudyCreate,
-    StudyCreated,
-    StudyPage,
-    SubmissionPublic,
-    TrialPublic,
-)
+from collective_matmul.api import ApiClient
+from collective_matmul.wire import Budget, HardwareIn, MeshIn, StepOptions, StudyCreate, SubmissionPublic
 
 DEVICES, PROCESSES = 8, 2
 app = typer.Typer(no_args_is_help=True)
@@ -100,22 +90,19 @@ def run_demo(directory: Path, *, model: str, trials: int, repeats: int, step_rou
             stdout=open(directory / "worker.log", "w"), stderr=subprocess.STDOUT,
         )
         try:
-            with httpx.Client(base_url=server.url, timeout=60,
-                              headers={"Authorization": f"Bearer {tokens['admin']}"}) as api:
+            with ApiClient(server.url, tokens["admin"], timeout=60) as api:
                 body = StudyCreate(
                     model=model, mesh=MeshIn(axes={"data": 1, "model": DEVICES}),
                     hardware=HardwareIn(platform="cpu", device_kind="cpu", device_count=DEVICES,
                                         process_count=PROCESSES),
                     budget=Budget(trials=trials), repeats=repeats, confirm_top=2,
                     step=StepOptions(ablation=ablation, repeats=step_repeats, search_rounds=step_rounds))
-                response = api.post("/v1/studies", json=body.model_dump(mode="json", exclude_none=True))
-                response.raise_for_status()
-                created = StudyCreated.model_validate(response.json())
+                created = api.submit(body)
                 console.print(f"submitted {model} on a data=1,model={DEVICES} mesh (submission "
                               f"{created.submission_id}): {len(created.studies) - 1} studies, then the step; the "
                               f"worker is a {PROCESSES}-process gloo cluster; its log: {directory / 'worker.log'}")
                 _follow(api, worker, console)
-                sub = SubmissionPublic.model_validate(api.get(f"/v1/submissions/{created.submission_id}").json())
+                sub = api.submission(created.submission_id)
                 console.print(_ops_table(sub))
                 console.print(_step_table(sub))
                 spent = _where_the_time_went(api)
@@ -140,14 +127,14 @@ def _stop_worker(worker: subprocess.Popen) -> None:
             stop(worker)
 
 
-def _follow(api: httpx.Client, worker: subprocess.Popen, console: Console) -> None:
+def _follow(api: ApiClient, worker: subprocess.Popen, console: Console) -> None:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("tuning", total=None)
         while True:
             if worker.poll() is not None:
                 raise RuntimeError(f"the demo worker exited with {worker.returncode}; see worker.log")
-            studies = StudyPage.model_validate(api.get("/v1/studies", params={"limit": 500}).json()).items
+            studies = api.studies(limit=500).items
             search = [s for s in studies if s.kind == "search"]
             step = [s for s in studies if s.kind == "step"]
             total = sum(s.trials_budget + 1 for s in search) + len(step)
@@ -228,10 +215,10 @@ def _step_table(sub: SubmissionPublic) -> Table:
     return table
 
 
-def _where_the_time_went(api: httpx.Client) -> str:
+def _where_the_time_went(api: ApiClient) -> str:
     """The demo's wall time by phase, from the service's own timestamps: the op-level studies (from the
     submission to the last one's end), each round of the step search, and the grading."""
-    studies = StudyPage.model_validate(api.get("/v1/studies", params={"limit": 500}).json()).items
+    studies = api.studies(limit=500).items
     search = [s for s in studies if s.kind == "search"]
     step = next((s for s in studies if s.kind == "step"), None)
     if not search or step is None:
@@ -240,7 +227,7 @@ def _where_the_time_went(api: httpx.Client) -> str:
     ops_end = max(s.finished_at or submitted for s in search)
     trials = sum(s.trials_done for s in search)
     parts = [f"op studies {(ops_end - submitted).total_seconds():.0f} s ({len(search)} studies, {trials} trials)"]
-    rounds = [TrialPublic.model_validate(t) for t in api.get(f"/v1/studies/{step.id}/trials").json()]
+    rounds = api.trials(step.id)
     previous = ops_end
     spans = []
     for trial in rounds:

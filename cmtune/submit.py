@@ -2,35 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cmtune.common import SERVER, TOKEN_FILE, console, problems_from_options, read_token_file
 
+if TYPE_CHECKING:
+    from collective_matmul.api import ApiClient
+
 app = typer.Typer(no_args_is_help=True)
 
 
-def _api(server: str, token: str | None, token_file: Path | None = None):
-    import httpx
+@contextmanager
+def _api(server: str, token: str | None, token_file: Path | None = None) -> Iterator[ApiClient]:
+    """The service's API; an error it answers is printed in one line (what to fix) and the command exits 1."""
+    from collective_matmul.api import ApiClient, ApiError
 
-    token = token or read_token_file(token_file)
-    return httpx.Client(base_url=server.rstrip("/"), timeout=30,
-                        headers={"Authorization": f"Bearer {token}"} if token else {})
-
-
-def _check(response) -> dict | list:
-    if response.status_code >= 400:
+    with ApiClient(server, token or read_token_file(token_file), timeout=30) as api:
         try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        if isinstance(detail, list):  # a 422: what to fix, field by field
-            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
-        console.print(f"[red]{response.status_code}: {detail}[/red]")
-        raise typer.Exit(1)
-    return response.json()
+            yield api
+        except ApiError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(1) from None
 
 
 @app.command()
@@ -101,12 +98,9 @@ def submit(
 
 
 def _post(server: str, token: str | None, token_file: Path | None, bodies) -> None:
-    from collective_matmul.wire import StudyCreated
-
-    with _api(server, token, token_file) as client:
+    with _api(server, token, token_file) as api:
         for body in bodies:
-            created = StudyCreated.model_validate(_check(client.post(
-                "/v1/studies", json=body.model_dump(mode="json", exclude_none=True))))
+            created = api.submit(body)
             for study in created.studies:
                 seeded = f", {len(study.seeds)} seeds from {_neighbours(study)}" if study.seeds else ""
                 console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials{seeded})")
@@ -136,13 +130,10 @@ def status(
     """Studies and workers of a running service."""
     from rich.table import Table
 
-    from collective_matmul.wire import StudyPage, SubmissionPublic, SubmissionSummary, WorkerPublic
-
-    with _api(server, token, token_file) as client:
-        studies = StudyPage.model_validate(_check(client.get("/v1/studies", params={"state": state} if state else {})))
-        workers = [WorkerPublic.model_validate(w) for w in _check(client.get("/v1/workers"))]
-        summaries = [SubmissionSummary.model_validate(s) for s in _check(client.get("/v1/submissions"))][:10]
-        models = [SubmissionPublic.model_validate(_check(client.get(f"/v1/submissions/{s.id}"))) for s in summaries]
+    with _api(server, token, token_file) as api:
+        studies = api.studies(state=state)
+        workers = api.workers()
+        models = [api.submission(s.id) for s in api.submissions()[:10]]
     table = Table(title=f"studies on {server} ({studies.total})")
     for col in ("id", "state", "problem", "hardware", "trials", "best so far", "tuned", "compute", "communication",
                 "bound", "hidden", "why", "seeded from"):

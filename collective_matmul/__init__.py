@@ -28,7 +28,7 @@ _EXPORTS = {
     "train_step": "block",
     "Bundle": "bundle",
     "TunedConfig": "bundle",
-    "Lookup": "client",
+    "Lookup": "sources",
     "Tuned": "client",
     "ring_hardware": "client",
     "Decomposition": "decomposition",
@@ -136,7 +136,7 @@ if TYPE_CHECKING:
         train_step,
     )
     from collective_matmul.bundle import Bundle, TunedConfig
-    from collective_matmul.client import Lookup, Tuned, ring_hardware
+    from collective_matmul.client import Tuned, ring_hardware
     from collective_matmul.decomposition import Decomposition, OpConfigs
     from collective_matmul.discovery import Discovery, discover
     from collective_matmul.models import PRESETS, MeshSpec, ModelProblem, TransformerBlock, model_problems
@@ -155,4 +155,5 @@ if TYPE_CHECKING:
         baseline_matmul_reduce_scatter_shard,
     )
     from collective_matmul.ring import allgather_grad_weight_shard, allgather_matmul_shard, matmul_reduce_scatter_shard
+    from collective_matmul.sources import Lookup
     from collective_matmul.space import candidates

@@ -66,12 +66,31 @@ Params = dict[str, jax.Array]
 
 @runtime_checkable
 class ConfigSource(Protocol):
-    """Where the block's op calls get their configs (called at trace time, once per op call)."""
+    """What the block and the Flax drop-in (`collective_matmul.flax`) call on a source of configs, at trace time.
 
-    def configs(
-        self, role: str, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
-    ) -> OpConfigs:
-        """The configs for one call: ``role`` in `ROLES`, ``x``/``w`` the operands (shapes matter)."""
+    Implemented by `FixedConfigs`, `AS_WRITTEN` and `collective_matmul.Tuned` (and its step variants).
+    """
+
+    def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
+        """The forward, ``grad_input`` and ``grad_weight`` configs of one op call.
+
+        Args:
+            role: the call's role: one of `ROLES` in the block; a Flax module path, named scope or
+                source location in the drop-in; None where the call has none.
+            collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
+            x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`: the shapes matter).
+            mesh, axis, batch_axis: as for the op.
+            source: ``file:line`` of the call (the drop-in gives it), for a report of the calls.
+            via: how the call came: ``op`` (the block, `Tuned`'s ops) or ``dot_general`` (the drop-in).
+
+        Raises:
+            ValueError: if the call does not fit ``collective`` (a source may check it).
+        """
+        ...
+
+    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+        """A call the drop-in ran as plain ``lax.dot_general``: ``reason`` says why, ``source`` is its ``file:line``."""
         ...
 
 
@@ -91,8 +110,12 @@ class FixedConfigs:
         if unknown:
             raise ValueError(f"unknown roles {unknown}; the block's roles are {list(ROLES)}")
 
-    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None) -> OpConfigs:
+    def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
         return self.per_role.get(role, self.default)
+
+    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+        """Nothing to record: fixed configs keep no report of the calls."""
 
 
 class AsWritten:
@@ -101,8 +124,12 @@ class AsWritten:
     Its `configs` (the baselines) only describe it: the block calls no op of cmtune in this mode.
     """
 
-    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None) -> OpConfigs:
+    def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
         return OpConfigs()
+
+    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+        """Nothing to record: the block as written calls no op of cmtune."""
 
     def __repr__(self) -> str:
         return "AS_WRITTEN"

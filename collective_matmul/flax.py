@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from jax import lax
@@ -41,6 +42,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from collective_matmul.ops import OPS, check_call, is_explicit
 from collective_matmul.roles import call_site
+
+if TYPE_CHECKING:
+    from collective_matmul.block import ConfigSource
 
 KINDS = {"column": "allgather_matmul", "row": "matmul_reduce_scatter",
          "allgather_matmul": "allgather_matmul", "matmul_reduce_scatter": "matmul_reduce_scatter"}
@@ -51,7 +55,7 @@ AUTO = "auto"
 class DotGeneral:
     """A ``lax.dot_general`` replacement for one layer (see the module docstring)."""
 
-    def __init__(self, source, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+    def __init__(self, source: ConfigSource, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
                  kernel_axes: Sequence[str | None] | None = None, tensor_names: Sequence[str] = TENSOR_NAMES,
                  batch_axis=AUTO, role: str | None = None):
         if axis not in mesh.shape:
@@ -143,9 +147,7 @@ class DotGeneral:
         return others[0] if len(others) == 1 else others
 
     def _plain(self, role, where, reason, lhs, rhs, dimension_numbers, precision, preferred, kwargs):
-        note = getattr(self.source, "fell_back", None)
-        if note is not None:
-            note(role, reason, source=where)
+        self.source.fell_back(role, reason, source=where)
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred, **kwargs)
 
@@ -158,14 +160,14 @@ class _Unfit(ValueError):
     """A call that does not fit the decomposed ops' layout (it runs ``lax.dot_general``)."""
 
 
-def dot_general(source, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+def dot_general(source: ConfigSource | None, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
                 kernel_axes: Sequence[str | None] | None = None, tensor_names: Sequence[str] = TENSOR_NAMES,
                 batch_axis=AUTO, role: str | None = None):
     """A ``dot_general`` for a Flax layer that runs ``source``'s configs; ``lax.dot_general`` if ``source`` is None.
 
     Args:
-        source: a `collective_matmul.Tuned` (or a step variant of one), or None for the step as
-            written (then this is ``jax.lax.dot_general`` itself).
+        source: a `collective_matmul.block.ConfigSource` (a `collective_matmul.Tuned`, a step variant of
+            one, fixed configs), or None for the step as written (then this is ``jax.lax.dot_general`` itself).
         mesh: the device mesh.
         axis: the tensor-parallel mesh axis (the ring).
         kind: ``"column"`` (all-gather → matmul) or ``"row"`` (matmul → reduce-scatter).
@@ -185,7 +187,7 @@ def dot_general(source, *, mesh: Mesh, axis: str = "model", kind: str | None = N
                       batch_axis=batch_axis, role=role)
 
 
-def dot_general_cls(source, **options):
+def dot_general_cls(source: ConfigSource | None, **options):
     """For linen's ``dot_general_cls=``: a class-like factory Flax calls with no arguments (`dot_general` options)."""
     made = dot_general(source, **options)
     return lambda: made

@@ -28,14 +28,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx
-from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
-
 from cmtune.workers.cluster import EXIT_HUNG, Group
 from cmtune.workers.runner import LocalRunner, Watchdog, failed, follow
+from collective_matmul.api import ApiClient, ApiError, Conflict, Invalid, NotRegistered
 from collective_matmul.problem import Hardware, Software
 from collective_matmul.wire import (
-    WORKER_HEADER,
     BoundsMeasurement,
     Confirmation,
     GroupMessage,
@@ -43,47 +40,17 @@ from collective_matmul.wire import (
     LeaseGranted,
     Measurement,
     ResultIn,
-    ResultOut,
     Status,
     TrialKind,
     TrialTask,
     WorkerCreate,
-    WorkerRegistered,
 )
 
 EXIT_CRASHED = 70  # the daemon failed outside any trial's protocol (its supervisor restarts it)
 SIGNAL_ECHO_S = 1.0  # a signal this soon after the first is the same one, passed on by a launcher
+PATIENCE_S = 600.0  # how long a call waits for a service that is away, restarting or overloaded
 
 log = logging.getLogger("cmtune.worker")
-
-
-def _transient(exc: BaseException) -> bool:
-    """Worth retrying: the service is away, restarting or overloaded."""
-    if isinstance(exc, httpx.TransportError):
-        return True
-    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (502, 503, 504)
-
-
-class ServiceClient:
-    """The worker's HTTP calls; transient failures are retried with exponential backoff."""
-
-    def __init__(self, server: str, token: str | None, *, patience_s: float = 600):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=30)
-        self.patience_s = patience_s
-
-    def call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        @retry(retry=retry_if_exception(_transient), wait=wait_exponential(multiplier=0.5, max=15),
-               stop=stop_after_delay(self.patience_s), reraise=True,
-               before_sleep=lambda state: log.warning("service unreachable (%s); retrying",
-                                                      state.outcome.exception()))
-        def once() -> httpx.Response:
-            response = self.http.request(method, path, **kwargs)
-            if response.status_code >= 500:
-                response.raise_for_status()
-            return response
-
-        return once()
 
 
 @dataclass
@@ -101,7 +68,7 @@ class WorkerDaemon:
     def __init__(self, server: str, token: str | None, *, name: str | None = None, poll_s: float = 2.0,
                  heartbeat_s: float = 10.0, max_trials: int | None = None, exit_when_idle: bool = False,
                  grace_s: float = 120.0):
-        self.client = ServiceClient(server, token)
+        self.api = ApiClient(server, token, timeout=30, patience_s=PATIENCE_S)
         self.name = name or socket.gethostname()
         self.poll_s, self.heartbeat_s, self.grace_s = poll_s, heartbeat_s, grace_s
         self.max_trials, self.exit_when_idle = max_trials, exit_when_idle
@@ -171,12 +138,8 @@ class WorkerDaemon:
         body = WorkerCreate(name=self.name, hardware=HardwareIn.of(hardware), memory_bytes=self._runner.device_memory,
                             software=hardware.software or Software(jax=hardware.jax_version,
                                                                    jaxlib=hardware.jaxlib_version))
-        self.client.http.headers.pop(WORKER_HEADER, None)
-        response = self.client.call("POST", "/v1/workers", json=body.model_dump(mode="json"))
-        response.raise_for_status()
-        registered = WorkerRegistered.model_validate(response.json())
+        registered = self.api.register(body)
         self.state.worker_id = registered.id
-        self.client.http.headers[WORKER_HEADER] = registered.credential
         memory = registered.memory_bytes
         log.info("registered as worker %s on %s (%s)", registered.id, hardware.key,
                  f"{memory / 2**30:.1f} GiB per device" if memory else "device memory unknown")
@@ -185,9 +148,9 @@ class WorkerDaemon:
         if self.state.worker_id is None:
             return
         try:
-            self.client.http.delete(f"/v1/workers/{self.state.worker_id}")
+            self.api.unregister(self.state.worker_id)
             log.info("unregistered worker %s after %d trials", self.state.worker_id, self.state.trials_done)
-        except httpx.HTTPError as exc:
+        except ApiError as exc:
             log.warning("could not unregister (%s); the service will expire the lease", exc)
 
     def _heartbeats(self) -> None:
@@ -195,23 +158,19 @@ class WorkerDaemon:
             if self.state.abort.is_set():
                 return  # a trial overran: its lease must expire, not be extended
             try:
-                self.client.http.post(f"/v1/workers/{self.state.worker_id}/heartbeat",
-                                      json={"lease_id": self.state.lease_id})
-            except httpx.HTTPError as exc:
+                self.api.heartbeat(self.state.worker_id, self.state.lease_id)
+            except ApiError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     # -- trials --------------------------------------------------------------------------------
 
     def lease(self) -> LeaseGranted | None:
-        response = self.client.call("POST", f"/v1/workers/{self.state.worker_id}/lease")
-        if response.status_code in (401, 404):  # the service forgot us (a fresh database, a revoked credential)
-            log.warning("lease refused (%s): registering again", response.json().get("detail"))
+        try:
+            return self.api.lease(self.state.worker_id)
+        except NotRegistered as exc:  # the service forgot us (a fresh database, a revoked credential)
+            log.warning("lease refused (%s): registering again", exc.detail)
             self.register(Hardware.detect())
             return None
-        if response.status_code == 204:
-            return None
-        response.raise_for_status()
-        return LeaseGranted.model_validate(response.json())
 
     def run_trial(self, grant: LeaseGranted) -> LeaseGranted | None:
         """Run a leased trial and report it; returns the next trial, leased with the result (one request)
@@ -229,12 +188,13 @@ class WorkerDaemon:
         last = self.max_trials is not None and self.state.trials_done + 1 >= self.max_trials
         more = not (self.state.stop.is_set() or last)
         body = ResultIn.of(grant.lease.id, task.kind, results, lease_next=more)
-        response = self.client.call("POST", f"/v1/trials/{task.id}/result", json=body.model_dump(mode="json"))
-        self.state.lease_id = None
-        if response.status_code in (409, 422):
-            log.warning("trial %s: result refused (%s)", task.id, response.json().get("detail"))
+        try:
+            answer = self.api.result(task.id, body)
+        except (Conflict, Invalid) as exc:
+            log.warning("trial %s: result refused (%s)", task.id, exc.detail)
             return None
-        response.raise_for_status()
+        finally:
+            self.state.lease_id = None
         self.state.trials_done += 1
         if task.kind == TrialKind.STEP:
             for v in results.variants:
@@ -249,7 +209,7 @@ class WorkerDaemon:
             if confirmation is not None and confirmation.bounds is not None:
                 log.info("trial %s study %s %s bounds: %s", task.id, task.study_id, task.problem.key,
                          _bounds_summary(confirmation.bounds))
-        return ResultOut.model_validate(response.json()).next
+        return answer.next
 
 
 def describe(task: TrialTask) -> str:

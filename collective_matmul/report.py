@@ -1,0 +1,198 @@
+"""The call-site report: every call a client traced, applied (problem, configs, match, source) or fell back (why).
+
+`Record` is what one client's calls resolved and ran: the call sites (`CallSite`, listed by
+`Report`), each call's answers, each role's, and the overrides its calls matched; the first call
+site of each role logs one line on the ``collective_matmul`` logger.  `Pins` replays what another
+process's record resolved (`Tuned.pinned`).  The call sites and the calls' answers kept are bounded
+(`MAX_SITES`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from collective_matmul.decomposition import OpConfigs
+from collective_matmul.models import SLOTS
+from collective_matmul.problem import Hardware, Problem
+from collective_matmul.sources import Lookup
+from collective_matmul.wire import Pin
+
+logger = logging.getLogger("collective_matmul")
+
+MAX_SITES = 4096  # call sites (and calls) recorded per client (a bounded in-process record)
+
+
+@dataclass
+class CallSite:
+    """One call site the process traced: where, what it solved, and what ran there."""
+
+    role: str
+    source: str  # file:line of the call
+    via: str  # op (tuned.allgather_matmul / matmul_reduce_scatter) | dot_general (the Flax drop-in)
+    collective: str | None = None
+    problems: dict[str, Problem] = field(default_factory=dict)
+    found: dict[str, Lookup] = field(default_factory=dict)
+    reason: str = ""  # why it fell back to lax.dot_general; empty when applied
+    traces: int = 1
+    notes: list[str] = field(default_factory=list)
+    hardware: Hardware | None = None  # the ring's (what its configs are keyed by)
+    axis: str | None = None  # the mesh axis of the ring
+
+    @property
+    def applied(self) -> bool:
+        return not self.reason
+
+    @property
+    def configs(self) -> OpConfigs | None:
+        return OpConfigs(**{slot: f.decomposition for slot, f in self.found.items()}) if self.applied else None
+
+    def line(self) -> str:
+        """One line: the role, where, and what ran (or why not)."""
+        where = f"{self.role} ({self.source})" if self.source and self.source != self.role else self.role
+        if not self.applied:
+            return f"{where}: fell back to lax.dot_general: {self.reason}"
+        forward = self.problems["forward"]
+        slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source}"
+                          + (f", measured on {f.software}" if f.match == "stale" and f.software else "") + ")"
+                          for slot, f in self.found.items())
+        notes = f"; {'; '.join(self.notes)}" if self.notes else ""
+        return f"{where}: {forward.key}: {slots}{notes}"
+
+
+class Report(list):
+    """`Tuned.report`: every call site traced, applied or fallen back, and the model's overrides no call matched.
+
+    ``unmatched``: the roles of this model's overrides (for the hardware its calls ran on) that no
+    traced call's role agrees with: decided for a label the step no longer has.
+    """
+
+    def __init__(self, sites=(), *, model: str | None = None, unmatched: Sequence[str] = ()):
+        super().__init__(sites)
+        self.model, self.unmatched = model, list(unmatched)
+
+    @property
+    def applied(self) -> list[CallSite]:
+        return [s for s in self if s.applied]
+
+    @property
+    def fell_back(self) -> list[CallSite]:
+        return [s for s in self if not s.applied]
+
+    @property
+    def stale(self) -> list[CallSite]:
+        """The applied call sites that run a config measured on another software stack."""
+        return [s for s in self.applied if any(f.match == "stale" for f in s.found.values())]
+
+    def __str__(self) -> str:
+        head = f"{len(self.applied)} call site(s) run cmtune's ops, {len(self.fell_back)} fell back"
+        if self.stale:
+            head += f"; {len(self.stale)} run configs measured on another software stack (stale)"
+        lines = [head, *(f"  {s.line()}" for s in self)]
+        if self.unmatched:
+            lines.append(self.unmatched_line())
+        return "\n".join(lines)
+
+    def unmatched_line(self) -> str:
+        """What `unmatched` means, in one line (empty if every override matched a call)."""
+        if not self.unmatched:
+            return ""
+        return (f"{len(self.unmatched)} override(s) of model {self.model!r} matched no call site, not applied: "
+                f"{', '.join(self.unmatched)}: the step's labels changed since its decision (a source-line label "
+                "moves when its file is edited: give the layer a jax.named_scope or the drop-in's role=, and "
+                "decide again)")
+
+
+class Record:
+    """What one client's calls resolved and ran (a step variant keeps its own).
+
+    Args:
+        name: the client's name, for the log (``tuned``, a variant's name).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.calls: dict[tuple, tuple[Problem, Lookup]] = {}  # (slot, the call's shapes, mesh, axis) -> answer
+        self.roles: dict[str, dict[str, tuple[Problem, Lookup]]] = {}
+        self.sites: dict[tuple, CallSite] = {}
+        self.logged: set[str] = set()
+        self.matched: set[tuple[str, str]] = set()  # (hardware key, override role) some call used
+
+    def answer(self, key: tuple, problem: Problem, resolve: Callable[[], Lookup]) -> Lookup:
+        """The answer of the call ``key`` (``resolve()`` the first time), kept for `resolved`."""
+        hit = self.calls.get(key)
+        if hit is None:
+            hit = (problem, resolve())
+            if len(self.calls) < MAX_SITES:
+                self.calls[key] = hit
+        return hit[1]
+
+    def site(self, site: CallSite) -> CallSite:
+        """Record a traced call (a call traced again counts); the first of its role is logged."""
+        key = (site.role, site.source, site.via, site.collective,
+               site.problems["forward"].key if site.problems else None, site.reason)
+        known = self.sites.get(key)
+        if known is not None:
+            known.traces += 1
+            return known
+        if len(self.sites) < MAX_SITES:
+            self.sites[key] = site
+        if site.role not in self.logged:
+            self.logged.add(site.role)
+            logger.info("cmtune %s: %s", self.name, site.line())
+        return site
+
+    def applied(self, site: CallSite) -> None:
+        """Record an applied call of a role: the site, and the role's problems and answers."""
+        self.roles[site.role] = {slot: (site.problems[slot], site.found[slot]) for slot in SLOTS}
+        self.site(site)
+
+    def per_role(self) -> dict[str, list[OpConfigs]]:
+        """The configs each role's applied calls ran, one entry per distinct problem."""
+        out: dict[str, list[OpConfigs]] = {}
+        for site in self.sites.values():
+            if site.applied and site.configs not in out.setdefault(site.role, []):
+                out[site.role].append(site.configs)
+        return out
+
+    def pins(self) -> dict[str, Pin]:
+        """What the applied calls resolved, for `Pins` (keyed ``role|forward problem``)."""
+        return {f"{site.role}|{site.problems['forward'].key}": Pin(
+                    configs=site.configs, match={slot: f.match for slot, f in site.found.items()})
+                for site in self.sites.values() if site.applied}
+
+    def report(self, model: str | None, unmatched: Callable[[Iterable[str], set[tuple[str, str]]], list[str]]
+               ) -> Report:
+        """The `Report` of the call sites; ``unmatched(hardware keys of the applied calls, matched)``: the overrides
+        of ``model`` no call matched (`collective_matmul.overrides.Overrides.unmatched`)."""
+        traced = {site.hardware.key for site in self.sites.values() if site.applied}
+        return Report(self.sites.values(), model=model, unmatched=unmatched(traced, self.matched))
+
+
+class Pins:
+    """What another process's client resolved (`Record.pins`), answered call by call."""
+
+    def __init__(self, pins: Mapping[str, Pin | Mapping] | None = None):
+        self._pins: dict[tuple[str, str], tuple[OpConfigs, dict[str, Lookup]]] = {}
+        self.add(pins or {})
+
+    def add(self, pins: Mapping[str, Pin | Mapping]) -> None:
+        """Add pins (keyed ``role|forward problem``); a pin of the same call replaces the one before."""
+        for key, entry in pins.items():
+            role, _, forward = key.rpartition("|")  # a problem key has no "|"; a role may
+            entry = Pin.model_validate(entry)
+            found = {slot: Lookup(getattr(entry.configs, slot), match, "process 0")
+                     for slot, match in entry.match.items()}
+            self._pins[(role, forward)] = (entry.configs, found)
+
+    def answers(self, role: str | None, call: tuple, hardware: Hardware, problems: Mapping[str, Problem],
+                notes: list[str], record: Record) -> dict[str, Lookup]:
+        """The pinned answers of the call of ``role`` with these problems (the baselines where none was pinned);
+        the other arguments are those of `collective_matmul.overrides.Overrides.answers`, unused here."""
+        pinned = self._pins.get((role or "", problems["forward"].key))
+        if pinned is None:  # what autodiff of the baseline does (OpConfigs' defaults)
+            return {slot: Lookup(getattr(OpConfigs(), slot), "baseline", "process 0 did not resolve this call")
+                    for slot in SLOTS}
+        configs, found = pinned
+        return {slot: found.get(slot, Lookup(getattr(configs, slot), "fixed", "process 0")) for slot in SLOTS}

@@ -1,0 +1,171 @@
+"""Where `Tuned` gets configs: a cmtune service over HTTP, a bundle file, and the look-up order over them.
+
+A source answers one problem on one hardware for one software stack with a `Lookup` (or None), and
+lists a model's per-role overrides.  `ServiceSource` asks a server through `collective_matmul.api`:
+a server that is down or errs is reported by one warning (`WarnOnce`) and answers nothing, so the
+training step goes on.  `BundleSource` answers from a bundle file, indexed once per hardware.
+`Sources` asks both in the look-up order of `collective_matmul.lookup` (measured answers first, the
+server's before the bundle's at the same match; then the cost model or the baseline) and keeps
+each answer for the process.  Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
+from collective_matmul.decomposition import Decomposition
+from collective_matmul.lookup import MATCHES, MEASURED, by_problem, from_tuned, stack_note, untuned, weight_gradient
+from collective_matmul.problem import Hardware, Problem, Software
+
+if TYPE_CHECKING:
+    from collective_matmul.api import ApiClient
+
+MAX_LOOKUPS = 1 << 16  # answers kept per client (a bounded in-process cache)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The answer to one look-up: the config, and where it came from."""
+
+    decomposition: Decomposition
+    match: str  # override | exact | stale | nearest | model | baseline | fixed
+    source: str  # server | bundle | costmodel | baseline | variant | process 0
+    speedup: float | None = None
+    software: Software | None = None  # the stack that measured the config it came from
+    note: str = ""  # what the answer says of the stacks (a stale one: which stack measured it)
+
+
+class WarnOnce:
+    """A `RuntimeWarning` once per subject (``"server"``, an override's role, ...) for the life of a client."""
+
+    def __init__(self):
+        self._warned: set[str] = set()
+
+    def __call__(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class ServiceSource:
+    """A cmtune service's answers (``GET /v1/configs``, ``/v1/overrides``); a lost server is warned about once.
+
+    Args:
+        server: the service's base URL.
+        token: a reader token.
+        timeout_s: per request (never retried: a training step does not wait for a server).
+        warn: the client's warnings.
+    """
+
+    name = "server"
+
+    def __init__(self, server: str, *, token: str | None = None, timeout_s: float = 2.0, warn: WarnOnce):
+        self.server, self.token, self.timeout_s, self.warn = server.rstrip("/"), token, timeout_s, warn
+        self._api: ApiClient | None = None  # one connection pool for the client's life
+
+    @property
+    def api(self) -> ApiClient:
+        if self._api is None:
+            from collective_matmul.api import ApiClient
+
+            self._api = ApiClient(self.server, self.token, timeout=self.timeout_s)
+        return self._api
+
+    def answer(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> Lookup | None:
+        """The server's answer for ``problem`` (None where the server cannot be asked)."""
+        try:
+            body = self.api.config(problem, hardware, software)
+        except Exception as exc:  # noqa: BLE001 - the training step must go on
+            self._lost(exc)
+            return None
+        return Lookup(body.decomposition, body.match, self.name, body.speedup, body.software, body.note or "")
+
+    def overrides(self, model: str, hardware: Hardware) -> list[RoleOverride]:
+        """The server's overrides of ``model`` on ``hardware``; one that does not check out is skipped and warned of."""
+        try:
+            return self.api.overrides(model, hardware, on_invalid=self._bad_override)
+        except Exception as exc:  # noqa: BLE001 - the training step must go on
+            self._lost(exc)
+            return []
+
+    def _lost(self, exc: Exception) -> None:
+        from collective_matmul.api import ApiError
+
+        why = str(exc) if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
+        self.warn("server", f"cmtune server {self.server} unavailable ({why}); falling back to the bundle, the cost "
+                            "model or the baseline")
+
+    def _bad_override(self, item, exc: ValueError) -> None:
+        self.warn(f"override:{item.get('role') if isinstance(item, dict) else item!r}",
+                  f"cmtune server {self.server} served an override that does not check out, skipped: {exc}")
+
+
+class BundleSource:
+    """A bundle file's answers (its stacks compared with the look-up's), indexed once per hardware."""
+
+    name = "bundle"
+
+    def __init__(self, bundle: Bundle):
+        self.bundle = bundle
+        # hardware key -> problem key -> its configs, one per stack (`collective_matmul.lookup.by_problem`)
+        self._index: dict[str, dict[str, list[TunedConfig]]] = {}
+
+    def answer(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> Lookup | None:
+        """The bundle's ``exact``, ``stale`` or ``nearest`` answer for ``problem``, or None."""
+        configs = self._index.get(hardware.key)
+        if configs is None:
+            configs = self._index[hardware.key] = by_problem(c for c in self.bundle.configs
+                                                             if c.hardware.key == hardware.key)
+        found = from_tuned(problem, configs, software)
+        if found is None:
+            return None
+        match, config = found
+        return Lookup(config.decomposition, match, self.name,
+                      config.speedup if match in ("exact", "stale") else None, config.software,
+                      stack_note(match, config, software) or "")
+
+    def overrides(self, model: str, hardware: Hardware) -> list[RoleOverride]:
+        """The bundle's overrides of ``model`` on ``hardware``."""
+        key = hardware.identity().key
+        return [o for o in self.bundle.overrides if o.model == model and o.hardware.key == key]
+
+
+class Sources:
+    """A client's sources asked in the look-up order (`collective_matmul.lookup`), each answer kept per process."""
+
+    def __init__(self, service: ServiceSource | None = None, bundle: BundleSource | None = None):
+        self.service, self.bundle = service, bundle
+        self._cache: dict[tuple[str, str, str], Lookup] = {}
+
+    def lookup(self, problem: Problem, hardware: Hardware) -> Lookup:
+        """The config for ``problem`` on ``hardware``, for the stack ``hardware.software`` (`Hardware.detect`
+        fills it; None: no stack, the newest measurement of any answers ``exact``), cached per process."""
+        software = hardware.software
+        key = (problem.key, hardware.key, software.key if software is not None else "")
+        found = self._cache.get(key)
+        if found is None:
+            found = self._resolve(problem, hardware.identity(), software)
+            if len(self._cache) < MAX_LOOKUPS:
+                self._cache[key] = found
+        return found
+
+    def answer(self, slot: str, problem: Problem, hardware: Hardware) -> Lookup:
+        """`lookup`, and for a ``grad_weight`` slot what `collective_matmul.lookup.weight_gradient` makes of it."""
+        found = self.lookup(problem, hardware)
+        if slot != "grad_weight":
+            return found
+        return replace(found, decomposition=weight_gradient(found.decomposition, found.match))
+
+    def _resolve(self, problem: Problem, hardware: Hardware, software: Software | None) -> Lookup:
+        """The first answer in the look-up order: the measured ones (the server's first at the same match),
+        then the cost model or the baseline."""
+        measured = [a for a in (s.answer(problem, hardware, software) for s in (self.service, self.bundle)
+                                if s is not None)
+                    if a is not None and a.match in MEASURED and problem.accepts(a.decomposition)]
+        if measured:
+            return min(measured, key=lambda a: MATCHES.index(a.match))  # stable: the server first
+        match, decomposition = untuned(problem, hardware)
+        return Lookup(decomposition, match, "costmodel" if match == "model" else "baseline")
