@@ -256,10 +256,14 @@ class _Recorder:
         self.source = source
         self.used: dict[str, OpConfigs] = {}
 
-    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None):
-        configs = self.source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None, source: str = "", via: str = "op"):
+        configs = self.source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
+                                      source=source, via=via)
         self.used[role] = configs
         return configs
+
+    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+        self.source.fell_back(role, reason, source=source)
 
 
 class StepSession(MeasurementSession):
@@ -352,9 +356,10 @@ class StepSession(MeasurementSession):
 
     def _program_key(self, source) -> Hashable:
         """A `FixedConfigs` by its configs (equal configs, one program), any other source by itself."""
-        per_role = getattr(source, "per_role", None)
-        if per_role is not None and hasattr(source, "default"):
-            return "fixed", tuple(sorted(per_role.items())), source.default
+        from collective_matmul.block import FixedConfigs
+
+        if isinstance(source, FixedConfigs):
+            return "fixed", tuple(sorted(source.per_role.items())), source.default
         return super()._program_key(source)
 
     def _tracer(self, source):

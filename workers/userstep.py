@@ -275,7 +275,7 @@ class UserStepSession(MeasurementSession):
         return lambda: step.lower(*self.args)
 
     def _used(self, source) -> dict[str, OpConfigs]:
-        per_role = source.per_role() if source is not None and hasattr(source, "per_role") else {}
+        per_role = source.per_role() if source is not None else {}  # a `Tuned` client or one of its variants
         return {role: configs[0] for role, configs in per_role.items() if configs}
 
     def _check_run(self, executable, record: dict, expected):
