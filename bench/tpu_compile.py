@@ -1,0 +1,73 @@
+"""Compile every candidate of a few problems for TPU topologies with XLA's TPU compiler (libtpu), nothing run.
+
+    .venv/bin/pip install -e '.[tpu]'
+    .venv/bin/python bench/tpu_compile.py                          # v4:2x2x1, v5e:2x2, v5p:2x2x1 (~15 min here)
+    .venv/bin/python bench/tpu_compile.py --topologies v5p:2x2x2 --problems ag:8192x4096x16384:bfloat16:8
+
+Per topology and problem, a table row: how long a candidate took to compile (median, min-max), how many
+candidates' schedules overlap every permute with a product, part of them, or none (`collective_matmul.schedule`),
+the memory per device (min-max), and what the product as written compiles to: XLA's windowed einsum at its
+default (a loop of permutes, or the plain collective) and its verdict.  These are compiles, not timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+PROBLEMS = ["ag:4096x2048x8192:bfloat16:4", "rs:4096x8192x2048:bfloat16:4", "gw:4096x2048x8192:bfloat16:4"]
+TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1"]
+
+
+def row(topology: str, key: str) -> str:
+    from cmtune.workers.aot import compile_all, ring_mesh_of
+    from collective_matmul import Problem, candidates
+    from collective_matmul.topology import tpu_devices
+
+    problem = Problem.parse(key)
+    devices = tpu_devices(topology)
+    started = time.monotonic()
+    records = compile_all(problem, ring_mesh_of(devices, problem.axis_size), candidates(problem))
+    wall = time.monotonic() - started
+    default, off, on, baseline, *rings = records
+    compiled = [r for r in rings if r.status == "compiled"]
+    seconds = [r.compile_s for r in compiled]
+    memory = [r.memory_bytes / 2**20 for r in compiled if r.memory_bytes]
+    verdicts = {v: sum(r.overlap == v for r in compiled) for v in ("overlaps", "partly", "serialised")}
+    failed = len(rings) - len(compiled)
+    xla = default.overlap_note if default.overlap != "no permutes" else "the plain collective (no loop)"
+    counted = f"{len(rings)} ({failed} failed)" if failed else f"{len(rings)}"
+    return (f"| {topology} ({len(devices)} devices) | {problem.key} | {counted} "
+            f"| {statistics.median(seconds):.1f} s ({min(seconds):.1f}-{max(seconds):.1f}) "
+            f"| {verdicts['overlaps']} / {verdicts['partly']} / {verdicts['serialised']} "
+            f"| {min(memory):.0f}-{max(memory):.0f} MiB | {xla} | {wall:.0f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--topologies", nargs="+", default=TOPOLOGIES)
+    parser.add_argument("--problems", nargs="+", default=PROBLEMS)
+    args = parser.parse_args()
+    import jax
+    import libtpu
+
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, jax {jax.__version__}, libtpu "
+          f"{getattr(libtpu, '__version__', '?')}; compiled, not timed\n")
+    print("| topology | problem | ring candidates | compile (median, min-max) | overlaps / partly / serialised "
+          "| memory per device | as written, XLA's windowed einsum at its default | wall |")
+    print("|---|---|---|---|---|---|---|---|")
+    for topology in args.topologies:
+        for key in args.problems:
+            print(row(topology, key), flush=True)
+
+
+if __name__ == "__main__":
+    main()
