@@ -55,6 +55,7 @@ class Config:
 SMALL = Config()
 BF16 = Config(dtype="bfloat16")
 TINY = Config(vocab=128, d_model=64, heads=4, head_dim=16, d_ff=128, layers=2, seq=64, batch=4)
+TINY_BF16 = Config(vocab=128, d_model=64, heads=4, head_dim=16, d_ff=128, layers=2, seq=64, batch=4, dtype="bfloat16")
 
 
 class Layer(nn.Module):
@@ -166,3 +167,8 @@ def bf16_llama_step(tuned=None, devices=None):
 def tiny_llama_step(tuned=None, devices=None):
     """The step spec at a test size."""
     return build(TINY, tuned, devices=devices)
+
+
+def tiny_bf16_llama_step(tuned=None, devices=None):
+    """The step spec at a test size, in bfloat16."""
+    return build(TINY_BF16, tuned, devices=devices)

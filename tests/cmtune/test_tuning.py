@@ -42,6 +42,7 @@ def test_tune_writes_a_bundle_the_ops_accept(tmp_path):
     np.testing.assert_allclose(np.asarray(out), x_np @ w_np, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # the two-process path of every command is the worker's too (tests/workers/test_daemon.py)
 def test_tune_model_on_two_processes(tmp_path):
     bundle_path = tmp_path / "tuned.json"
     run = cmtune("tune", "--problem", "rs:64x128x32:float32:8", "--devices", "processes:2", "--trials", "4",
@@ -52,6 +53,7 @@ def test_tune_model_on_two_processes(tmp_path):
     assert entry.bounds is not None  # both processes timed the bounds rounds together
 
 
+@pytest.mark.slow  # the whole space timed; the bounds rounds alone: tests/workers/test_bounds.py
 def test_bench_times_the_bounds_after_the_candidates(tmp_path):
     out = tmp_path / "bench.jsonl"
     run = cmtune("bench", "--problem", "ag:64x8x16:float32:8", "--repeats", "1", "--warmup", "0", "--out", str(out))

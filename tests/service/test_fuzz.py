@@ -347,7 +347,9 @@ def check_served(client: httpx.Client, trial: StepTrial, step: dict) -> list[str
     return wrong
 
 
-def test_step_results_never_break_what_is_served(fuzzed_server):
+@pytest.mark.parametrize("examples", [pytest.param(STEP_EXAMPLES // 4, id="quick"),
+                                      pytest.param(STEP_EXAMPLES, id="thorough", marks=pytest.mark.slow)])
+def test_step_results_never_break_what_is_served(fuzzed_server, examples):
     server, tokens, _ = fuzzed_server
     auth = {"Authorization": f"Bearer {tokens['admin']}"}
     admin = httpx.Client(base_url=server.url, headers=auth, timeout=30)
@@ -357,7 +359,7 @@ def test_step_results_never_break_what_is_served(fuzzed_server):
     accepted = []
 
     @given(data=st.data())
-    @settings(max_examples=STEP_EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def fuzz(data):
         body = {"lease_id": trial.grant["lease"]["id"], "step": copy.deepcopy(trial.valid)}

@@ -211,6 +211,7 @@ def files(tmp_path):
     return model, path
 
 
+@pytest.mark.slow  # the command's table; the session's variants: test_a_step_session_times_every_variant_in_rounds
 def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
     model, bundle = files
     out = tmp_path / "step.json"

@@ -60,9 +60,9 @@ def test_every_family_compiles_with_its_memory_and_a_verdict(devices, key):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", ["ag:512x256x512:bfloat16:4", "rs:512x256x512:bfloat16:4",
                                  "gw:512x256x512:bfloat16:4"])
-def test_every_candidate_compiles_for_every_topology(key):
+def test_every_candidate_compiles_for_a_v5p_slice(key):
     problem = Problem.parse(key)
-    for topology in TOPOLOGIES:
+    for topology in ("v5p:2x2x1",):  # (the quick tier compiles a sample of each family on every topology)
         session = CompileSession(problem, ring_mesh_of(tpu_devices(topology), 4))
         failed = [(c.id, r.message) for c in candidates(problem) if (r := session.compile(c)).status != "compiled"]
         assert not failed, (topology, failed)
@@ -132,7 +132,7 @@ def test_xlas_windowed_einsum_is_named_and_the_problem_still_listed():
 
 @pytest.mark.parametrize("spec, devices", [
     ("examples/flax_nnx_gpt.py:tiny_gpt_step", ("tpu:v5p:2x2x2", "virtual:8")),
-    ("examples/flax_linen_llama.py:bf16_llama_step", ("tpu:v5p:2x2x2", "virtual:8")),
+    ("examples/flax_linen_llama.py:tiny_bf16_llama_step", ("tpu:v5p:2x2x2", "virtual:8")),
 ])
 def test_a_users_step_lists_the_same_problems_on_a_tpu_topology_as_on_cpu_devices(spec, devices):
     """`cmtune problems --step` on a TPU slice compiled ahead of time (an NNX model; a linen model with nn.scan
