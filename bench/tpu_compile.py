@@ -4,10 +4,11 @@
     .venv/bin/python bench/tpu_compile.py                          # v4:2x2x1, v5e:2x2, v5p:2x2x1 (~15 min here)
     .venv/bin/python bench/tpu_compile.py --topologies v5p:2x2x2 --problems ag:8192x4096x16384:bfloat16:8
 
-Per topology and problem, a table row: how long a candidate took to compile (median, min-max), how many
-candidates' schedules overlap every permute with a product, part of them, or none (`collective_matmul.schedule`),
-the memory per device (min-max), and what the product as written compiles to: XLA's windowed einsum at its
-default (a loop of permutes, or the plain collective) and its verdict.  These are compiles, not timings.
+Per topology and problem, a table row: how long a ring candidate took to compile (median, min-max), how many
+ring candidates' schedules overlap every permute with a product, part of them, or none
+(`collective_matmul.schedule`), the memory per device (min-max), and what the product as written compiles to:
+XLA's windowed einsum at its default (a loop of permutes, or the plain collective) and its verdict.  These are
+compiles, not timings.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def row(topology: str, key: str) -> str:
     problem = Problem.parse(key)
     devices = tpu_devices(topology)
     started = time.monotonic()
-    records = compile_all(problem, ring_mesh_of(devices, problem.axis_size), candidates(problem))
+    records = compile_all(problem, ring_mesh_of(devices, problem.axis_size), candidates(problem, platform="tpu"))
     wall = time.monotonic() - started
-    default, off, on, baseline, *rings = records
+    default = records[0]
+    rings = [r for r in records if r.decomposition.method == "ring"]
     compiled = [r for r in rings if r.status == "compiled"]
     seconds = [r.compile_s for r in compiled]
     memory = [r.memory_bytes / 2**20 for r in compiled if r.memory_bytes]

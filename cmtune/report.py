@@ -196,7 +196,7 @@ def sites_table(sites, *, title: str) -> Table:
 
 def compiled_table(results, *, title: str) -> Table:
     """Candidates compiled and never run: compile seconds, memory per device and the schedule's overlap verdict.
-    The first rows are the product as written (XLA's windowed einsum at its default, then off and on)."""
+    The first rows are the product as written (XLA's windowed einsum at its default, then off)."""
     table = Table(title=title, caption="compiled, not timed: a verdict says whether a product is scheduled while "
                                        "each permute is in flight; times need the hardware")
     for name, justify in (("program", "left"), ("status", "left"), ("compile", "right"), ("memory / device", "right"),
@@ -205,9 +205,9 @@ def compiled_table(results, *, title: str) -> Table:
     for r in results:
         name = r.decomposition.id
         if r.decomposition.method == "baseline" and (r.xla_options or r is results[0]):
-            setting = "default" if not r.xla_options else "off" if any(v is False for v in r.xla_options.values()) \
-                else "on"
-            name = f"as written (XLA windowed einsum {setting})"
+            name = f"as written (XLA windowed einsum {'off' if r.xla_options else 'default'})"
+        elif r.decomposition.method == "xla":
+            name = "xla (the product as written, XLA's windowed einsum on)"
         colour = {"overlaps": "green", "serialised": "red", "partly": "yellow"}.get(r.overlap or "", "")
         verdict = f"[{colour}]{r.overlap}[/{colour}]" if colour else (r.overlap or "-")
         table.add_row(name, r.status, fmt_seconds(r.compile_s),

@@ -77,9 +77,9 @@ def _compile_sweep(problems, spec, devices=None) -> list:
             mesh = ring_mesh_of(devices, problem.axis_size)
         except ValueError as exc:
             raise typer.BadParameter(f"{problem.key}: {exc} of {where}") from None
-        configs = candidates(problem)
+        configs = candidates(problem, platform=devices[0].platform)
         with Progress(console=console, transient=True, disable=not leader) as progress:
-            progress.add_task(f"compiling {len(configs) + 3} programs of {problem.key} for {where}")
+            progress.add_task(f"compiling {len(configs) + 2} programs of {problem.key} for {where}")
             results = compile_all(problem, mesh, configs)
         if leader:
             console.print(compiled_table(results, title=f"{problem.key} compiled for {where} ({len(devices)} "

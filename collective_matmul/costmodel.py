@@ -147,7 +147,7 @@ def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) 
         block_flops = 2 * rows * (problem.k // p) * problem.n
         out_bytes = rows * problem.n * elt
 
-    if config.method == "baseline":
+    if config.method in ("baseline", "xla"):  # XLA's own: no figures for its windowed einsum, priced as written
         collective = profile.op_s + (p - 1) * message(block_bytes)
         compute = matmul(problem.m, block_flops * p)
         if problem.collective == "matmul_reduce_scatter":

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-Method = Literal["baseline", "ring"]
+Method = Literal["baseline", "ring", "xla"]
 Direction = Literal["unidirectional", "bidirectional"]
 Unroll = Literal["full", 1, 2]
 # All-gather side: how output blocks are assembled.  Reduce-scatter side: the dtype of the
@@ -63,7 +63,7 @@ class Decomposition(BaseModel):
 
     @model_validator(mode="after")
     def _baseline_has_no_ring_fields(self) -> Decomposition:
-        if self.method == "baseline":
+        if self.method in ("baseline", "xla"):
             ring_fields = {
                 name: getattr(self, name)
                 for name in ("direction", "chunks", "unroll", "accumulate")
@@ -71,8 +71,10 @@ class Decomposition(BaseModel):
             }
             if ring_fields:
                 raise ValueError(
-                    f"method='baseline' takes no ring fields; remove {sorted(ring_fields)}"
+                    f"method={self.method!r} takes no ring fields; remove {sorted(ring_fields)}"
                 )
+        if self.method == "xla" and self.fuse:
+            raise ValueError("method='xla' is the product as written, left to XLA: it takes no fuse")
         return self
 
     @model_serializer(mode="wrap")
@@ -87,6 +89,13 @@ class Decomposition(BaseModel):
         """The collective followed by the einsum, as XLA would run it (``fuse``: see the class)."""
         return cls(method="baseline", fuse=fuse)
 
+    @classmethod
+    def xla(cls) -> Decomposition:
+        """The product as written, left to XLA: GSPMD places the collective, and XLA's own windowed einsum
+        decomposes it where the backend has one and the step is compiled with it on
+        (`collective_matmul.xla_options`)."""
+        return cls(method="xla")
+
     @property
     def id(self) -> str:
         """The decomposition's key, e.g. ``ring-bi-c4-u2-f32`` or ``baseline-fuse``: one id per decomposition,
@@ -95,6 +104,8 @@ class Decomposition(BaseModel):
         suffix = "-fuse" if self.fuse else ""
         if self.method == "baseline":
             return "baseline" + suffix
+        if self.method == "xla":
+            return "xla"
         unroll = "full" if self.unroll == "full" else f"u{self.unroll}"
         acc = _SHORT[self.accumulate] if self.accumulate else "auto"
         return f"ring-{_SHORT[self.direction]}-c{self.chunks}-{unroll}-{acc}{suffix}"
@@ -106,6 +117,8 @@ class Decomposition(BaseModel):
         body = text.removesuffix("-fuse")
         if body == "baseline":
             return cls.baseline(fuse=fuse)
+        if text == "xla":
+            return cls.xla()
         parts = body.split("-")
         if len(parts) != 5 or parts[0] != "ring":
             raise ValueError(f"not a decomposition id: {text!r} (expected e.g. 'ring-uni-c2-full-dus')")

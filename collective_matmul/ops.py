@@ -64,6 +64,8 @@ def allgather_matmul(
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
     specs = _specs("allgather_matmul", lead, axis)
+    if _left_to_xla(config, grad_input, grad_weight):
+        return _as_written("allgather_matmul", x, w, mesh=mesh, specs=specs)
     body = partial(allgather_matmul_shard, axis=axis, config=config, grad_input=grad_input, grad_weight=grad_weight)
     return _run(body, x, w, mesh=mesh, specs=specs)
 
@@ -104,6 +106,8 @@ def matmul_reduce_scatter(
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("K", -1, "x")))
     specs = _specs("matmul_reduce_scatter", lead, axis)
+    if _left_to_xla(config, grad_input, grad_weight):
+        return _as_written("matmul_reduce_scatter", x, w, mesh=mesh, specs=specs)
     body = partial(matmul_reduce_scatter_shard, axis=axis, config=config, grad_input=grad_input,
                    grad_weight=grad_weight)
     return _run(body, x, w, mesh=mesh, specs=specs)
@@ -145,6 +149,8 @@ def allgather_grad_weight(
         )
     lead = _check(u, v, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("B", -1, "w")), contraction=False)
     specs = _specs("allgather_grad_weight", lead, axis)
+    if config.method == "xla":
+        return _as_written("allgather_grad_weight", u, v, mesh=mesh, specs=specs)
     kernel = partial(allgather_grad_weight_shard, axis=axis, config=config)
     body = kernel if batch_axis is None else lambda a, b: lax.psum(kernel(a, b), batch_axis)
     return _run(body, u, v, mesh=mesh, specs=specs)
@@ -194,6 +200,39 @@ def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
     if collective == "allgather_grad_weight":
         return P(*lead, axis, None), P(*lead, None, axis), P(None, axis)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+def _left_to_xla(forward: Decomposition, grad_input: Decomposition | None, grad_weight: Decomposition | None) -> bool:
+    """True if an op's configs leave it to XLA (``method="xla"``: all three, since the product's backward is then
+    JAX's autodiff of it, which XLA decomposes or not as it does the forward).
+
+    Raises:
+        ValueError: if the forward and the backward disagree on it.
+    """
+    xla = [c is not None and c.method == "xla" for c in (forward, grad_input, grad_weight)]
+    if xla[0] and not all(x or c is None for x, c in zip(xla[1:], (grad_input, grad_weight), strict=True)):
+        raise ValueError("method='xla' leaves the whole op to XLA, its backward too: give grad_input and "
+                         "grad_weight method='xla' (or leave them out)")
+    if not xla[0] and any(xla[1:]):
+        raise ValueError("method='xla' is for the whole op: a forward of cmtune's computes its own backward; give "
+                         "the forward method='xla' too, or another decomposition to the backward")
+    return xla[0]
+
+
+def _as_written(collective: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:
+    """The product as a user writes it (``method="xla"``): one ``jnp`` product of the sharded operands, its result
+    laid out as the op lays it, GSPMD placing the collective (XLA's windowed einsum may decompose it)."""
+    x_spec, w_spec, out_spec = specs
+    x, w = placed(mesh, (x_spec, w_spec), x, w)
+    lead = "abcdefgh"[: x.ndim - 2]
+    if collective == "allgather_grad_weight":  # the rows and the leading dimensions contracted
+        subscripts = f"{lead}mk,{lead}mn->kn"
+    else:
+        subscripts = f"{lead}mk,kn->{lead}mn"
+    sharding = NamedSharding(mesh, out_spec)
+    if is_explicit(mesh):  # the types say where the result lives
+        return jnp.einsum(subscripts, x, w, out_sharding=sharding)
+    return jax.lax.with_sharding_constraint(jnp.einsum(subscripts, x, w), sharding)
 
 
 def _run(body, x, w, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:

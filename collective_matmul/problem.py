@@ -208,7 +208,7 @@ def check_decomposition(
             f"fuse=True is not for {collective}: it belongs to the weight-gradient config "
             "(collective allgather_grad_weight) of an op's backward; remove fuse"
         )
-    if config.method == "baseline":
+    if config.method in ("baseline", "xla"):
         return
     allowed = REDUCE_SCATTER_ACCUMULATE if collective in _ACCUMULATING else ALLGATHER_ACCUMULATE
     if config.accumulate is not None and config.accumulate not in allowed:

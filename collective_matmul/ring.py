@@ -150,6 +150,9 @@ def allgather_grad_weight_shard(
     Raises:
         ValueError: if the shapes do not match or ``config`` is not valid for them.
     """
+    if config.method == "xla":
+        raise ValueError("method='xla' is the product as written, partitioned by GSPMD: it runs through the op "
+                         "(allgather_grad_weight), not inside a shard_map")
     size = lax.axis_size(axis)
     if u.ndim < 2 or v.shape[:-2] != u.shape[:-2] or v.shape[-2] != u.shape[-2] * size:
         raise ValueError(
@@ -186,6 +189,9 @@ def _plan(
     block_rows: int,
 ) -> _Plan:
     """Fill in the backward defaults and check all three configs (the same ring blocks)."""
+    if any(c is not None and c.method == "xla" for c in (config, grad_input, grad_weight)):
+        raise ValueError("method='xla' is the product as written, partitioned by GSPMD: it runs through the op "
+                         "(allgather_matmul, matmul_reduce_scatter), not inside a shard_map")
     plan = _Plan(
         axis,
         config,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cmtune.workers.measure import compiled_memory, default_program, error_message, operand_shapes
+from cmtune.workers.measure import compiled_memory, default_program, error_message, operand_shapes, xla_options
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import input_shardings
 from collective_matmul.problem import Hardware, Problem
@@ -27,8 +27,6 @@ from collective_matmul.schedule import overlap
 from collective_matmul.text import as_message
 from collective_matmul.wire import CompiledCandidate
 from collective_matmul.xla_options import windowed_einsum
-
-AS_WRITTEN = "as written"  # the plain product under GSPMD, XLA's windowed einsum as the backend has it by default
 
 
 class CompileSession:
@@ -54,7 +52,8 @@ class CompileSession:
             self.problem.check(config)
         except ValueError as exc:
             return CompiledCandidate(**record, status="compile_error", message=f"invalid decomposition: {exc}")
-        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis), {})
+        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis),
+                              xla_options(config, self.mesh) or {})
 
     def as_written(self, windowed: str | None = None) -> CompiledCandidate:
         """The product as a user writes it (a plain ``jnp`` product, GSPMD placing the collective), with XLA's
@@ -98,10 +97,10 @@ def ring_mesh_of(devices: Sequence, ring: int) -> Mesh:
 
 
 def compile_all(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[CompiledCandidate]:
-    """The product as written (by default, and with XLA's windowed einsum off and on where the backend has it),
-    then every one of ``configs``, compiled for ``mesh``."""
+    """The product as written (at XLA's default, and with its windowed einsum off where the backend has one), then
+    every one of ``configs`` (``method="xla"`` among them: the windowed einsum on), compiled for ``mesh``."""
     session = CompileSession(problem, mesh)
     written = [session.as_written()]
     if windowed_einsum(session.platform, "off") is not None:
-        written += [session.as_written("off"), session.as_written("on")]
+        written.append(session.as_written("off"))  # "on" is the candidate method="xla"
     return written + [session.compile(config) for config in configs]

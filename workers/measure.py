@@ -221,7 +221,7 @@ class Session:
     def _compile(self, config: Decomposition):
         program = self.build(self.problem, config, self.mesh, self.axis)
         start = time.perf_counter()
-        compiled = jax.jit(program).lower(self.x, self.w).compile()
+        compiled = jax.jit(program).lower(self.x, self.w).compile(compiler_options=xla_options(config, self.mesh))
         seconds = time.perf_counter() - start
         return compiled, seconds, compiled_memory(compiled)
 
@@ -343,6 +343,16 @@ def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: 
 def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:
     """Measure one candidate on all devices (a one-off `Session`)."""
     return Session(problem, protocol=protocol).measure(config)
+
+
+def xla_options(config: Decomposition, mesh: Mesh) -> dict | None:
+    """The compile options ``config`` needs: XLA's windowed einsum on for ``method="xla"`` (None otherwise, and on a
+    backend without one)."""
+    if config.method != "xla":
+        return None
+    from collective_matmul.xla_options import windowed_einsum
+
+    return windowed_einsum(mesh.devices.flat[0].platform, "on")
 
 
 def compiled_memory(compiled) -> int | None:

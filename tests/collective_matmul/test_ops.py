@@ -259,3 +259,38 @@ def test_bad_shapes_and_configs_raise_value_error(x_shape, w_shape, kwargs, mess
     args = {"mesh": mesh, "axis": "model", "config": Decomposition()} | kwargs
     with pytest.raises(ValueError, match=message):
         allgather_matmul(jnp.ones(x_shape), jnp.ones(w_shape), **args)
+
+
+@pytest.mark.parametrize("collective", list(OPS))
+def test_the_product_left_to_xla_equals_float64_and_so_do_its_gradients(collective):
+    """``method="xla"``: the product as written (no shard_map, no custom VJP); on CPU, which has no windowed
+    einsum, GSPMD's collective and JAX's autodiff, equal to the closed forms."""
+    mesh = mesh_1d()
+    _, shapes, n, _ = SHAPES["flat"]
+    x, w, expected = operands(collective, shapes[collective], n, "float32", seed=5)
+    x, w = place(collective, mesh, x, w)
+    out = jax.jit(lambda x, w: OPS[collective](x, w, mesh=mesh, axis="model", config=Decomposition.xla()))(x, w)
+    assert rel_error(out, expected) < 1e-5 and out.sharding.spec == compile_op(
+        collective, mesh, Decomposition.baseline(), x, w)(x, w).sharding.spec
+    cotangent = jnp.asarray(np.random.default_rng(6).standard_normal(expected.shape), jnp.float32)
+    got = grads(collective, mesh, Decomposition.xla(), x, w, cotangent)
+    g = np.asarray(cotangent, np.float64)
+    assert rel_error(got[0], g @ np.asarray(w, np.float64).T) < 1e-5
+    assert rel_error(got[1], np.asarray(x, np.float64).T @ g) < 1e-5
+    hlo = compile_op(collective, mesh, Decomposition.xla(), x, w).as_text()
+    assert "collective-permute" not in hlo  # CPU: the plain collective
+
+
+def test_the_product_left_to_xla_is_one_choice_for_the_whole_op():
+    assert Decomposition.from_id("xla") == Decomposition.xla() and Decomposition.xla().id == "xla"
+    with pytest.raises(ValueError, match="takes no ring fields"):
+        Decomposition(method="xla", chunks=2)
+    mesh = mesh_1d()
+    _, shapes, n, _ = SHAPES["flat"]
+    x, w, _ = operands("allgather_matmul", shapes["allgather_matmul"], n, "float32")
+    x, w = place("allgather_matmul", mesh, x, w)
+    ring = Decomposition.from_id("ring-uni-c1-full-in")
+    with pytest.raises(ValueError, match="leaves the whole op to XLA, its backward too"):
+        allgather_matmul(x, w, mesh=mesh, axis="model", config=Decomposition.xla(), grad_input=ring)
+    with pytest.raises(ValueError, match="method='xla' is for the whole op"):
+        allgather_matmul(x, w, mesh=mesh, axis="model", config=Decomposition.baseline(), grad_input=Decomposition.xla())

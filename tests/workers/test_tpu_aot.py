@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cmtune.workers.aot import AS_WRITTEN, CompileSession, compile_all, ring_mesh_of  # noqa: F401
+from cmtune.workers.aot import CompileSession, compile_all, ring_mesh_of
 from collective_matmul import Decomposition, Problem, allgather_matmul, candidates
 from collective_matmul.discovery import discover
 from collective_matmul.schedule import overlap
@@ -149,3 +149,16 @@ def test_a_users_step_lists_the_same_problems_on_a_tpu_topology_as_on_cpu_device
     assert listed[0] == listed[1] and listed[0]
     if "bf16" in spec:
         assert {entry[6] for entry in listed[0]} == {"bfloat16"}
+
+
+def test_xlas_own_decomposition_is_a_candidate_compiled_with_its_windowed_einsum_on():
+    """On TPU the space holds ``method="xla"`` (the product as written) after the baseline; compiled with the
+    windowed einsum on, a large all-gather matmul becomes XLA's loop of permutes, and the same product with it off
+    (the "as written, off" row) is one all-gather."""
+    problem = Problem.parse("ag:8192x4096x16384:bfloat16:8")
+    assert candidates(problem, platform="tpu")[:2] == [Decomposition.baseline(), Decomposition.xla()]
+    assert Decomposition.xla() not in candidates(problem, platform="cpu")
+    default, off, xla = compile_all(problem, ring_mesh_of(tpu_devices("v4:2x2x1"), 8), [Decomposition.xla()])
+    assert xla.decomposition == Decomposition.xla() and xla.xla_options and xla.status == "compiled"
+    assert xla.overlap in ("overlaps", "partly") and off.overlap == "no permutes"
+    assert any(v is False for v in off.xla_options.values()) and not default.xla_options
