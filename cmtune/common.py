@@ -84,7 +84,7 @@ def problems_from_options(problem: list[str] | None, model: str | None, mesh: st
         raise typer.BadParameter(str(exc)) from None
 
 
-def relaunch_as_group(count: int, local_devices: int) -> None:
+def relaunch_as_group(count: int, local_devices: int, platform: str = "cpu") -> None:
     """Re-run this very command as ``count`` processes of a gloo cluster; process 0's output shows as it comes.
 
     Every process runs what it is handed by process 0; if one fails or hangs (its watchdog ends
@@ -92,6 +92,7 @@ def relaunch_as_group(count: int, local_devices: int) -> None:
     """
     try:
         results = launch(count, without_token(sys.orig_argv[1:]), local_devices=local_devices, timeout_s=24 * 3600,
+                         platform=platform,
                          echo_first=True)
     except RuntimeError as exc:
         console.print(f"[red]{exc}[/red]")

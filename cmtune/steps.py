@@ -42,7 +42,7 @@ def prepare(devices: str) -> DeviceSpec | None:
         raise typer.BadParameter(f"{devices!r}: a step's mesh decides the device count; give processes:PxD "
                                  f"(e.g. processes:{spec.count}x4)", param_hint="--devices")
     if spec.needs_group:
-        relaunch_as_group(spec.count, local_devices=spec.local)
+        relaunch_as_group(spec.count, local_devices=spec.local, platform=spec.platform)
         return None
     configure(spec)
     return spec

@@ -41,7 +41,7 @@ def bench(
         raise typer.BadParameter(str(exc), param_hint="--problem") from None
     spec = devices_option(devices)
     if spec.needs_group:
-        return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count)
+        return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count, platform=spec.platform)
     from cmtune.workers.cluster import configure
     from collective_matmul.topology import TopologyError
 
@@ -183,7 +183,7 @@ def tune(
     if spec.needs_group:
         if ring % spec.count:
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
-        return relaunch_as_group(spec.count, local_devices=ring // spec.count)
+        return relaunch_as_group(spec.count, local_devices=ring // spec.count, platform=spec.platform)
     from cmtune.workers.cluster import configure
     from collective_matmul.topology import TopologyError
 
@@ -393,7 +393,8 @@ def verify(
         if ring % device_spec.count:
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
                                      f"use processes:N with N dividing {ring}")
-        return relaunch_as_group(device_spec.count, local_devices=ring // device_spec.count)
+        return relaunch_as_group(device_spec.count, local_devices=ring // device_spec.count,
+                                 platform=device_spec.platform)
     from cmtune.workers.cluster import configure
 
     configure(device_spec, auto_virtual=ring)

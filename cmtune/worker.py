@@ -51,7 +51,7 @@ def worker(
         raise typer.Exit(supervise(without_token([w for w in sys.orig_argv[1:] if w != "--restart"])))
     if spec.needs_group:
         results = launch(spec.count, without_token(sys.orig_argv[1:]), local_devices=local_devices,
-                         timeout_s=7 * 24 * 3600, stream=True)
+                         timeout_s=7 * 24 * 3600, stream=True, platform=spec.platform)
         raise typer.Exit(max(r.returncode for r in results))
     if coordinator is not None:
         if num_processes is None or process_id is None:

@@ -8,6 +8,7 @@ decision can depend on one process's timings.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -27,6 +28,8 @@ ENV_COORDINATOR = "CMTUNE_COORDINATOR"
 ENV_NUM_PROCESSES = "CMTUNE_NUM_PROCESSES"
 ENV_PROCESS_ID = "CMTUNE_PROCESS_ID"
 ENV_LOCAL_DEVICES = "CMTUNE_LOCAL_DEVICES"
+ENV_PLATFORM = "CMTUNE_PLATFORM"
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}  # what processes:PxD@PLATFORM takes -> JAX_PLATFORMS
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ClusterSpec:
     num_processes: int
     process_id: int
     local_devices: int | None = None
+    platform: str = "cpu"
 
     @classmethod
     def from_env(cls) -> ClusterSpec | None:
@@ -49,6 +53,7 @@ class ClusterSpec:
             num_processes=int(os.environ[ENV_NUM_PROCESSES]),
             process_id=int(os.environ[ENV_PROCESS_ID]),
             local_devices=int(local) if local else None,
+            platform=os.environ.get(ENV_PLATFORM, "cpu"),
         )
 
 
@@ -56,10 +61,14 @@ def join(spec: ClusterSpec) -> None:
     """Join the cluster; call before anything touches a JAX device.
 
     On CPU, collectives across processes use gloo and each process gets ``local_devices``
-    virtual devices.
+    virtual devices; on GPU each process has the GPUs `launch` made visible to it (NCCL between them).
     """
     import jax
 
+    if spec.platform != "cpu":
+        jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
+                                   process_id=spec.process_id)
+        return
     if spec.local_devices:
         jax.config.update("jax_num_cpu_devices", spec.local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -71,8 +80,9 @@ def join(spec: ClusterSpec) -> None:
 
 
 DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N (N local gloo processes), "
-                "processes:PxD (P processes of D devices each) or tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, "
-                "compiled for ahead of time: needs libtpu, nothing runs)")
+                "processes:PxD[@PLATFORM] (P processes of D devices each: CPU devices over gloo by default, @gpu: D "
+                "GPUs each) or tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, compiled for ahead of time: needs "
+                "libtpu, nothing runs)")
 _TOPOLOGY = re.compile(r"[a-z][a-z0-9]*:\d+(x\d+)*")
 
 
@@ -88,9 +98,19 @@ class DeviceSpec:
     count: int = 0
     local: int = 0
     topology: str = ""
+    platform: str = "cpu"  # of processes:PxD@PLATFORM: what each process's devices are
 
     @classmethod
     def parse(cls, text: str) -> DeviceSpec:
+        if "@" in text and text.startswith("processes:"):
+            text, _, platform = text.partition("@")
+            if platform not in PLATFORMS:
+                raise ValueError(f"{text}@{platform}: a process group runs on {' or '.join(sorted(PLATFORMS))} "
+                                 f"devices (processes:PxD@gpu), not {platform!r}")
+            spec = cls.parse(text)
+            if platform != "cpu" and not spec.local:
+                raise ValueError(f"{text}@{platform}: give the devices of each process, processes:PxD@{platform}")
+            return dataclasses.replace(spec, platform="gpu" if platform == "cuda" else platform)
         if text.startswith("tpu:"):
             topology = text.removeprefix("tpu:")
             if not _TOPOLOGY.fullmatch(topology):
@@ -182,8 +202,10 @@ def launch(
     cwd: str | Path | None = None,
     stream: bool = False,
     echo_first: bool = False,
+    platform: str = "cpu",
 ) -> list[ProcessResult]:
-    """Run ``python argv...`` as a cluster of ``num_processes`` local processes on loopback.
+    """Run ``python argv...`` as a cluster of ``num_processes`` local processes on loopback, each with
+    ``local_devices`` devices of ``platform`` (`child_env`).
 
     The group lives and dies together: as soon as one process exits with an error (a crash, or a
     watchdog ending a hung trial), every other one is killed with SIGKILL, since a process
@@ -200,14 +222,8 @@ def launch(
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for pid in range(num_processes):
-        env = os.environ | {
-            ENV_COORDINATOR: coordinator,
-            ENV_NUM_PROCESSES: str(num_processes),
-            ENV_PROCESS_ID: str(pid),
-            ENV_LOCAL_DEVICES: str(local_devices),
-            "JAX_PLATFORMS": "cpu",
-        }
-        env.pop("XLA_FLAGS", None)
+        env = child_env(os.environ, coordinator=coordinator, num_processes=num_processes, process_id=pid,
+                        local_devices=local_devices, platform=platform)
         pipe = None if stream else subprocess.PIPE
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, text=True, stdout=pipe, stderr=pipe))
     outputs = [[[], []] for _ in procs]
@@ -255,6 +271,25 @@ def launch(
         tail = (failed[0].stderr or failed[0].stdout)[-3000:]
         raise RuntimeError(f"process {failed[0].process_id} exited {failed[0].returncode}:\n{tail}")
     return results
+
+
+def child_env(parent, *, coordinator: str, num_processes: int, process_id: int, local_devices: int,
+              platform: str = "cpu") -> dict[str, str]:
+    """The environment of process ``process_id`` of a local group: where the group meets, its platform
+    (``JAX_PLATFORMS``), on GPU the process's own ``local_devices`` GPUs (``CUDA_VISIBLE_DEVICES``), and the
+    parent's ``XLA_FLAGS`` (the flags a measurement is taken with) without a CPU device count, which the group
+    sets itself."""
+    env = dict(parent) | {ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(num_processes),
+                          ENV_PROCESS_ID: str(process_id), ENV_LOCAL_DEVICES: str(local_devices),
+                          ENV_PLATFORM: platform, "JAX_PLATFORMS": PLATFORMS[platform]}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    if not flags:
+        env.pop("XLA_FLAGS")
+    if platform != "cpu":
+        first = process_id * local_devices
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(local_devices))
+    return env
 
 
 def _drain(pipe, into: list[str], echo: bool) -> None:

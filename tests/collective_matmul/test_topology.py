@@ -37,3 +37,31 @@ def test_a_tpu_device_spec_names_a_topology_and_only_compiles(text, topology):
 def test_a_malformed_topology_is_refused_with_what_to_give(text):
     with pytest.raises(ValueError, match="expected tpu:TOPOLOGY"):
         DeviceSpec.parse(text)
+
+
+@pytest.mark.parametrize("text, platform, local", [("processes:2x4", "cpu", 4), ("processes:2x4@cpu", "cpu", 4),
+                                                   ("processes:2x4@gpu", "gpu", 4), ("processes:2x4@cuda", "gpu", 4)])
+def test_a_process_group_names_its_platform_in_one_grammar(text, platform, local):
+    spec = DeviceSpec.parse(text)
+    assert (spec.kind, spec.count, spec.local, spec.platform) == ("processes", 2, local, platform)
+
+
+@pytest.mark.parametrize("text, message", [("processes:2x4@tpu", "runs on cpu or cuda or gpu devices"),
+                                           ("processes:2@gpu", "give the devices of each process")])
+def test_a_group_on_an_unknown_platform_or_without_its_devices_is_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        DeviceSpec.parse(text)
+
+
+def test_a_group_keeps_the_measurements_xla_flags_and_gives_each_gpu_process_its_own_gpus():
+    from cmtune.workers.cluster import child_env
+
+    parent = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_gpu_enable_latency_hiding_scheduler=true",
+              "PATH": "/bin"}
+    cpu = child_env(parent, coordinator="127.0.0.1:1", num_processes=2, process_id=1, local_devices=4)
+    assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"
+    assert "CUDA_VISIBLE_DEVICES" not in cpu and cpu["CMTUNE_PROCESS_ID"] == "1"
+    gpu = child_env(parent, coordinator="127.0.0.1:1", num_processes=2, process_id=1, local_devices=4,
+                    platform="gpu")
+    assert gpu["JAX_PLATFORMS"] == "cuda" and gpu["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert "XLA_FLAGS" not in child_env({}, coordinator="c", num_processes=1, process_id=0, local_devices=1)
