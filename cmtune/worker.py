@@ -47,6 +47,10 @@ def worker(
     if token:
         os.environ["CMTUNE_TOKEN"] = token  # children read it from there, never from an argv we build
     spec = devices_option(devices)
+    if spec.platform == "gpu" or _gpu_host():  # before JAX starts: the flags a ring needs to overlap on a GPU
+        from collective_matmul.xla_options import with_overlap_flags
+
+        os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""), "gpu")
     if restart and "CMTUNE_SUPERVISED" not in os.environ:
         raise typer.Exit(supervise(without_token([w for w in sys.orig_argv[1:] if w != "--restart"])))
     if spec.needs_group:
@@ -63,3 +67,11 @@ def worker(
                           max_trials=max_trials, exit_when_idle=exit_when_idle, grace_s=trial_grace_seconds)
     daemon.install_signal_handlers()
     daemon.run()
+
+
+def _gpu_host() -> bool:
+    """Whether JAX's CUDA plugin is installed here (its devices are the worker's with --devices auto)."""
+    import importlib.util
+
+    return os.environ.get("JAX_PLATFORMS", "") in ("cuda", "gpu") or any(
+        importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))

@@ -29,3 +29,28 @@ def windowed_einsum(platform: str, setting: str) -> dict[str, object] | None:
     if setting not in ("on", "off"):
         raise ValueError(f"windowed einsum is 'on' or 'off', got {setting!r}")
     return WINDOWED_EINSUM.get(PLATFORM_ALIASES.get(platform, platform), {}).get(setting)
+
+
+# the XLA flags a GPU needs for a ring to overlap at all: the latency-hiding scheduler moves a permute's start
+# ahead of independent work, and the parallel collective limit lets a bidirectional ring's two streams run at once
+OVERLAP_FLAGS: dict[str, tuple[str, ...]] = {
+    "gpu": ("--xla_gpu_enable_latency_hiding_scheduler=true",
+            "--xla_gpu_experimental_parallel_collective_overlap_limit=2"),
+}
+
+
+def with_overlap_flags(xla_flags: str, platform: str) -> str:
+    """``xla_flags`` (an ``XLA_FLAGS`` value) with the overlap flags of ``platform`` a flag of the same name does not
+    set already (a user's own value wins)."""
+    flags = xla_flags.split()
+    names = {f.split("=", 1)[0] for f in flags}
+    flags += [f for f in OVERLAP_FLAGS.get(PLATFORM_ALIASES.get(platform, platform), ())
+              if f.split("=", 1)[0] not in names]
+    return " ".join(flags)
+
+
+def missing_overlap_flags(xla_flags: str, platform: str) -> list[str]:
+    """The overlap flags of ``platform`` that ``xla_flags`` does not set (whatever their value there)."""
+    names = {f.split("=", 1)[0] for f in xla_flags.split()}
+    return [f for f in OVERLAP_FLAGS.get(PLATFORM_ALIASES.get(platform, platform), ())
+            if f.split("=", 1)[0] not in names]

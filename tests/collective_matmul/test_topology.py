@@ -65,3 +65,14 @@ def test_a_group_keeps_the_measurements_xla_flags_and_gives_each_gpu_process_its
                     platform="gpu")
     assert gpu["JAX_PLATFORMS"] == "cuda" and gpu["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert "XLA_FLAGS" not in child_env({}, coordinator="c", num_processes=1, process_id=0, local_devices=1)
+
+
+def test_a_gpu_worker_runs_with_the_overlap_flags_and_a_users_own_value_wins():
+    from collective_matmul.xla_options import missing_overlap_flags, with_overlap_flags
+
+    flags = with_overlap_flags("--xla_gpu_experimental_parallel_collective_overlap_limit=4", "gpu")
+    assert flags.split() == ["--xla_gpu_experimental_parallel_collective_overlap_limit=4",
+                             "--xla_gpu_enable_latency_hiding_scheduler=true"]
+    assert missing_overlap_flags(flags, "cuda") == [] and with_overlap_flags("", "cpu") == ""
+    assert missing_overlap_flags("", "gpu") == ["--xla_gpu_enable_latency_hiding_scheduler=true",
+                                                "--xla_gpu_experimental_parallel_collective_overlap_limit=2"]
