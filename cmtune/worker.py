@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -37,7 +38,6 @@ def worker(
 ) -> None:
     """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
     import logging
-    import os
 
     from cmtune.workers.cluster import ClusterSpec, configure, join, launch
     from cmtune.workers.daemon import WorkerDaemon, supervise
