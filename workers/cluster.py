@@ -154,14 +154,50 @@ class DeviceSpec:
         return None
 
 
-def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
-    """Set JAX up for ``spec`` before any device is touched; a group member joins its group.
+def detected_cluster() -> tuple[str, int] | None:
+    """The cluster environment JAX's own detection finds here (Cloud TPU, SLURM, Open MPI, Kubernetes, ...) and its
+    process count, where it spans more than one process; None outside one."""
+    try:
+        from jax._src.clusters import ClusterEnv  # JAX's detection, as jax.distributed.initialize() runs it
+    except ImportError:  # a JAX that moved it: only explicit flags join
+        return None
+    for env in ClusterEnv._cluster_types:
+        try:
+            if env.opt_in_only_method or not env.is_env_present():
+                continue
+            count = env.get_process_count()
+        except Exception:  # noqa: BLE001 - an environment that half describes a cluster is not one
+            continue
+        return (env.name, count) if count > 1 else None
+    return None
 
-    ``auto_virtual``: how many virtual CPU devices ``auto`` means (0: whatever JAX finds).
+
+def join_detected(*, cpu_devices: int = 0) -> None:
+    """Join the cluster JAX detects (`detected_cluster`) with a bare ``jax.distributed.initialize()``: its coordinator,
+    process count and id come from the environment.  On CPU (``JAX_PLATFORMS=cpu``) the processes talk over gloo,
+    each with ``cpu_devices`` devices (0: JAX's default)."""
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        if cpu_devices:
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize()
+
+
+def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
+    """Set JAX up for ``spec`` before any device is touched; a group member joins its group, and ``auto`` in a
+    cluster JAX detects (SLURM, Open MPI, Cloud TPU, Kubernetes) joins it.
+
+    ``auto_virtual``: how many virtual CPU devices ``auto`` means in all (0: whatever JAX finds); in a detected
+    cluster of CPU processes each gets its share.
     """
     cluster = ClusterSpec.from_env()
     if cluster is not None:
         join(cluster)
+        return
+    if spec.kind == "auto" and (detected := detected_cluster()) is not None:
+        join_detected(cpu_devices=auto_virtual // detected[1] if auto_virtual else 0)
         return
     import jax
 
