@@ -13,7 +13,7 @@ from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBloc
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire.fields import MAX_SAMPLES, MeshAxes, Message, Seconds, ShortText, VariantName
 from collective_matmul.wire.states import OverlapVerdict, Status
-from collective_matmul.wire.stats import Quartiles, agrees, check_ratio, check_rounds, paired_quartiles, quartiles
+from collective_matmul.wire.stats import Quartiles, agrees, check_ratio, check_rounds, quartiles
 
 
 class Protocol(BaseModel):
@@ -260,14 +260,6 @@ class StepMeasurement(BaseModel):
         """The model's name: the block's, or the user's step's."""
         return self.block.name if self.block is not None else self.model
 
-    def graded(self, chosen: str) -> StepMeasurement:
-        """The rounds to report ``chosen`` from: the confirmation where it timed both the reference and
-        ``chosen``, else the rounds that decided (this measurement itself)."""
-        timed = {v.name for v in self.confirmation if v.ok}
-        if {self.reference, chosen} <= timed:
-            return self.model_copy(update={"variants": self.confirmation, "confirmation": []})
-        return self
-
     def variant(self, name: str) -> StepVariant:
         """The variant called ``name``.
 
@@ -278,14 +270,6 @@ class StepMeasurement(BaseModel):
             if v.name == name:
                 return v
         raise KeyError(f"no variant {name!r}; measured: {[v.name for v in self.variants]}")
-
-    def paired(self, name: str, against: str) -> Quartiles | None:
-        """Quartiles (q1, median, q3) of ``name``'s time over ``against``'s, paired by round; None if either
-        has no timing."""
-        a, b = self.variant(name), self.variant(against)
-        if a.timing is None or b.timing is None or len(a.timing.samples_s) != len(b.timing.samples_s):
-            return None
-        return paired_quartiles(a.timing.samples_s, b.timing.samples_s)
 
 
 class Speedup(BaseModel):

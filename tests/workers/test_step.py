@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul.ring as ring
+from cmtune.tuner.rounds import grading_rounds
 from cmtune.tuner.variants import FIXED_RING
 from cmtune.workers.step import StepMeasurement, StepSession, standard_variants, step_layout
 from collective_matmul import (
@@ -359,11 +360,11 @@ def test_the_step_decision_reports_from_the_fresh_rounds():
     # the choice comes from the deciding rounds, the numbers from the fresh ones
     assert decision.variant == "tuned-ring-fill" and decision.ratio == pytest.approx(0.75)
     assert "1.33x" in decision.summary and "(fresh rounds after the decision)" in decision.summary
-    assert measured.graded("tuned-ring-fill").variants == fresh.variants
-    assert measured.graded("tuned") is measured  # not timed again
+    assert grading_rounds(measured, "tuned-ring-fill").variants == fresh.variants
+    assert grading_rounds(measured, "tuned") is measured  # not timed again
     # a confirmation without the reference is not a grade: the deciding rounds are reported, and said to be
     partial = deciding.model_copy(update={"confirmation": fresh.variants[1:]})
-    assert partial.graded("tuned-ring-fill") is partial
+    assert grading_rounds(partial, "tuned-ring-fill") is partial
     assert step_decision(partial, tuned).ratio == pytest.approx(0.705)
     assert "(the rounds that decided)" in step_decision(partial, tuned).summary
 
