@@ -21,7 +21,8 @@ import X``):
 - `records`: the measurement records (a candidate, a problem's bounds, a training step) and a step's decision;
 - `bodies`: what the REST API takes (a study to create and its parts, look-ups, a token);
 - `public`: what the REST API answers (studies, trials, configs, submissions);
-- `protocol`: the worker protocol (registration, a lease and its task, heartbeats, a trial's result);
+- `protocol`: the worker protocol (registration, a lease and its task, heartbeats, a trial's `TrialResult` and
+  the `ResultIn` body that carries it);
 - `group`: what process 0 of a multi-process group tells the others.
 """
 
@@ -67,17 +68,23 @@ from collective_matmul.wire.group import BlockConfigs, ChosenVariant, GroupMessa
 from collective_matmul.wire.protocol import (
     RESULT_FIELDS,
     WORKER_HEADER,
+    ConfirmResult,
     HeartbeatIn,
     HeartbeatOut,
     LeaseGranted,
     LeasePublic,
     ResultIn,
     ResultOut,
+    SearchResult,
+    StepResult,
     StepTask,
+    TrialResult,
     TrialTask,
     WorkerCreate,
     WorkerPublic,
     WorkerRegistered,
+    result_of,
+    what_to_send,
 )
 from collective_matmul.wire.public import (
     BestSoFar,
@@ -99,7 +106,6 @@ from collective_matmul.wire.records import (
     MAX_STEP_VARIANTS,
     BoundsMeasurement,
     CompiledCandidate,
-    Confirmation,
     Measurement,
     Protocol,
     Speedup,
@@ -136,7 +142,7 @@ __all__ = [
     # stats
     "Quartiles", "paired_quartiles", "quartiles",
     # records
-    "MAX_STEP_VARIANTS", "BoundsMeasurement", "CompiledCandidate", "Confirmation", "Measurement", "Protocol", "Speedup",
+    "MAX_STEP_VARIANTS", "BoundsMeasurement", "CompiledCandidate", "Measurement", "Protocol", "Speedup",
     "StepChoice", "StepMeasurement", "StepSetting", "StepVariant", "StepVariants", "Timing",
     # bodies
     "EXAMPLE_HARDWARE", "EXAMPLE_PROBLEM", "MAX_BATCH", "STEP_ROUND_VARIANTS", "STEP_SEARCH_ROUNDS", "Budget",
@@ -146,8 +152,9 @@ __all__ = [
     "BestSoFar", "ConfigAnswer", "SeedPublic", "Skipped", "StepPublic", "StudyCreated", "StudyPage", "StudyPublic",
     "SubmissionEntry", "SubmissionPublic", "SubmissionSummary", "TokenCreated", "TrialPublic", "TunedPublic",
     # protocol
-    "RESULT_FIELDS", "WORKER_HEADER", "HeartbeatIn", "HeartbeatOut", "LeaseGranted", "LeasePublic", "ResultIn",
-    "ResultOut", "StepTask", "TrialTask", "WorkerCreate", "WorkerPublic", "WorkerRegistered",
+    "RESULT_FIELDS", "WORKER_HEADER", "ConfirmResult", "HeartbeatIn", "HeartbeatOut", "LeaseGranted", "LeasePublic",
+    "ResultIn", "ResultOut", "SearchResult", "StepResult", "StepTask", "TrialResult", "TrialTask", "WorkerCreate",
+    "WorkerPublic", "WorkerRegistered", "result_of", "what_to_send",
     # group
     "BlockConfigs", "ChosenVariant", "GroupMessage", "Pin", "Resolved", "StepCalls", "StepRound",
 ]

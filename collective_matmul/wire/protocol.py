@@ -1,9 +1,11 @@
 """The worker protocol: a worker registers, leases a trial (what it runs), beats its heart, and reports the
-trial's result (a `ResultIn`)."""
+trial's result (one `TrialResult`, sent as a `ResultIn`)."""
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -15,7 +17,6 @@ from collective_matmul.wire.fields import LeaseId, MeshAxes, Name, ShortText
 from collective_matmul.wire.records import (
     MAX_STEP_VARIANTS,
     BoundsMeasurement,
-    Confirmation,
     Measurement,
     Protocol,
     StepMeasurement,
@@ -115,8 +116,75 @@ class HeartbeatOut(BaseModel):
     lease: LeasePublic | None = None
 
 
+# --- a trial's result --------------------------------------------------------------------------------
+
+
+class SearchResult(BaseModel):
+    """A search trial's result: its one candidate, measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal[TrialKind.SEARCH] = TrialKind.SEARCH
+    measurement: Measurement
+
+    @property
+    def measurements(self) -> list[Measurement]:
+        """The candidates measured (the one), as a confirmation has them."""
+        return [self.measurement]
+
+
+class ConfirmResult(BaseModel):
+    """A confirmation trial's result: every contender's measurement, then the problem's bounds rounds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal[TrialKind.CONFIRM] = TrialKind.CONFIRM
+    measurements: list[Measurement] = Field(min_length=1, max_length=64)
+    bounds: BoundsMeasurement | None = Field(default=None, description="None: not measured (a runner before "
+                                                                       "bounds, or one that skips them)")
+
+
+class StepResult(BaseModel):
+    """A step trial's result: every variant of the training step, timed together."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal[TrialKind.STEP] = TrialKind.STEP
+    step: StepMeasurement
+
+
+TrialResult = Annotated[SearchResult | ConfirmResult | StepResult, Field(discriminator="kind")]
+
+
+def result_of(kind: TrialKind, measurements: Sequence[Measurement], bounds: BoundsMeasurement | None = None,
+              ) -> SearchResult | ConfirmResult:
+    """A search or confirmation trial's result from its candidates' measurements, in the trial's order.
+
+    Args:
+        kind: the trial's kind (``search``: one candidate; ``confirm``: every contender, and the bounds).
+        measurements: one per candidate of the trial.
+        bounds: a confirmation's bounds rounds (None: not measured).
+
+    Raises:
+        ValueError: a step trial's kind, a search trial's result of more or less than one measurement, or bounds
+            without a confirmation.
+    """
+    if kind == TrialKind.CONFIRM:
+        return ConfirmResult(measurements=list(measurements), bounds=bounds)
+    if kind != TrialKind.SEARCH or len(measurements) != 1 or bounds is not None:
+        raise ValueError(f"a {kind} trial's result is not {len(measurements)} measurements"
+                         + (" and bounds" if bounds is not None else ""))
+    return SearchResult(measurement=measurements[0])
+
+
 # the field of a result's body (`ResultIn`) that carries the result of each kind of trial
 RESULT_FIELDS = {TrialKind.SEARCH: "measurement", TrialKind.CONFIRM: "measurements", TrialKind.STEP: "step"}
+
+
+def what_to_send(kind: TrialKind, sent: TrialResult) -> str:
+    """What a trial of ``kind`` takes, said to a worker that ``sent`` a result of another kind: its body's field."""
+    bounds = sent.kind == TrialKind.CONFIRM and sent.bounds is not None
+    return f"send '{RESULT_FIELDS[kind]}'" + (" (bounds come with a confirmation only)" if bounds else "")
 
 
 class ResultIn(BaseModel):
@@ -143,33 +211,19 @@ class ResultIn(BaseModel):
         return self
 
     @classmethod
-    def of(cls, lease_id: str, kind: TrialKind, results: list[Measurement] | Confirmation | StepMeasurement, *,
-           lease_next: bool = False) -> ResultIn:
-        """The body for a trial of ``kind``."""
-        if kind == TrialKind.STEP:
-            return cls(lease_id=lease_id, step=results, lease_next=lease_next)
-        if kind == TrialKind.SEARCH:
-            return cls(lease_id=lease_id, measurement=results[0], lease_next=lease_next)
-        if isinstance(results, Confirmation):
-            return cls(lease_id=lease_id, measurements=results.measurements, bounds=results.bounds,
-                       lease_next=lease_next)
-        return cls(lease_id=lease_id, measurements=results, lease_next=lease_next)
+    def of(cls, lease_id: str, result: TrialResult, *, lease_next: bool = False) -> ResultIn:
+        """The body that carries ``result``: each result's fields are the body's fields of its kind."""
+        fields = {name: value for name, value in result if name != "kind"}
+        return cls(lease_id=lease_id, lease_next=lease_next, **fields)
 
     @property
-    def kind(self) -> TrialKind:
+    def result(self) -> TrialResult:
+        """The trial's result this body carries."""
         if self.step is not None:
-            return TrialKind.STEP
-        return TrialKind.SEARCH if self.measurement is not None else TrialKind.CONFIRM
-
-    @property
-    def results(self) -> list[Measurement] | Confirmation | StepMeasurement:
-        """What the engine records: a search trial's measurement (as a list), a confirmation (its measurements and
-        bounds) or a step measurement."""
-        if self.step is not None:
-            return self.step
+            return StepResult(step=self.step)
         if self.measurement is not None:
-            return [self.measurement]
-        return Confirmation(measurements=self.measurements, bounds=self.bounds)
+            return SearchResult(measurement=self.measurement)
+        return ConfirmResult(measurements=self.measurements, bounds=self.bounds)
 
 
 class ResultOut(BaseModel):

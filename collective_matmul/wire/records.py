@@ -173,16 +173,6 @@ class BoundsMeasurement(BaseModel):
                 "bounds_baseline_s": self.baseline.median_s}
 
 
-class Confirmation(BaseModel):
-    """A confirmation trial's result: every contender's measurement, then the problem's bounds rounds."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    measurements: list[Measurement] = Field(min_length=1, max_length=64)
-    bounds: BoundsMeasurement | None = Field(default=None, description="None: not measured (a runner before "
-                                                                       "bounds, or one that skips them)")
-
-
 # --- the training step ------------------------------------------------------------------------
 
 MAX_STEP_VARIANTS = 2 * MAX_ROLES + 8  # the standard menu of a step of MAX_ROLES roles, and the alternatives

@@ -140,12 +140,12 @@ def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the
                          step=StepTask(block=BLOCK, mesh={"data": 1, "model": 8}, configs=tuned, variants=variants))
 
     runner = LocalRunner()
-    first = runner.run(task(1, {"as-written": None, "tuned": tuned, "r2-attn_out-fuse": fused}))
+    first = runner.run(task(1, {"as-written": None, "tuned": tuned, "r2-attn_out-fuse": fused})).step
     assert [v.name for v in first.variants] == ["as-written", "tuned", "r2-attn_out-fuse"] and not first.confirmation
     assert all(v.ok and len(v.timing.samples_s) == 2 for v in first.variants)
     assert first.variant("r2-attn_out-fuse").configs == fused and first.variant("tuned").configs == tuned
     ring = tuned | {"mlp_up": OpConfigs(forward=FIXED_RING)}
-    second = runner.run(task(2, {"as-written": None, "r2-attn_out-fuse": fused, "r3-mlp_up-fw1": ring}))
+    second = runner.run(task(2, {"as-written": None, "r2-attn_out-fuse": fused, "r3-mlp_up-fw1": ring})).step
     assert [v.status for v in second.variants] == ["ok"] * 3
     for name in ("as-written", "r2-attn_out-fuse"):  # compiled once, in the first round
         assert second.variant(name).compile_s == first.variant(name).compile_s
