@@ -208,6 +208,7 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
         Timing,
         WorkerCreate,
         WorkerRegistered,
+        result_of,
     )
 
     headers = {"Authorization": f"Bearer {token}"}
@@ -300,7 +301,7 @@ async def _lease_load(url: str, token: str, seconds: float, workers: int, active
                                    candidate=Timing.of([1e-3 * synthetic_ratio(d)]), baseline=Timing.of([1e-3]),
                                    ratio=synthetic_ratio(d), ratio_iqr=0.0) for d in trial.decompositions]
             held.pop(trial.id, None)
-            body = ResultIn.of(grant.lease.id, trial.kind, results, lease_next=lease_next) \
+            body = ResultIn.of(grant.lease.id, result_of(trial.kind, results), lease_next=lease_next) \
                 .model_dump_json(exclude=None if lease_next else {"lease_next"}).encode()  # (servers before it)
             t0 = time.perf_counter()
             status, payload = await client.request("POST", f"/v1/trials/{trial.id}/result", body)

@@ -193,7 +193,9 @@ def estimate_saved(block: Path, bundle: Path) -> float:
 
 def speedup(result, name: str, against: str | None = None) -> str:
     """``name``'s speedup over ``against`` (default: the reference), median of the paired rounds and its IQR."""
-    q = result.paired(name, against or result.reference)
+    from cmtune.tuner.rounds import ratio_quartiles
+
+    q = ratio_quartiles(result, name, against or result.reference)
     if q is None:
         return f"{result.variant(name).status}"
     return f"{1 / q[1]:.2f}x ({1 / q[2]:.2f}-{1 / q[0]:.2f})"
@@ -288,12 +290,13 @@ def parts_table(bundle: Path, devices: str, repeats: int, model: str, directory:
 def against_fixed(result, decision: str) -> str:
     """The decision's grading rounds (``verify --decide``'s confirmation): the choice against each fixed setting, and
     whether it is ahead of every one in 3 of 4 paired rounds and a combination none of them has."""
-    from cmtune.tuner.stepsearch import SEEDS, faster
+    from cmtune.tuner.rounds import faster, grading_rounds
+    from cmtune.tuner.stepsearch import SEEDS
 
     chosen = decision.removeprefix("decision: ").split(": ")[0] if ": " in decision else None
     if chosen is None or not any(v.name == chosen for v in result.confirmation):
         return "the grading rounds did not time the choice"
-    graded = result.graded(chosen)
+    graded = grading_rounds(result, chosen)
     fixed = [v.name for v in graded.variants if v.name in SEEDS and v.name != chosen and v.ok]
     ahead = all(faster(graded, chosen, name) is not None for name in fixed)
     return (f"grading rounds, {chosen} against each fixed setting: "
@@ -324,7 +327,7 @@ def main() -> None:
         return step_main(args.step, args.bundle, args.repeats, args.json, args.search_rounds, args.round_variants)
     if args.example:
         return example_main(args)
-    from cmtune.tuner.stepsearch import faster
+    from cmtune.tuner.rounds import faster
     from collective_matmul.wire import StepMeasurement
 
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-step-"))

@@ -16,7 +16,7 @@ per run (`cmtune.workers.step.StepSession`), as bench/step.py times them.
 
 Prints one line per variant: its time over the step as written, and over the first variant
 (paired by round: quartiles), and whether it is faster than the first in 3 of 4 rounds
-(`cmtune.tuner.stepsearch.faster`, the step search's rule).  The question it answers: how large a
+(`cmtune.tuner.rounds.faster`, the step search's rule).  The question it answers: how large a
 gain over a fixed setting is there to find in the neighbourhood of the search's choice, against
 the spread of a round on these devices.
 """
@@ -88,7 +88,7 @@ def worker(args) -> None:
     join_devices()
     import jax
 
-    from cmtune.tuner.stepsearch import faster
+    from cmtune.tuner.rounds import faster, ratio_quartiles
     from cmtune.workers.step import fixed_sources
     from collective_matmul.models import TransformerBlock
 
@@ -107,7 +107,7 @@ def worker(args) -> None:
         if not variant.ok:
             print(f"  {spec}: {variant.status} {variant.message}")
             continue
-        q = result.paired(spec, first)
+        q = ratio_quartiles(result, spec, first)
         ahead = "" if spec == first else f"; faster than {first} in 3 of 4 rounds: " + (
             "yes" if faster(result, spec, first) is not None else "no")
         print(f"  {spec}: {variant.ratio:.3f} of as written; {q[1]:.3f} of {first} (IQR {q[0]:.3f}-{q[2]:.3f})"

@@ -32,13 +32,11 @@ from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.store import TrialRecord
 from collective_matmul.problem import Hardware
 from collective_matmul.wire import (
-    Confirmation,
     LeaseGranted,
     LeasePublic,
-    Measurement,
     Status,
-    StepMeasurement,
     TrialKind,
+    TrialResult,
     TrialState,
     TrialTask,
 )
@@ -145,16 +143,15 @@ class Reported:
     next: LeaseGranted | None = None  # with ``lease_next``: the worker's next trial, if there is one
 
 
-def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, lease_id: str,
-           results: list[Measurement] | Confirmation | StepMeasurement, kind: TrialKind, now: dt.datetime,
-           worker_id: int | None = None, lease_next: bool = False) -> Reported:
+def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, lease_id: str, result: TrialResult,
+           now: dt.datetime, worker_id: int | None = None, lease_next: bool = False) -> Reported:
     """Store a trial's result under its lease; with ``lease_next``, lease the worker its next trial too
     (`grant`; a result sent twice gets the lease its worker holds).  The lease ends as the next claim runs:
     on PostgreSQL one statement ends it, counts the worker's trial, claims and leases the next.
 
     Raises:
         ConflictError: the lease is unknown, for another trial or worker, or no longer holds the trial.
-        InvalidError: the results are not of this trial's problem and candidates.
+        InvalidError: the result is not of this trial's kind, problem and candidates.
         NotFoundError: with ``lease_next``, the worker is not registered (or left).
     """
     found = tx.leases.with_trial(lease_id, trial_id)  # one statement when the lease holds the trial
@@ -177,17 +174,16 @@ def report(tx: SqlTx, engine: Engine, settings: Settings, *, trial_id: int, leas
     if held.expires_at < now:
         _expire_one(tx, engine, settings, held, now)
         return Reported(tx.trial(trial_id), expired=True)
-    results = _on_stack(results, tx.workers.touch(held.worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS))
-    stored = engine.record(tx, trial, results, now=now, lease_id=held.id, kind=kind)
+    result = _on_stack(result, tx.workers.touch(held.worker_id, now, at_most_every_s=LEASE_TOUCH_SECONDS))
+    stored = engine.record(tx, trial, result, now=now, lease_id=held.id)
     if lease_next:
         return Reported(stored, next=grant(tx, engine, settings, held.worker_id, now, ending=held.id))
     tx.leases.end(held.id)
     return Reported(stored)
 
 
-def _on_stack(results: list[Measurement] | Confirmation | StepMeasurement, worker: WorkerInfo,
-              ) -> list[Measurement] | Confirmation | StepMeasurement:
-    """``results`` as measured on the stack the worker registered with: a record that names none gets it, one
+def _on_stack(result: TrialResult, worker: WorkerInfo) -> TrialResult:
+    """``result`` as measured on the stack the worker registered with: a record that names none gets it, one
     that names another is refused (a worker's stack is what decides which configs its results make).
 
     Raises:
@@ -204,12 +200,12 @@ def _on_stack(results: list[Measurement] | Confirmation | StepMeasurement, worke
     def one(record):  # a Measurement, BoundsMeasurement or StepMeasurement: each names its hardware
         return record.model_copy(update={"hardware": stamped(record.hardware)})
 
-    if isinstance(results, StepMeasurement):
-        return one(results)
-    if isinstance(results, Confirmation):
-        return results.model_copy(update={"measurements": [one(m) for m in results.measurements],
-                                          "bounds": one(results.bounds) if results.bounds else None})
-    return [one(m) for m in results]
+    if result.kind == TrialKind.STEP:
+        return result.model_copy(update={"step": one(result.step)})
+    if result.kind == TrialKind.SEARCH:
+        return result.model_copy(update={"measurement": one(result.measurement)})
+    return result.model_copy(update={"measurements": [one(m) for m in result.measurements],
+                                     "bounds": one(result.bounds) if result.bounds else None})
 
 
 def release_worker(tx: SqlTx, engine: Engine, worker_id: int) -> int:

@@ -37,19 +37,16 @@ from collective_matmul.bundle import TunedConfig
 from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
-    RESULT_FIELDS,
     STEP_ROUND_VARIANTS,
     STEP_SEARCH_ROUNDS,
-    Confirmation,
-    Measurement,
     Protocol,
     Status,
-    StepMeasurement,
     StudyKind,
     StudyState,
-    TrialKind,
+    TrialResult,
     TrialState,
     TrialTask,
+    what_to_send,
 )
 
 S, T = StudyState, TrialState
@@ -64,9 +61,10 @@ class Part(TypingProtocol):
         """Bring the study forward (``study`` in any state; ``trials``: its trials, if the caller knows them);
         the trials it queued."""
 
-    def record(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, results, *, now: dt.datetime,
+    def record(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result: TrialResult, *, now: dt.datetime,
                lease_id: str | None) -> TrialRecord:
-        """Store the result of ``trial`` (leased; ``study`` in any state) and bring the study forward."""
+        """Store the result of ``trial`` (leased, ``result`` of its kind; ``study`` in any state) and bring the
+        study forward."""
 
     def abandon(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, *, message: str, now: dt.datetime) -> None:
         """Bring the study forward without a result of ``trial`` (failed already, for ``message``)."""
@@ -185,32 +183,30 @@ class Engine:
         """A claimed trial goes back to the queue (its worker left, or its lease expired)."""
         move_trial(tx, trial, T.PENDING, attempts=trial.attempts if count_attempt else max(trial.attempts - 1, 0))
 
-    def record(self, tx: StoreTx, trial: int | TrialRecord,
-               results: Sequence[Measurement] | Confirmation | StepMeasurement, *, now: dt.datetime,
-               lease_id: str | None = None, kind: TrialKind | None = None) -> TrialRecord:
+    def record(self, tx: StoreTx, trial: int | TrialRecord, result: TrialResult, *, now: dt.datetime,
+               lease_id: str | None = None) -> TrialRecord:
         """Store a claimed trial's result and bring its study forward.
 
         Args:
             trial: the trial's id, or its record as this transaction has read and locked it.
-            results: a search trial's measurement (as a list); a confirmation's measurements, as a list or as a
-                `Confirmation` with the problem's bounds; a step trial's measurement.
-            kind: the kind of trial the results were sent for, where the sender says (the field of its body).
+            result: a search trial's measurement, a confirmation's (with the problem's bounds), or a step trial's;
+                of the trial's kind.
 
         Returns:
             the trial as stored.
 
         Raises:
             ConflictError: the trial is not claimed (finished, cancelled, or back in the queue).
-            InvalidError: the results are not of this trial's kind, problem and candidates.
+            InvalidError: the result is not of this trial's kind, problem and candidates.
         """
         if not isinstance(trial, TrialRecord):
             trial = tx.trial(trial, lock=True)
         study = tx.study(trial.study_id, lock=True)
         if trial.state != T.LEASED:
             raise ConflictError(f"trial {trial.id} is {trial.state}, not leased: drop this result")
-        if kind is not None and kind != trial.kind:
-            raise InvalidError(f"trial {trial.id} is a {trial.kind} trial: send '{RESULT_FIELDS[trial.kind]}'")
-        return self._part(study).record(tx, study, trial, results, now=now, lease_id=lease_id)
+        if result.kind != trial.kind:
+            raise InvalidError(f"trial {trial.id} is a {trial.kind} trial: {what_to_send(trial.kind, result)}")
+        return self._part(study).record(tx, study, trial, result, now=now, lease_id=lease_id)
 
     def abandon(self, tx: StoreTx, trial: TrialRecord, *, status: Status, message: str, now: dt.datetime) -> None:
         """A trial that will get no result: failed with the reason; its study goes on."""

@@ -55,10 +55,11 @@ from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     BoundsMeasurement,
-    Confirmation,
+    ConfirmResult,
     Measurement,
     Protocol,
     Reconfirmation,
+    SearchResult,
     Seed,
     Status,
     StudyState,
@@ -228,31 +229,26 @@ class Searching:
         move_study(tx, study, S.CONFIRMING)
         return tx.add_trials(study_id, TrialKind.CONFIRM, [contenders], now, after=last)
 
-    def record(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord,
-               results: Sequence[Measurement] | Confirmation, *, now: dt.datetime,
-               lease_id: str | None) -> TrialRecord:
+    def record(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result: SearchResult | ConfirmResult, *,
+               now: dt.datetime, lease_id: str | None) -> TrialRecord:
         """Store a search trial's measurement (the search goes on) or a confirmation's (the study finishes).
 
         Raises:
-            InvalidError: the results are not of this trial's problem and candidates.
+            InvalidError: the result is not of this trial's problem and candidates.
         """
-        bounds = None
-        if isinstance(results, Confirmation):
-            if trial.kind != TrialKind.CONFIRM:
-                raise InvalidError(f"trial {trial.id} is a {trial.kind} trial: send 'measurement' (bounds come with "
-                                   "a confirmation only)")
-            results, bounds = results.measurements, results.bounds
-        _check_matches(study, trial, results)
+        measured = result.measurements
+        searched = result.kind == TrialKind.SEARCH
+        bounds = None if searched else result.bounds
+        _check_matches(study, trial, measured)
         if bounds is not None and bounds.problem != study.problem:
             raise InvalidError(f"trial {trial.id} is for {study.problem.key}, its bounds are for {bounds.problem.key}")
-        searched = trial.kind == TrialKind.SEARCH
         if searched:
-            (m,) = results
+            m = result.measurement
             status, ratio, message = m.status, (m.ratio if m.ok else None), (m.message[:2000] or None)
         else:
-            ok = [m for m in results if m.ok]
+            ok = [m for m in measured if m.ok]
             status, ratio, message = (Status.OK if ok else Status.ERROR), min((m.ratio for m in ok), default=None), None
-        done = dict(state=T.COMPLETED, status=status, ratio=ratio, measurements=tuple(results), message=message,
+        done = dict(state=T.COMPLETED, status=status, ratio=ratio, measurements=tuple(measured), message=message,
                     finished_at=now, result_lease_id=lease_id, **({"bounds": bounds} if bounds is not None else {}))
         counted = study.state.active and searched
         move_trial(tx, trial, study_changes=_progress(study, trial.id, ratio) if counted else None, **done)
@@ -260,7 +256,7 @@ class Searching:
             if searched:
                 self.refill(tx, study, now=now)
             else:
-                self.finish(tx, study.id, confirmation=list(results), now=now, bounds=bounds)
+                self.finish(tx, study.id, confirmation=list(measured), now=now, bounds=bounds)
         return dataclasses.replace(trial, **done)
 
     def abandon(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, *, message: str, now: dt.datetime) -> None:

@@ -41,6 +41,7 @@ from collective_matmul.wire import (
     Status,
     StepChoice,
     StepMeasurement,
+    StepResult,
     StepTask,
     StudyKind,
     StudyState,
@@ -84,7 +85,7 @@ class Stepping:
         first = self._search(tx, study, (), winners=configs).plan()
         return tx.add_trials(study.id, TrialKind.STEP, [flat], now, after=0, variants=[first.variants])
 
-    def record(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result, *, now: dt.datetime,
+    def record(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, result: StepResult, *, now: dt.datetime,
                lease_id: str | None) -> TrialRecord:
         """Store a step trial's measurement: a search round's (the search goes on, or grades, or concludes), or
         the one round of the menu (the study concludes with the worker's grading).
@@ -92,19 +93,18 @@ class Stepping:
         Raises:
             InvalidError: ``result`` is not a step measurement of this trial (`_check_step_result`).
         """
-        if not isinstance(result, StepMeasurement):
-            raise InvalidError(f"trial {trial.id} is a step trial: send 'step'")
+        step = result.step
         configs = step_task_configs(trial)
-        problems = _check_step_result(study, trial, result, configs)
+        problems = _check_step_result(study, trial, step, configs)
         if trial.variants is not None:
-            done = self._advance(tx, study, trial, result, now=now, lease_id=lease_id, problems=problems)
+            done = self._advance(tx, study, trial, step, now=now, lease_id=lease_id, problems=problems)
             return dataclasses.replace(trial, **done)
-        decision = step_decision(result, configs)  # one round of the menu, graded by the worker
-        done = _complete(tx, trial, result, ok=decision.ok, ratio=decision.ratio, message=decision.summary, now=now,
+        decision = step_decision(step, configs)  # one round of the menu, graded by the worker
+        done = _complete(tx, trial, step, ok=decision.ok, ratio=decision.ratio, message=decision.summary, now=now,
                          lease_id=lease_id)
         if study.state.active:
             self._conclude(tx, study, trial, decision, problems, now=now, stop_reason=StopReason.MEASURED,
-                           software=study.software or result.hardware.software)
+                           software=study.software or step.hardware.software)
         return dataclasses.replace(trial, **done)
 
     def abandon(self, tx: StoreTx, study: StudyRecord, trial: TrialRecord, *, message: str, now: dt.datetime) -> None:

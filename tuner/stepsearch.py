@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cmtune.tuner.rounds import faster, grading_rounds, ratio_quartiles, speedup, timed
 from cmtune.tuner.variants import (
     REFERENCE,
     ablation_variants,
@@ -67,7 +68,15 @@ from cmtune.tuner.variants import (
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem, Software
-from collective_matmul.wire import MAX_VARIANT_NAME, Speedup, StepChoice, StepMeasurement, StepVariant, StopReason
+from collective_matmul.wire import (
+    MAX_VARIANT_NAME,
+    Quartiles,
+    Speedup,
+    StepChoice,
+    StepMeasurement,
+    StepVariant,
+    StopReason,
+)
 
 Setting = Mapping[str, OpConfigs]  # a variant's configs per role; a role it does not name runs its op-level winners
 Variants = dict[str, dict[str, OpConfigs] | None]  # name -> setting, in the order to time them (None: the reference)
@@ -78,24 +87,10 @@ _SLOT_TAGS = (("forward", "fw"), ("grad_input", "gi"), ("grad_weight", "gw"))
 # ---- the rule ----------------------------------------------------------------------------------
 
 
-def faster(measurement: StepMeasurement, name: str, than: str) -> tuple[float, float, float] | None:
-    """The quartiles of ``name``'s time over ``than``'s, paired by round, if ``name`` is faster beyond the spread
-    (both ran, and the upper quartile is below 1: faster in three rounds of four); else None."""
-    try:
-        a, b = measurement.variant(name), measurement.variant(than)
-    except KeyError:
-        return None
-    if not (a.ok and b.ok):
-        return None
-    paired = measurement.paired(name, than)
-    return paired if paired is not None and paired[2] < 1 else None
-
-
-def _fastest(measurement: StepMeasurement, incumbent: str, contenders: Sequence[str]
-             ) -> tuple[str, tuple[float, float, float]] | None:
+def _fastest(measurement: StepMeasurement, incumbent: str, contenders: Sequence[str]) -> tuple[str, Quartiles] | None:
     """The contender `faster` than ``incumbent`` with the lowest time over the reference, below the incumbent's
     (the first of equals)."""
-    best, bar = None, measurement.variant(incumbent).ratio if _timed(measurement, incumbent) else None
+    best, bar = None, measurement.variant(incumbent).ratio if timed(measurement, incumbent) else None
     for name in contenders:
         paired = faster(measurement, name, incumbent)
         ratio = measurement.variant(name).ratio if paired is not None else None
@@ -133,7 +128,7 @@ class StepDecision:
                 for role, configs in self.overrides.items()]
 
 
-def _fmt(quartiles_: tuple[float, float, float]) -> str:
+def _fmt(quartiles_: Quartiles) -> str:
     return str(Speedup.of(quartiles_))
 
 
@@ -171,7 +166,7 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
         overrides = _changes(measurement.variant(chosen), tuned)
         reasons = {role: f"{chosen} ran the step {_fmt(paired)} faster than the tuned configs, so {role} "
                          f"{_does(role, configs)} for {measurement.name}" for role, configs in overrides.items()}
-    graded = measurement.graded(chosen)  # report from fresh rounds where the worker ran them
+    graded = grading_rounds(measurement, chosen)  # report from fresh rounds where the worker ran them
     record = _choice(graded, chosen, fresh=graded is not measurement, overrides=reasons)
     summary = record.summary + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
     record = record.model_copy(update={"summary": summary[:2000]})
@@ -189,21 +184,21 @@ def _choice(graded: StepMeasurement, chosen: str, *, fresh: bool, overrides: dic
             seed: str | None = None, fixed: Sequence[str] = (), **search) -> StepChoice:
     """``chosen`` as reported from ``graded`` (it and the reference ran there): its speedups, the time it saves,
     and against each of the ``fixed`` settings ``graded`` timed."""
-    vs_reference = Speedup.of(graded.paired(chosen, graded.reference))
+    vs_reference = speedup(graded, chosen, graded.reference)
     names = {v.name for v in graded.variants if v.ok}
     vs_baseline = saved = vs_seed = None
     parts = [f"{chosen}: {vs_reference} against the step as written"]
     if "baseline" in names:
-        vs_baseline = Speedup.of(graded.paired(chosen, "baseline"))
+        vs_baseline = speedup(graded, chosen, "baseline")
         saved = graded.variant("baseline").timing.median_s - graded.variant(chosen).timing.median_s
         parts.append(f"{vs_baseline} against the all-baseline step")
     if seed is not None and seed != chosen and seed in names:
-        vs_seed = Speedup.of(graded.paired(chosen, seed))
+        vs_seed = speedup(graded, chosen, seed)
         parts.append(f"{vs_seed} against {seed}, the best fixed setting")
-    vs_fixed = {name: Speedup.of(paired) for name in fixed if name != chosen and name in names
-                and (paired := graded.paired(chosen, name)) is not None}
+    vs_fixed = {name: vs for name in fixed if name != chosen and name in names
+                and (vs := speedup(graded, chosen, name)) is not None}
     if len(vs_fixed) > 1:
-        behind = [name for name, speedup in vs_fixed.items() if speedup.low <= 1]
+        behind = [name for name, vs in vs_fixed.items() if vs.low <= 1]
         parts.append(f"ahead of every other fixed setting ({', '.join(vs_fixed)}) beyond the spread" if not behind
                      else f"not ahead of {', '.join(behind)} beyond the spread")
     rounds = "fresh rounds after the decision" if fresh else "the rounds that decided"
@@ -280,7 +275,7 @@ class Acceptance:
     round: int
     variant: str
     replaced: str
-    paired: tuple[float, float, float]  # its time over the one it replaced, quartiles of the paired rounds
+    paired: Quartiles  # its time over the one it replaced, quartiles of the paired rounds
 
 
 @dataclass(frozen=True)
@@ -290,7 +285,7 @@ class Recheck:
     round: int  # the round that re-timed them
     variant: str  # the accepted one
     rival: str
-    paired: tuple[float, float, float]  # its time over the rival's in that round
+    paired: Quartiles  # its time over the rival's in that round
     kept: bool  # False: slower than the rival in the median, so the rival is the incumbent again
 
 
@@ -441,7 +436,7 @@ class StepSearch:
     def _fixed(self) -> list[str]:
         """The seeds the first round timed and ran (the fixed settings the choice is graded against)."""
         variants, result = self.rounds[0]
-        return [name for name in variants if name in SEEDS and result is not None and _timed(result, name)]
+        return [name for name in variants if name in SEEDS and result is not None and timed(result, name)]
 
     # -- what was timed ---------------------------------------------------------------------
 
@@ -490,8 +485,8 @@ class StepSearch:
     def _recheck(self, number: int, result: StepMeasurement) -> None:
         """Round ``number`` timed the last acceptance beside its rival: it stands unless slower in the median."""
         pending, self._pending = self._pending, None
-        paired = result.paired(pending.variant, pending.rival) if (
-            _timed(result, pending.variant) and _timed(result, pending.rival)) else None
+        paired = ratio_quartiles(result, pending.variant, pending.rival) if (
+            timed(result, pending.variant) and timed(result, pending.rival)) else None
         kept = paired is None or paired[1] <= 1
         if paired is not None:
             self.rechecks.append(Recheck(number, pending.variant, pending.rival, paired, kept))
@@ -566,7 +561,7 @@ class StepSearch:
             return StepDecision(False, "tuned", None, {}, {}, self.failure or "the step search has no round")
         chosen, fresh = self.incumbent, True
         usable = [m for m in ([graded] if graded is not None else []) + [r for _, r in reversed(self.rounds) if r]
-                  if _timed(m, m.reference) and _timed(m, chosen)]
+                  if timed(m, m.reference) and timed(m, chosen)]
         measurement = usable[0] if usable else None
         if measurement is None:
             return StepDecision(False, chosen, None, {}, {}, f"no round timed {chosen} and the step as written")
@@ -594,14 +589,14 @@ class StepSearch:
         record = record.model_copy(update={"summary": summary[:2000]})
         return StepDecision(True, chosen, record.ratio, overrides, reasons, summary, record)
 
-    def _fixed_faster(self, graded: StepMeasurement, chosen: str) -> tuple[str, tuple[float, float, float]] | None:
+    def _fixed_faster(self, graded: StepMeasurement, chosen: str) -> tuple[str, Quartiles] | None:
         """The fixed setting the grading's fresh rounds timed faster than ``chosen`` in the median (the fastest such,
         the seed first among equals), with ``chosen``'s time over its, paired by round; None if there is none."""
         best = None
         for name in dict.fromkeys([self.seed, *self._fixed()]):
-            if name is None or name == chosen or not _timed(graded, name):  # `decide` graded only a timed choice
+            if name is None or name == chosen or not timed(graded, name):  # `decide` graded only a timed choice
                 continue
-            paired = graded.paired(chosen, name)
+            paired = ratio_quartiles(graded, chosen, name)
             if paired is not None and paired[1] > 1 and (best is None or paired[1] > best[1][1]):
                 best = (name, paired)
         return best
@@ -616,10 +611,6 @@ class StepSearch:
                 return (f"{step.variant} ({where} of the step search) ran the step {_fmt(step.paired)} faster than "
                         f"{against}, so {role} {_does(role, configs)} for {self.model}")
         return f"the step search chose {self.incumbent}, so {role} {_does(role, configs)} for {self.model}"
-
-
-def _timed(measurement: StepMeasurement, name: str) -> bool:
-    return any(v.name == name and v.ok for v in measurement.variants)
 
 
 def replay(space: SearchSpace, stored: Sequence[tuple[Variants, StepMeasurement | None, float | None]], **options

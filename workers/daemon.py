@@ -34,7 +34,6 @@ from collective_matmul.api import ApiClient, ApiError, Conflict, Invalid, NotReg
 from collective_matmul.problem import Hardware, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
-    Confirmation,
     GroupMessage,
     HardwareIn,
     LeaseGranted,
@@ -181,13 +180,13 @@ class WorkerDaemon:
         what = f"trial {task.id} ({describe(task)})"
         with Watchdog(Watchdog.deadline(task, self.grace_s), what, on_overrun=self.state.abort.set):
             try:
-                results = self._runner.run(task)
+                result = self._runner.run(task)
             except Exception as exc:  # noqa: BLE001 - anything the runner lets through is still a result
                 log.exception("%s failed outside the measurement protocol", what)
-                results = failed(task, Status.ERROR, f"{type(exc).__name__}: {exc}")
+                result = failed(task, Status.ERROR, f"{type(exc).__name__}: {exc}")
         last = self.max_trials is not None and self.state.trials_done + 1 >= self.max_trials
         more = not (self.state.stop.is_set() or last)
-        body = ResultIn.of(grant.lease.id, task.kind, results, lease_next=more)
+        body = ResultIn.of(grant.lease.id, result, lease_next=more)
         try:
             answer = self.api.result(task.id, body)
         except (Conflict, Invalid) as exc:
@@ -196,19 +195,18 @@ class WorkerDaemon:
         finally:
             self.state.lease_id = None
         self.state.trials_done += 1
-        if task.kind == TrialKind.STEP:
-            for v in results.variants:
+        if result.kind == TrialKind.STEP:
+            for v in result.step.variants:
                 log.info("trial %s study %s step of %s, %s: %s", task.id, task.study_id, task.step.block.name,
                          v.name, f"{v.speedup:.2f}x the step as written" if v.ok and v.speedup else
                          f"{v.status} {v.message[:200]}")
         else:
-            confirmation = results if isinstance(results, Confirmation) else None
-            for m in confirmation.measurements if confirmation else results:
+            for m in result.measurements:
                 log.info("trial %s study %s %s %s: %s", task.id, task.study_id, m.problem.key, m.decomposition.id,
                          _summary(m))
-            if confirmation is not None and confirmation.bounds is not None:
+            if result.kind == TrialKind.CONFIRM and result.bounds is not None:
                 log.info("trial %s study %s %s bounds: %s", task.id, task.study_id, task.problem.key,
-                         _bounds_summary(confirmation.bounds))
+                         _bounds_summary(result.bounds))
         return answer.next
 
 

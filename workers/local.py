@@ -72,9 +72,9 @@ class LocalTuner:
                 self.group.send(GroupMessage(kind="trial", task=task))
             what = f"{problem.key}: trial {trial.number} ({', '.join(d.id for d in task.decompositions)})"
             with Watchdog(Watchdog.deadline(task, self.grace_s), what):
-                results = self.runner.run(task)
+                result = self.runner.run(task)
             with self.store.transaction(write=True) as tx:
-                finished = self.engine.record(tx, trial.id, results, now=self.clock())
+                finished = self.engine.record(tx, trial.id, result, now=self.clock())
             if self.on_trial is not None:
                 self.on_trial(finished)
         with self.store.transaction() as tx:

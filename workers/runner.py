@@ -20,21 +20,21 @@ from collective_matmul.problem import Problem
 from collective_matmul.text import as_message
 from collective_matmul.wire import (
     BoundsMeasurement,
-    Confirmation,
     GroupMessage,
-    Measurement,
     Protocol,
     Status,
-    StepMeasurement,
+    StepResult,
     TrialKind,
+    TrialResult,
     TrialTask,
+    result_of,
 )
 
 
 class Runner(TypingProtocol):
-    def run(self, task: TrialTask) -> list[Measurement] | Confirmation | StepMeasurement:
-        """Time every decomposition of ``task`` (a confirmation: then the problem's bounds too); failures come
-        back as measurement statuses."""
+    def run(self, task: TrialTask) -> TrialResult:
+        """Time every decomposition of ``task`` (a confirmation: then the problem's bounds too), or its step;
+        failures come back as measurement statuses."""
         ...
 
 
@@ -72,10 +72,9 @@ class LocalRunner:
             self._memory = device_memory()
         return self._memory
 
-    def run(self, task: TrialTask) -> list[Measurement] | Confirmation | StepMeasurement:
-        """A search trial's measurement (as a list), a confirmation (every contender, then the problem's bounds)
-        or a step measurement.  Every process of a group takes the same path: nothing here depends on a
-        result."""
+    def run(self, task: TrialTask) -> TrialResult:
+        """A search trial's measurement, a confirmation's (every contender, then the problem's bounds) or a step
+        trial's.  Every process of a group takes the same path: nothing here depends on a result."""
         from cmtune.workers.measure import classify_failure
 
         if task.kind == TrialKind.STEP:
@@ -92,11 +91,10 @@ class LocalRunner:
             message = f"preparing the inputs and the baseline failed: {type(exc).__name__}: {exc}"[:2000]
             return failed(task, classify_failure(exc), message)
         measured = [session.measure(config, task.protocol) for config in task.decompositions]
-        if task.kind != TrialKind.CONFIRM:
-            return measured
-        return Confirmation(measurements=measured, bounds=session.bounds(task.protocol))
+        bounds = session.bounds(task.protocol) if task.kind == TrialKind.CONFIRM else None
+        return result_of(task.kind, measured, bounds)
 
-    def _run_step(self, task: TrialTask) -> StepMeasurement:
+    def _run_step(self, task: TrialTask) -> StepResult:
         """The whole training step (`cmtune.workers.step`); a setup failure is a failed measurement.
 
         The step's session (parameters, inputs, compiled programs) is kept for the next trial of the
@@ -111,27 +109,26 @@ class LocalRunner:
         try:
             session = self._sessions.get(key) or step_session(task)
             self._sessions[key] = session
-            return run_step(task, session)
+            return StepResult(step=run_step(task, session))
         except Exception as exc:  # noqa: BLE001 - the block could not be set up here: a result
             self._sessions.clear()
             return failed(task, classify_failure(exc), error_message(exc))
 
 
-def failed(task: TrialTask, status: Status, message: str) -> list[Measurement] | Confirmation | StepMeasurement:
-    """The record of a trial that could not be run at all, of its kind: every candidate failed with ``status``
+def failed(task: TrialTask, status: Status, message: str) -> TrialResult:
+    """The result of a trial that could not be run at all, of its kind: every candidate failed with ``status``
     (a confirmation's bounds with them), or a step trial's reference and tuned step."""
     from cmtune.workers.measure import failure
 
     if task.kind == TrialKind.STEP:
         from cmtune.workers.step import failed_step
 
-        return failed_step(task, status, message)
+        return StepResult(step=failed_step(task, status, message))
     records = [failure(task.problem, c, task.protocol, status, message) for c in task.decompositions]
-    if task.kind != TrialKind.CONFIRM:
-        return records
-    return Confirmation(measurements=records, bounds=BoundsMeasurement(
-        problem=task.problem, hardware=records[0].hardware, status=status, message=as_message(message, 2000),
-        protocol=task.protocol))
+    bounds = BoundsMeasurement(problem=task.problem, hardware=records[0].hardware, status=status,
+                               message=as_message(message, 2000), protocol=task.protocol,
+                               ) if task.kind == TrialKind.CONFIRM else None
+    return result_of(task.kind, records, bounds)
 
 
 class Watchdog:

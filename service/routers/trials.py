@@ -32,8 +32,7 @@ def _store_result(state: AppState, trial_id: int, body: ResultIn, worker_id: int
     now = utcnow()  # when the result arrived, not when the write lock was granted (SQLite)
     with state.store.write() as tx:
         outcome = leasing.report(tx, state.engine, state.settings, trial_id=trial_id, lease_id=body.lease_id,
-                                 results=body.results, kind=body.kind, now=now, worker_id=worker_id,
-                                 lease_next=body.lease_next)
+                                 result=body.result, now=now, worker_id=worker_id, lease_next=body.lease_next)
     if outcome.expired:  # the expiry is committed; the result is not
         raise ConflictError(f"lease {body.lease_id} expired before its result arrived; trial {trial_id} went back "
                             "to the queue: drop this result and lease again")

@@ -25,8 +25,8 @@ from collective_matmul.wire import (
     Measurement,
     ResultIn,
     StudyCreate,
-    TrialKind,
     WorkerCreate,
+    result_of,
 )
 from tests.service.conftest import HARDWARE, PROBLEM, cost, measurement
 
@@ -177,8 +177,7 @@ def test_a_study_runs_through_the_client_in_process(app):
     while grant is not None:
         task = grant.trial
         results = [Measurement.model_validate(measurement(PROBLEM, d, cost(d))) for d in task.decompositions]
-        body = ResultIn.of(grant.lease.id, task.kind, results if task.kind == TrialKind.CONFIRM else results[:1],
-                           lease_next=True)
+        body = ResultIn.of(grant.lease.id, result_of(task.kind, results), lease_next=True)
         grant = worker.result(task.id, body).next
     assert admin.config(problem, HW).match == "exact"
     assert worker.overrides("tiny", HW) == []

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.bounds import Bounds, StepBound, hidden_fraction, reason, step_bound, times_bound, verdict
 from collective_matmul.bundle import Bundle, TunedConfig
-from collective_matmul.wire import BoundsMeasurement, Confirmation, Measurement, ResultIn, Timing, TrialKind
+from collective_matmul.wire import BoundsMeasurement, ConfirmResult, Measurement, ResultIn, Timing
 
 MS = 1e-3
 PROBLEM = Problem.parse("matmul_reduce_scatter:2048x2048x1024:float32:8")
@@ -244,10 +244,10 @@ def test_a_bounds_measurement_is_checked_like_a_measurement():
 
 def test_a_confirmation_result_carries_its_bounds_and_one_without_stays_valid():
     m = Measurement(problem=PROBLEM, decomposition=Decomposition.baseline(), hardware=HW, status="compile_error")
-    body = ResultIn.of("lease", TrialKind.CONFIRM, Confirmation(measurements=[m], bounds=bounds_measurement()))
+    body = ResultIn.of("lease", ConfirmResult(measurements=[m], bounds=bounds_measurement()))
     again = ResultIn.model_validate_json(body.model_dump_json())
-    assert again.results == Confirmation(measurements=[m], bounds=bounds_measurement())
+    assert again.result == ConfirmResult(measurements=[m], bounds=bounds_measurement())
     plain = ResultIn.model_validate({"lease_id": "lease", "measurements": [m.model_dump(mode="json")]})
-    assert plain.results.bounds is None and plain.results.measurements == [m]
+    assert plain.result.bounds is None and plain.result.measurements == [m]
     with pytest.raises(ValidationError, match="'bounds' come with a confirmation"):
         ResultIn(lease_id="lease", measurement=m, bounds=bounds_measurement())

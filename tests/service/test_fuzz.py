@@ -34,6 +34,7 @@ from sqlalchemy import create_engine
 
 from cmtune.launcher import running_server
 from cmtune.service import migrate
+from cmtune.tuner.rounds import grading_rounds, ratio_quartiles
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import PRESETS, ROLES, SLOTS, MeshSpec, role_problems
 from collective_matmul.wire import Speedup, Status, StepMeasurement, Timing, TrialTask, quartiles
@@ -334,14 +335,14 @@ def check_served(client: httpx.Client, trial: StepTrial, step: dict) -> list[str
     served = client.get(f"/v1/submissions/{trial.submission_id}").json().get("step") or {}
     if chosen is not None and served.get("vs_reference") and chosen in {v["name"] for v in step["variants"]}:
         measured = StepMeasurement.model_validate(step)
-        graded = measured.graded(chosen)
-        expected = Speedup.of(graded.paired(chosen, graded.reference))
+        graded = grading_rounds(measured, chosen)
+        paired = ratio_quartiles(graded, chosen, graded.reference)
+        expected = Speedup.of(paired)
         if expected is None or abs(served["vs_reference"]["median"] / expected.median - 1) > 1e-6:
             wrong.append(f"serves {chosen} as {served['vs_reference']['median']!r}x the step as written; its samples "
                          f"give {expected.median if expected else None!r}x")
         (stored,) = [t for t in client.get(f"/v1/studies/{study['id']}/trials").json()
                      if t["id"] == trial.grant["trial"]["id"]]
-        paired = graded.paired(chosen, graded.reference)
         if paired is None or stored["ratio"] is None or abs(stored["ratio"] / paired[1] - 1) > 1e-6:
             wrong.append(f"stores {chosen}'s ratio as {stored['ratio']!r}; its samples give {paired and paired[1]!r}")
     return wrong

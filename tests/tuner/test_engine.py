@@ -31,16 +31,19 @@ from collective_matmul.models import PRESETS, ROLES, SLOTS, role_problems
 from collective_matmul.problem import Software
 from collective_matmul.wire import (
     BoundsMeasurement,
-    Confirmation,
+    ConfirmResult,
     Measurement,
     Protocol,
+    SearchResult,
     Status,
     StepMeasurement,
+    StepResult,
     StepVariant,
     StudyState,
     Timing,
     TrialKind,
     TrialState,
+    result_of,
 )
 from tests.service.conftest import reset_postgres
 
@@ -110,7 +113,7 @@ class Driver:
     def report(self, trial, fail: set = frozenset()) -> None:
         results = [measured(c, Status.COMPILE_ERROR if c in fail else Status.OK) for c in trial.decompositions]
         with self.store.transaction(write=True) as tx:
-            self.engine.record(tx, trial.id, results, now=self.tick())
+            self.engine.record(tx, trial.id, result_of(trial.kind, results), now=self.tick())
 
     def run(self, study_id: int, fail: set = frozenset()) -> list[str]:
         """Claim and report until the study is final; the ids of what was timed, in order."""
@@ -245,9 +248,9 @@ def test_a_reconfirmation_retimes_the_winner_its_runner_up_and_the_baseline_on_i
     assert trial.kind == TrialKind.CONFIRM and list(trial.decompositions) == study.reconfirm.contenders
     results = [measured(c) for c in trial.decompositions]
     with pytest.raises(InvalidError, match="runs on jax 0.11.0"), driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, on(OLD, results), now=driver.tick())
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=on(OLD, results)), now=driver.tick())
     with driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, on(NEW, results), now=driver.tick())
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=on(NEW, results)), now=driver.tick())
     done, _ = driver.study(study.id)
     assert done.state == StudyState.COMPLETED and done.stop_reason == "re-confirmed"
     assert done.message.startswith(f"re-confirmed on {NEW}: {rings[0].id} still wins")
@@ -270,7 +273,7 @@ def test_a_reconfirmation_whose_runner_up_wins_replaces_the_config_and_one_witho
         trial = driver.engine.claim(tx, study_ids=[study.id], now=driver.tick())
         ratios = {stored.decomposition: 1.2}  # the new stack slowed the stored winner down
         results = [measured(c, ratio=ratios.get(c)) for c in trial.decompositions]
-        driver.engine.record(tx, trial.id, on(NEW, results), now=driver.tick())
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=on(NEW, results)), now=driver.tick())
         done, again = tx.study(study.id), tx.tuned_config(PROBLEM, HW, NEW)
     assert done.stop_reason == "replaced" and again.decomposition == study.reconfirm.runner_up
     assert f"replaced on {NEW}: {again.decomposition.id}" in done.message
@@ -309,7 +312,8 @@ def test_patience_drops_proposals_nobody_claimed(store):
     worse = [driver.claim(study_id), driver.claim(study_id)]
     for trial in worse:
         with driver.store.transaction(write=True) as tx:
-            driver.engine.record(tx, trial.id, [measured(trial.decomposition, ratio=1.5)], now=driver.tick())
+            driver.engine.record(tx, trial.id, SearchResult(measurement=measured(trial.decomposition, ratio=1.5)),
+                                 now=driver.tick())
     study, trials = driver.study(study_id)
     assert study.stop_reason == "no improvement"
     assert [t.state for t in trials if t.kind == TrialKind.SEARCH].count(TrialState.CANCELLED) == 2
@@ -337,25 +341,26 @@ def test_results_must_match_the_trial_and_transitions_are_guarded(store):
     with driver.store.transaction() as tx:
         pending = next(t for t in tx.trials(study_id) if t.state == TrialState.PENDING)
     with pytest.raises(ConflictError, match="not leased"), driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, pending.id, [measured(pending.decomposition)], now=driver.tick())
+        driver.engine.record(tx, pending.id, SearchResult(measurement=measured(pending.decomposition)),
+                             now=driver.tick())
     other = Decomposition(direction="bidirectional", chunks=4)
     with pytest.raises(InvalidError, match="the result is for"), driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, [measured(other)], now=driver.tick())
+        driver.engine.record(tx, trial.id, SearchResult(measurement=measured(other)), now=driver.tick())
     wrong_problem = measured(trial.decomposition, problem=Problem.parse("ag:512x64x128:float32:8"))
     with pytest.raises(InvalidError, match="is for allgather_matmul:256x64x128"), \
             driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, [wrong_problem], now=driver.tick())
+        driver.engine.record(tx, trial.id, SearchResult(measurement=wrong_problem), now=driver.tick())
     with pytest.raises(InvalidError, match="is a search trial: send 'measurement'"), \
             driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, [measured(trial.decomposition)], now=driver.tick(),
-                             kind=TrialKind.CONFIRM)
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=[measured(trial.decomposition)]),
+                             now=driver.tick())
     with driver.store.transaction(write=True) as tx:
         driver.engine.cancel(tx, study_id, now=driver.tick())
     study, trials = driver.study(study_id)
     assert study.state == StudyState.CANCELLED
     assert {t.state for t in trials} == {TrialState.CANCELLED}
     with pytest.raises(ConflictError, match="cancelled"), driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, [measured(trial.decomposition)], now=driver.tick())
+        driver.engine.record(tx, trial.id, SearchResult(measurement=measured(trial.decomposition)), now=driver.tick())
     with pytest.raises(ConflictError, match="only pending, running or confirming"), \
             driver.store.transaction(write=True) as tx:
         driver.engine.cancel(tx, study_id, now=driver.tick())
@@ -369,7 +374,8 @@ def test_a_small_space_is_enumerated_to_exhaustion(store):
     while (trial := driver.claim(study_id)) is not None:
         timed.append(trial.decomposition_id)
         with driver.store.transaction(write=True) as tx:
-            driver.engine.record(tx, trial.id, [measured(c, problem=small) for c in trial.decompositions],
+            driver.engine.record(tx, trial.id, result_of(trial.kind, [measured(c, problem=small)
+                                                                       for c in trial.decompositions]),
                                  now=driver.tick())
     study, _ = driver.study(study_id)
     assert study.stop_reason == "exhausted" and len(timed) == len(candidates(small)) + 1
@@ -521,7 +527,7 @@ class StepDriver(Driver):
         while (trial := self.claim(searched)) is not None:
             results = [measured(c, problem=self.qkv) for c in trial.decompositions]
             with self.store.transaction(write=True) as tx:
-                self.engine.record(tx, trial.id, results, now=self.tick())
+                self.engine.record(tx, trial.id, result_of(trial.kind, results), now=self.tick())
         with self.store.transaction(write=True) as tx:
             for slots in role_problems(TINY, TINY_MESH).values():
                 for problem in slots.values():
@@ -548,14 +554,14 @@ class StepDriver(Driver):
                           0.03 if chosen.method == "ring" else 0.05)
         return round(total, 6)
 
-    def step_result(self, trial) -> StepMeasurement:
+    def step_result(self, trial) -> StepResult:
         timed = []
         for name, setting in trial.variants.items():
             times = [self.seconds(setting)] * 4
             timed.append(StepVariant(name=name, status="ok", configs=setting or {}, timing=Timing.of(times),
                                      ratio=times[0], ratio_iqr=0.0))
-        return StepMeasurement(block=TINY, mesh=TINY_MESH.axes, tensor_axis="model", hardware=HW,
-                               protocol=Protocol(repeats=4), variants=timed)
+        return StepResult(step=StepMeasurement(block=TINY, mesh=TINY_MESH.axes, tensor_axis="model", hardware=HW,
+                                               protocol=Protocol(repeats=4), variants=timed))
 
     def run_step(self, abandon: int | None = None) -> list:
         """Claim and report the step study's trials until it is final (abandon trial number ``abandon``)."""
@@ -665,7 +671,7 @@ def confirm_with(driver: Driver, study_id: int, bounds: BoundsMeasurement | None
         driver.report(trial)
     results = [measured(c, ratio=ratio if ratio and c.method == "ring" else None) for c in trial.decompositions]
     with driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, Confirmation(measurements=results, bounds=bounds), now=driver.tick())
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=results, bounds=bounds), now=driver.tick())
     return trial
 
 
@@ -713,13 +719,13 @@ def test_bounds_must_be_of_the_studys_problem_and_come_with_a_confirmation(store
     trial = driver.claim(study_id)
     with pytest.raises(InvalidError, match="bounds come with a confirmation only"), \
             driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, Confirmation(measurements=[measured(trial.decomposition)]),
-                             now=driver.tick())
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=[measured(trial.decomposition)],
+                                                         bounds=bounds_of()), now=driver.tick())
     driver.report(trial)
     while (trial := driver.claim(study_id)).kind == TrialKind.SEARCH:
         driver.report(trial)
     other = bounds_of(problem=Problem.parse("ag:512x64x128:float32:8"))
     with pytest.raises(InvalidError, match="its bounds are for allgather_matmul:512x64x128"), \
             driver.store.transaction(write=True) as tx:
-        driver.engine.record(tx, trial.id, Confirmation(measurements=[measured(c) for c in trial.decompositions],
-                                                        bounds=other), now=driver.tick())
+        driver.engine.record(tx, trial.id, ConfirmResult(measurements=[measured(c) for c in trial.decompositions],
+                                                         bounds=other), now=driver.tick())

@@ -15,7 +15,7 @@ from cmtune.tuner.search import Finished, Searcher, SearchSettings, stop_reason
 from cmtune.workers.local import LocalTuner
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.costmodel import PROFILES
-from collective_matmul.wire import Measurement, Protocol, Timing
+from collective_matmul.wire import Measurement, Protocol, Timing, result_of
 
 PROBLEM = Problem.parse("ag:1024x256x1024:float32:8")  # 49 candidates
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
@@ -55,7 +55,7 @@ class KnownCosts:
                 continue
             ratio = self.lucky.pop(config, None) or self.costs[config]
             out.append(record(problem, config, ratio))
-        return out
+        return result_of(task.kind, out)
 
 
 def random_costs(problem, seed):

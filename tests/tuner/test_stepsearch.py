@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from cmtune.tuner.stepsearch import REFERENCE, SEEDS, SearchSpace, StepSearch, faster, replay, variant_name
+from cmtune.tuner.rounds import faster, ratio_quartiles
+from cmtune.tuner.stepsearch import REFERENCE, SEEDS, SearchSpace, StepSearch, replay, variant_name
 from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition, Hardware, OpConfigs, TransformerBlock
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT
@@ -179,7 +180,7 @@ def test_a_change_is_accepted_only_beyond_the_spread():
         incumbent = list(variants)[1]  # a search round: the reference, the incumbent, then its proposals
         for name, setting in variants.items():
             if name != incumbent and setting and setting["qkv"].forward == AG2:
-                q1, median, q3 = result.paired(name, incumbent)
+                q1, median, q3 = ratio_quartiles(result, name, incumbent)
                 assert median < 1 <= q3  # faster in the median, not in three rounds of four
                 tempting += 1
     assert tempting and all(search.names[a.variant]["qkv"].forward != AG2 for a in search.accepted)

@@ -12,7 +12,15 @@ from cmtune.workers.measure import Session, bound_programs, ring_mesh
 from cmtune.workers.runner import LocalRunner, Watchdog, failed
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.hlo import parse_module
-from collective_matmul.wire import BoundsMeasurement, Confirmation, Protocol, Status, TrialKind, TrialTask
+from collective_matmul.wire import (
+    BoundsMeasurement,
+    ConfirmResult,
+    Protocol,
+    SearchResult,
+    Status,
+    TrialKind,
+    TrialTask,
+)
 
 COLLECTIVES = {"allgather_matmul": "all-gather", "matmul_reduce_scatter": "reduce-scatter",
                "allgather_grad_weight": "all-gather"}
@@ -105,18 +113,18 @@ def test_the_runner_times_a_confirmations_bounds_after_its_candidates():
     ring = Decomposition(method="ring", direction="bidirectional", chunks=2)
     runner = LocalRunner()
     result = runner.run(task(TrialKind.CONFIRM, p, [Decomposition.baseline(), ring]))
-    assert isinstance(result, Confirmation)
+    assert isinstance(result, ConfirmResult)
     assert [m.decomposition for m in result.measurements] == [Decomposition.baseline(), ring]
     assert result.bounds.ok and result.bounds.problem == p
     search = runner.run(task(TrialKind.SEARCH, p, [ring]))
-    assert isinstance(search, list) and len(search) == 1  # a search trial times no bounds
+    assert isinstance(search, SearchResult) and search.measurement.decomposition == ring  # and no bounds
 
 
 def test_a_trial_that_cannot_be_set_up_fails_its_bounds_too():
     p = problem("allgather_matmul")
     result = failed(task(TrialKind.CONFIRM, p, [Decomposition.baseline()]), Status.OOM, "no\x00room")
     assert result.bounds.status == Status.OOM and result.bounds.message == "no?room"
-    assert failed(task(TrialKind.SEARCH, p, [Decomposition.baseline()]), Status.OOM, "x")[0].status == "oom"
+    assert failed(task(TrialKind.SEARCH, p, [Decomposition.baseline()]), Status.OOM, "x").measurement.status == "oom"
 
 
 def test_a_confirmations_deadline_counts_its_bounds_rounds():

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul.ring as ring
+from cmtune.tuner.rounds import grading_rounds
 from cmtune.tuner.variants import FIXED_RING
 from cmtune.workers.step import StepMeasurement, StepSession, standard_variants, step_layout
 from collective_matmul import (
@@ -139,12 +140,12 @@ def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the
                          step=StepTask(block=BLOCK, mesh={"data": 1, "model": 8}, configs=tuned, variants=variants))
 
     runner = LocalRunner()
-    first = runner.run(task(1, {"as-written": None, "tuned": tuned, "r2-attn_out-fuse": fused}))
+    first = runner.run(task(1, {"as-written": None, "tuned": tuned, "r2-attn_out-fuse": fused})).step
     assert [v.name for v in first.variants] == ["as-written", "tuned", "r2-attn_out-fuse"] and not first.confirmation
     assert all(v.ok and len(v.timing.samples_s) == 2 for v in first.variants)
     assert first.variant("r2-attn_out-fuse").configs == fused and first.variant("tuned").configs == tuned
     ring = tuned | {"mlp_up": OpConfigs(forward=FIXED_RING)}
-    second = runner.run(task(2, {"as-written": None, "r2-attn_out-fuse": fused, "r3-mlp_up-fw1": ring}))
+    second = runner.run(task(2, {"as-written": None, "r2-attn_out-fuse": fused, "r3-mlp_up-fw1": ring})).step
     assert [v.status for v in second.variants] == ["ok"] * 3
     for name in ("as-written", "r2-attn_out-fuse"):  # compiled once, in the first round
         assert second.variant(name).compile_s == first.variant(name).compile_s
@@ -360,11 +361,11 @@ def test_the_step_decision_reports_from_the_fresh_rounds():
     # the choice comes from the deciding rounds, the numbers from the fresh ones
     assert decision.variant == "tuned-ring-fill" and decision.ratio == pytest.approx(0.75)
     assert "1.33x" in decision.summary and "(fresh rounds after the decision)" in decision.summary
-    assert measured.graded("tuned-ring-fill").variants == fresh.variants
-    assert measured.graded("tuned") is measured  # not timed again
+    assert grading_rounds(measured, "tuned-ring-fill").variants == fresh.variants
+    assert grading_rounds(measured, "tuned") is measured  # not timed again
     # a confirmation without the reference is not a grade: the deciding rounds are reported, and said to be
     partial = deciding.model_copy(update={"confirmation": fresh.variants[1:]})
-    assert partial.graded("tuned-ring-fill") is partial
+    assert grading_rounds(partial, "tuned-ring-fill") is partial
     assert step_decision(partial, tuned).ratio == pytest.approx(0.705)
     assert "(the rounds that decided)" in step_decision(partial, tuned).summary
 
