@@ -230,7 +230,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
         runner = LocalRunner()
     group = Group()
     if not group.leader:
-        follow(group, runner)  # process 0 decides; this process runs what it is handed
+        follow(group, runner, grace_s=grace_s)  # process 0 decides; this process runs what it is handed
         return
     hardware = Hardware.detect(ring_devices)
     outcomes = []

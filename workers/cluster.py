@@ -352,7 +352,8 @@ class Group:
         import jax
 
         self.size = jax.process_count()
-        self.leader = jax.process_index() == 0
+        self.index = jax.process_index()
+        self.leader = self.index == 0
 
     def send(self, message: BaseModel) -> None:
         """Process 0: ``message`` (a `collective_matmul.wire` type) to the others."""

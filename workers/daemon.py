@@ -100,7 +100,7 @@ class WorkerDaemon:
         """Serve until stopped; returns the number of trials done."""
         hardware = Hardware.detect()
         if not self._group.leader:
-            return follow(self._group, self._runner)
+            return follow(self._group, self._runner, grace_s=self.grace_s)
         idle_since = time.monotonic()
         try:
             self.register(hardware)

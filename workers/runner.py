@@ -175,11 +175,13 @@ class Watchdog:
             self._timer.cancel()
 
 
-def follow(group, runner: Runner) -> int:
+def follow(group, runner: Runner, *, grace_s: float = 120.0) -> int:
     """Processes other than 0: run every trial process 0 hands over, until it says stop.
 
     Only process 0's results count; an error in this process's own record of a trial is logged
-    and the next trial follows (the programs themselves ran in step with process 0's).
+    and the next trial follows (the programs themselves ran in step with process 0's).  Each trial runs under
+    the watchdog process 0 has (`Watchdog.deadline`): a trial hung here ends this process as it would end
+    process 0, and with it the group, whoever started it.
     """
     done = 0
     while True:
@@ -187,8 +189,11 @@ def follow(group, runner: Runner) -> int:
         if message.kind == "stop":
             return done
         if message.kind == "trial":
-            try:
-                runner.run(message.task)
-            except Exception:  # noqa: BLE001 - see above
-                log.exception("this process's record of trial %s failed", message.task.id)
+            task = message.task
+            what = f"trial {task.id} on process {group.index} (following process 0)"
+            with Watchdog(Watchdog.deadline(task, grace_s), what):
+                try:
+                    runner.run(task)
+                except Exception:  # noqa: BLE001 - see above
+                    log.exception("this process's record of trial %s failed", task.id)
             done += 1

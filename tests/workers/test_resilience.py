@@ -6,6 +6,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -106,3 +107,21 @@ def test_cmtune_tune_ends_a_hung_group_and_names_the_candidate(tmp_path):
     message = str(failure.value)
     assert "process 0 exited 75" in message
     assert "allgather_matmul:256x64x128:float32:8: trial 1 (baseline) hung" in message
+
+
+def test_a_follower_hung_in_a_trial_ends_the_group_with_its_own_watchdog(tmp_path):
+    """Process 0 skips a trial's collectives (its record returns at once and it goes on): process 1 waits in the
+    trial's first collective, and its own watchdog ends it, with status 75 and the trial named, within the
+    trial's deadline; the group ends with it."""
+    args = ["-m", "tests.workers.hanging_job", "tune", "--problem", "ag:256x64x128:float32:8", "--trials", "3",
+            "--repeats", "3", "--timeout", "2", "--trial-grace-seconds", "6"]
+    os.environ |= {"CMTUNE_TEST_MARKER": str(tmp_path / "planted"), "CMTUNE_TEST_SKIPPER": "0"}
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError) as failure:
+            launch(2, args, local_devices=4, cwd=ROOT, timeout_s=300)
+    finally:
+        del os.environ["CMTUNE_TEST_MARKER"], os.environ["CMTUNE_TEST_SKIPPER"]
+    message = str(failure.value)
+    assert "process 1 exited 75" in message and "(following process 0) hung" in message, message[-2000:]
+    assert time.monotonic() - started < 120
