@@ -23,6 +23,32 @@ from cmtune.workers.cluster import DeviceSpec, launch
 console = Console(width=None if sys.stdout.isatty() else 1000)
 
 SERVER = typer.Option(envvar="CMTUNE_SERVER", help="service URL")
+COORDINATOR = typer.Option(help="HOST:PORT of process 0: join that multi-host cluster (with --num-processes and "
+                                "--process-id; without them --devices auto joins the cluster JAX detects)")
+NUM_PROCESSES = typer.Option(help="processes in the cluster (with --coordinator)")
+PROCESS_ID = typer.Option(help="this process's index in the cluster (with --coordinator)")
+
+
+def join_options(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """The multi-host options every JAX command takes: with all three, this process joins that cluster when its
+    devices are set up (`cmtune.workers.cluster.configure`, which reads them from the environment a local group's
+    launcher also sets); explicit flags win over JAX's own detection."""
+    import os
+
+    from cmtune.workers.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PLATFORM, ENV_PROCESS_ID
+
+    given = [v is not None for v in (coordinator, num_processes, process_id)]
+    if not any(given):
+        return
+    if not all(given):
+        raise typer.BadParameter("--coordinator, --num-processes and --process-id go together (or none of them: "
+                                 "--devices auto joins the cluster JAX detects)")
+    if not 0 <= process_id < num_processes:
+        raise typer.BadParameter(f"--process-id {process_id} is not one of the {num_processes} processes",
+                                 param_hint="--process-id")
+    os.environ |= {ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(num_processes),
+                   ENV_PROCESS_ID: str(process_id),
+                   ENV_PLATFORM: "cpu" if os.environ.get("JAX_PLATFORMS") == "cpu" else "device"}
 TOKEN_FILE = typer.Option(help="read the token from this file (CMTUNE_TOKEN works too; both keep it out of ps)")
 
 

@@ -11,7 +11,17 @@ from typing import Annotated
 
 import typer
 
-from cmtune.common import console, devices_option, problems_from_options, relaunch_as_group, show_step
+from cmtune.common import (
+    COORDINATOR,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    console,
+    devices_option,
+    join_options,
+    problems_from_options,
+    relaunch_as_group,
+    show_step,
+)
 from cmtune.workers.cluster import DEVICES_HELP
 from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
@@ -28,6 +38,9 @@ def bench(
     warmup: Annotated[int, typer.Option(min=0)] = 2,
     out: Annotated[Path | None, typer.Option(help="write every measurement as JSON lines (the bounds last)")] = None,
     compile_only: Annotated[bool, typer.Option(help=COMPILE_ONLY_HELP)] = False,
+    coordinator: Annotated[str | None, COORDINATOR] = None,
+    num_processes: Annotated[int | None, NUM_PROCESSES] = None,
+    process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
     """Time every valid decomposition of one problem against the baseline, then its bounds (the local matmul
     alone, the collective alone); with --compile-only, or on a TPU topology (--devices tpu:v5p:2x2x2), compile each
@@ -35,6 +48,7 @@ def bench(
     einsum off and on."""
     from collective_matmul import Problem
 
+    join_options(coordinator, num_processes, process_id)
     try:
         parsed = Problem.parse(problem)
     except ValueError as exc:
@@ -148,9 +162,13 @@ def tune(
              "--out bundle if it exists) right after the baseline; a study whose seeds run as their "
              "neighbours did stops early")] = True,
     compile_only: Annotated[bool, typer.Option(help=COMPILE_ONLY_HELP)] = False,
+    coordinator: Annotated[str | None, COORDINATOR] = None,
+    num_processes: Annotated[int | None, NUM_PROCESSES] = None,
+    process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
     """Tune the decompositions of one or more problems, a model's or your own step's, on local devices (with
     --compile-only, or on a TPU topology: compile every candidate of each and check it, timing nothing)."""
+    join_options(coordinator, num_processes, process_id)
     if sampler not in ("auto", "enumerate", "tpe", "random"):
         raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
     bundled = []
@@ -280,11 +298,16 @@ def problems(
         help="a step spec, path/to/file.py:NAME or package.module:NAME: the problems of your own step, "
              "discovered from its compiled module")] = None,
     devices: Annotated[str, typer.Option(help=DEVICES_HELP + " (with --step; default virtual:8)")] = "auto",
+    coordinator: Annotated[str | None, COORDINATOR] = None,
+    num_processes: Annotated[int | None, NUM_PROCESSES] = None,
+    process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
     """List the collective-matmul problems of one training step: a model on a mesh, or your own step."""
     from rich.table import Table
 
     from collective_matmul import MeshSpec, TransformerBlock, model_problems
+
+    join_options(coordinator, num_processes, process_id)
 
     if step is not None:
         from cmtune import steps
@@ -344,8 +367,12 @@ def verify(
         help="with --step: compile the step as written (XLA's windowed einsum at its default, off and on, where the "
              "backend has it) and through the drop-in, and check each (memory, collectives, overlap), timing "
              "nothing (what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")] = False,
+    coordinator: Annotated[str | None, COORDINATOR] = None,
+    num_processes: Annotated[int | None, NUM_PROCESSES] = None,
+    process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
     """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
+    join_options(coordinator, num_processes, process_id)
     from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
     from collective_matmul.block import check_block
 

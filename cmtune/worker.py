@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from cmtune.common import SERVER, TOKEN_FILE, devices_option, read_token_file, without_token
+from cmtune.common import (
+    COORDINATOR,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    SERVER,
+    TOKEN_FILE,
+    devices_option,
+    join_options,
+    read_token_file,
+    without_token,
+)
 from cmtune.workers.cluster import DEVICES_HELP
 
 app = typer.Typer(no_args_is_help=True)
@@ -23,9 +33,9 @@ def worker(
     token_file: Annotated[Path | None, TOKEN_FILE] = None,
     devices: Annotated[str, typer.Option(help=DEVICES_HELP + "; auto = the devices JAX finds")] = "auto",
     name: Annotated[str | None, typer.Option(help="default: the host name")] = None,
-    coordinator: Annotated[str | None, typer.Option(help="HOST:PORT of process 0 (multi-host)")] = None,
-    num_processes: Annotated[int | None, typer.Option(help="processes in the group (multi-host)")] = None,
-    process_id: Annotated[int | None, typer.Option(help="this process's index (multi-host)")] = None,
+    coordinator: Annotated[str | None, COORDINATOR] = None,
+    num_processes: Annotated[int | None, NUM_PROCESSES] = None,
+    process_id: Annotated[int | None, PROCESS_ID] = None,
     poll_seconds: Annotated[float, typer.Option(min=0.05, help="wait between empty lease requests")] = 2.0,
     heartbeat_seconds: Annotated[float, typer.Option(min=0.05)] = 10.0,
     max_trials: Annotated[int | None, typer.Option(min=1, help="leave after this many trials")] = None,
@@ -39,13 +49,14 @@ def worker(
     """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
     import logging
 
-    from cmtune.workers.cluster import ClusterSpec, configure, join, launch
+    from cmtune.workers.cluster import configure, launch
     from cmtune.workers.daemon import WorkerDaemon, supervise
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = token or read_token_file(token_file)
     if token:
         os.environ["CMTUNE_TOKEN"] = token  # children read it from there, never from an argv we build
+    join_options(coordinator, num_processes, process_id)
     spec = devices_option(devices)
     if spec.platform == "gpu" or _gpu_host():  # before JAX starts: the flags a ring needs to overlap on a GPU
         from collective_matmul.xla_options import with_overlap_flags
@@ -57,12 +68,7 @@ def worker(
         results = launch(spec.count, without_token(sys.orig_argv[1:]), local_devices=local_devices,
                          timeout_s=7 * 24 * 3600, stream=True, platform=spec.platform)
         raise typer.Exit(max(r.returncode for r in results))
-    if coordinator is not None:
-        if num_processes is None or process_id is None:
-            raise typer.BadParameter("--coordinator needs --num-processes and --process-id")
-        join(ClusterSpec(coordinator=coordinator, num_processes=num_processes, process_id=process_id))
-    else:
-        configure(spec)
+    configure(spec)  # a cluster of --coordinator (join_options), a local group's, one JAX detects, or none
     daemon = WorkerDaemon(server, token, name=name, poll_s=poll_seconds, heartbeat_s=heartbeat_seconds,
                           max_trials=max_trials, exit_when_idle=exit_when_idle, grace_s=trial_grace_seconds)
     daemon.install_signal_handlers()

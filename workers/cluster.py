@@ -194,6 +194,8 @@ def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
     """
     cluster = ClusterSpec.from_env()
     if cluster is not None:
+        if cluster.local_devices is None and auto_virtual:  # --coordinator on CPU: each its share of the ring
+            cluster = dataclasses.replace(cluster, local_devices=max(auto_virtual // cluster.num_processes, 1))
         join(cluster)
         return
     if spec.kind == "auto" and (detected := detected_cluster()) is not None:

@@ -65,3 +65,25 @@ def test_two_processes_join_by_detection_alone_and_tune_a_problem(environment, t
     (config,) = Bundle.load(tmp_path / "tuned0.json").configs  # process 0 writes, the other followed
     assert config.hardware.process_count == 2 and config.hardware.device_count == 8
     assert not (tmp_path / "tuned1.json").exists()
+
+
+@pytest.mark.slow
+def test_explicit_flags_join_a_cluster_on_every_jax_command(tmp_path):
+    """--coordinator, --num-processes and --process-id on `cmtune tune` (every JAX command takes them)."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "CMTUNE_"))}
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "cmtune", "tune", "--problem", "rs:64x128x32:float32:8", "--trials", "2",
+         "--repeats", "2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
+         "--out", str(tmp_path / f"tuned{pid}.json")],
+        cwd=ROOT, env=base | {"JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    (config,) = Bundle.load(tmp_path / "tuned0.json").configs
+    assert config.hardware.process_count == 2 and config.hardware.device_count == 8
