@@ -5,10 +5,12 @@
    (`collective_matmul.schedule`: is a product scheduled while each permute is in flight?) are recorded.
 3. Validation against the baseline's result (relative error bound by dtype); a wrong candidate
    is ``invalid`` and can never win.
-4. Warm-up, then candidate and baseline alternately (ABAB...), each run synchronised with
-   `block_until_ready`; with several processes a barrier precedes each run and the slowest
-   process's time counts.  Every sample is kept; median, spread and the median paired ratio to
-   the baseline are derived from them.
+4. Warm-up, then candidate and baseline alternately (ABAB...), each sample K calls back to back
+   synchronised with `block_until_ready` after the last (K chosen at warm-up so that a barrier and a
+   dispatch cannot decide a sample: `calls_per_sample`; recorded as `Timing.calls`, the samples per
+   call); with several processes a barrier precedes each sample and the slowest process's time
+   counts.  Every sample is kept; median, spread and the median paired ratio to the baseline are
+   derived from them.
 5. Failures are results: ``compile_error``, ``oom``, ``invalid``, ``timeout``, ``error``.
 
 The bounds of a problem (`Session.bounds`, `collective_matmul.bounds`) follow the same protocol:
@@ -18,6 +20,8 @@ inputs, timed in turn with the baseline, round by round.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -261,7 +265,7 @@ class Session:
                 message=f"relative error {rel_error:.3g} against the baseline exceeds {tolerance:g}",
             )
         try:
-            cand, base, timed_out = self._time_pair(compiled, started, protocol)
+            cand, base, timed_out, calls = self._time_pair(compiled, started, protocol)
         except Exception as exc:  # noqa: BLE001
             return Measurement(**record, status=classify_failure(exc), message=error_message(exc))
         ratios = [c / b for c, b in zip(cand, base, strict=True)]
@@ -271,16 +275,17 @@ class Session:
             status="timeout" if timed_out else "ok",
             message=f"stopped after {len(cand)} of {protocol.repeats} runs: over "
             f"{protocol.timeout_s:g}s" if timed_out else "",
-            candidate=Timing.of(cand),
-            baseline=Timing.of(base),
+            candidate=Timing.of(cand, calls),
+            baseline=Timing.of(base, calls),
             ratio=ratio,
             ratio_iqr=q3 - q1,
         )
 
-    def _time_pair(self, compiled, started: float, protocol: Protocol) -> tuple[list[float], list[float], bool]:
-        (cand, base), timed_out = _time_rounds([lambda: compiled(self.x, self.w), self._run_baseline], started,
-                                               protocol)
-        return cand, base, timed_out
+    def _time_pair(self, compiled, started: float, protocol: Protocol
+                   ) -> tuple[list[float], list[float], bool, int]:
+        (cand, base), timed_out, calls = _time_rounds([lambda: compiled(self.x, self.w), self._run_baseline],
+                                                      started, protocol, self.mesh)
+        return cand, base, timed_out, calls
 
     def _run_baseline(self) -> jax.Array:
         return self._baseline_program(self.x, self.w)
@@ -308,36 +313,85 @@ class Session:
             return BoundsMeasurement(**record, status="oom" if status == "oom" else "compile_error",
                                      message=error_message(exc))
         try:
-            (compute, communication, base), timed_out = _time_rounds([*runs, self._run_baseline], started, protocol)
+            (compute, communication, base), timed_out, calls = _time_rounds([*runs, self._run_baseline], started,
+                                                                            protocol, self.mesh)
         except Exception as exc:  # noqa: BLE001
             return BoundsMeasurement(**record, status=classify_failure(exc), message=error_message(exc))
         return BoundsMeasurement(
             **record, status="timeout" if timed_out else "ok",
             message=f"stopped after {len(base)} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
             if timed_out else "",
-            compute=Timing.of(compute), communication=Timing.of(communication), baseline=Timing.of(base))
+            compute=Timing.of(compute, calls), communication=Timing.of(communication, calls),
+            baseline=Timing.of(base, calls))
 
 
-def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: Protocol,
-                 ) -> tuple[list[list[float]], bool]:
-    """Warm up, then each of ``runs`` in turn per round (a barrier before each run, `block_until_ready` after);
-    the samples of each, the slowest process's per run, and whether the timeout stopped the rounds early."""
-    for _ in range(protocol.warmup):
+SAMPLE_OVER_OVERHEAD = 20  # a sample lasts at least this many times a barrier and a dispatch
+ACCELERATOR_SAMPLE_S = 1e-3  # and on an accelerator at least this long
+
+
+def calls_per_sample(run_s: float, overhead_s: float, platform: str) -> int:
+    """K: how many calls of a program of ``run_s`` seconds one sample times back to back, so that a barrier and a
+    dispatch (``overhead_s``) cannot decide it: the sample lasts at least `SAMPLE_OVER_OVERHEAD` times the
+    overhead, and `ACCELERATOR_SAMPLE_S` on an accelerator."""
+    floor = max(SAMPLE_OVER_OVERHEAD * overhead_s, ACCELERATOR_SAMPLE_S if platform != "cpu" else 0.0)
+    return max(1, math.ceil(floor / max(run_s, 1e-9)))
+
+
+def overhead_s(mesh: Mesh | None = None, repeats: int = 20) -> float:
+    """What a sample costs beyond its calls: a barrier across the processes and one dispatch of a trivial program
+    over the devices of ``mesh`` (default: every device), the median of ``repeats`` (the slowest process's: every
+    process must call this together)."""
+    trivial = _trivial(mesh or ring_mesh())
+    trivial().block_until_ready()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        t0 = time.perf_counter()
+        trivial().block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(slowest_process(times)))
+
+
+@functools.lru_cache(maxsize=8)
+def _trivial(mesh: Mesh):
+    """A program that does next to nothing on every device of ``mesh``: what a dispatch costs there."""
+    axes = tuple(mesh.axis_names)
+    return jax.jit(lambda: jnp.zeros((mesh.size,), jnp.float32), out_shardings=NamedSharding(mesh, P(axes)))
+
+
+def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: Protocol, mesh: Mesh | None = None,
+                 ) -> tuple[list[list[float]], bool, int]:
+    """Warm up, then each of ``runs`` in turn per round (a barrier before each sample, `block_until_ready` after
+    its last call); the per-call samples of each (the slowest process's), whether the timeout stopped the rounds
+    early, and K, the calls per sample (``protocol.calls``, or chosen at warm-up by `calls_per_sample` from the
+    slowest run's single call, agreed by every process: one K for every run of the round, so they pair)."""
+    warm: list[float] = []
+    for i in range(protocol.warmup):
         for run in runs:
+            t0 = time.perf_counter()
             run().block_until_ready()
+            if i == protocol.warmup - 1:
+                warm.append(time.perf_counter() - t0)
+    calls = protocol.calls
+    if calls is None:
+        single = max(slowest_process(warm)) if warm else 0.0
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        calls = calls_per_sample(single, overhead_s(mesh), platform) if single else 1
     samples: list[list[float]] = [[] for _ in runs]
     timed_out = False
     for _ in range(protocol.repeats):
         for run, out in zip(runs, samples, strict=True):
             barrier()
             t0 = time.perf_counter()
+            for _ in range(calls - 1):
+                run()
             run().block_until_ready()
-            out.append(time.perf_counter() - t0)
+            out.append((time.perf_counter() - t0) / calls)
         # every process must agree to stop, or the SPMD programs would diverge
         if any_process(time.monotonic() - started > protocol.timeout_s):
             timed_out = True
             break
-    return [slowest_process(s) for s in samples], timed_out
+    return [slowest_process(s) for s in samples], timed_out, calls
 
 
 def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from collective_matmul.bounds import StepBound
 from collective_matmul.decomposition import Decomposition, OpConfigs
@@ -25,6 +25,16 @@ class Protocol(BaseModel):
     repeats: int = Field(default=7, ge=1, le=1000)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     timeout_s: float = Field(default=300.0, gt=0, le=24 * 3600)
+    calls: int | None = Field(default=None, ge=1, le=1 << 20, description="calls timed back to back per sample; "
+                              "None: chosen at warm-up, so that a sample lasts at least 20 times a barrier and a "
+                              "dispatch (and 1 ms on an accelerator)")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_calls(self, handler):  # the JSON of a protocol that leaves K to warm-up is what it was before
+        data = handler(self)
+        if self.calls is None:
+            data.pop("calls", None)
+        return data
 
 
 class Timing(BaseModel):
@@ -32,11 +42,20 @@ class Timing(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    samples_s: list[Seconds] = Field(min_length=1, max_length=MAX_SAMPLES)
+    samples_s: list[Seconds] = Field(min_length=1, max_length=MAX_SAMPLES, description="per call: each sample is "
+                                     "the time of `calls` calls back to back, divided by them")
     median_s: Seconds
     iqr_s: float = Field(ge=0, allow_inf_nan=False)
     min_s: Seconds
     max_s: Seconds
+    calls: int = Field(default=1, ge=1, le=1 << 20, description="calls timed back to back per sample")
+
+    @model_serializer(mode="wrap")
+    def _omit_one_call(self, handler):  # one call per sample: the JSON it was before there were more
+        data = handler(self)
+        if self.calls == 1:
+            data.pop("calls", None)
+        return data
 
     @model_validator(mode="after")
     def _summary_of_the_samples(self) -> Timing:
@@ -48,9 +67,10 @@ class Timing(BaseModel):
         return self
 
     @classmethod
-    def of(cls, samples: list[float]) -> Timing:
+    def of(cls, samples: list[float], calls: int = 1) -> Timing:
         q1, median, q3 = quartiles(samples)
-        return cls(samples_s=samples, median_s=median, iqr_s=q3 - q1, min_s=min(samples), max_s=max(samples))
+        return cls(samples_s=samples, median_s=median, iqr_s=q3 - q1, min_s=min(samples), max_s=max(samples),
+                   calls=calls)
 
 
 class _Timed:

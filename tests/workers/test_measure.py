@@ -112,3 +112,23 @@ def test_a_weight_gradient_problem_is_measured_like_the_others():
     m = session.measure(Decomposition(direction="bidirectional", chunks=2, accumulate="input_dtype"))
     assert m.status == "ok", m.message
     assert m.rel_error < 1e-5 and m.ratio > 0
+
+
+def test_calls_per_sample_keep_the_overhead_from_deciding_a_sample():
+    from cmtune.workers.measure import calls_per_sample
+
+    assert calls_per_sample(100e-6, 20e-6, "cpu") == 4  # 20 x 20 µs of overhead over 100 µs calls
+    assert calls_per_sample(5e-3, 20e-6, "cpu") == 1  # a long program: one call is enough
+    assert calls_per_sample(100e-6, 1e-6, "tpu") == 10  # an accelerator's sample lasts at least 1 ms
+    assert calls_per_sample(2e-3, 1e-6, "gpu") == 1
+
+
+def test_a_sample_of_k_calls_is_recorded_per_call_with_its_k():
+    from collective_matmul import Decomposition, Problem
+    from collective_matmul.wire import Protocol
+
+    session = Session(Problem.parse("ag:64x32x64:float32:8"))
+    fixed = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), Protocol(repeats=3, warmup=1, calls=3))
+    assert fixed.ok and fixed.candidate.calls == fixed.baseline.calls == 3 and len(fixed.candidate.samples_s) == 3
+    chosen = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), Protocol(repeats=3, warmup=1))
+    assert chosen.ok and chosen.candidate.calls == chosen.baseline.calls >= 1  # one K for both: they pair
