@@ -151,10 +151,11 @@ class _Random(optuna.samplers.RandomSampler):
 class Searcher:
     """Proposes the next candidate of one study from its history."""
 
-    def __init__(self, problem: Problem, profile: HardwareProfile | str, settings: SearchSettings = SearchSettings()):
+    def __init__(self, problem: Problem, profile: HardwareProfile | str, settings: SearchSettings = SearchSettings(),
+                 platform: str | None = None):
         self.problem = problem
         self.settings = settings
-        self.space = candidates(problem)
+        self.space = candidates(problem, platform=platform)  # XLA's own (method "xla") where the platform has it
         self.by_model = rank(problem, self.space, PROFILES[profile] if isinstance(profile, str) else profile)
         self._dists = _space_distributions(self.space)
         self._valid = set(self.space)
@@ -183,11 +184,13 @@ class Searcher:
         baseline = Decomposition.baseline()
         if baseline not in seen:
             return baseline
+        if Decomposition.xla() in self._valid and Decomposition.xla() not in seen:
+            return Decomposition.xla()  # what XLA would do itself: a ring must beat that, not just the baseline
         seed = next((c for c in self.seeds if c not in seen), None)
         if seed is not None:
             return seed
         sampler = self.sampler
-        startup = 1 + len(self.seeds) + self.settings.startup  # every seed is seen by now
+        startup = 1 + (Decomposition.xla() in self._valid) + len(self.seeds) + self.settings.startup
         seeding = sampler == "tpe" and self.settings.seed_with_model and len(seen) < startup
         if sampler == "enumerate" or seeding:
             return unmeasured[0]
@@ -263,7 +266,7 @@ class Searcher:
 
     def confirm_set(self, finished: Sequence[Finished]) -> list[Decomposition]:
         """The top candidates (by ratio) plus the baseline, for the confirmation round."""
-        ok = sorted((f for f in finished if f.ratio is not None and f.config.method == "ring"),
+        ok = sorted((f for f in finished if f.ratio is not None and f.config.method in ("ring", "xla")),
                     key=lambda f: f.ratio)
         top = [f.config for f in ok[: self.settings.confirm_top]]
         return [Decomposition.baseline(), *top]

@@ -141,7 +141,7 @@ class Searching:
         """A new study with its first proposals queued (`Engine.create_study`)."""
         if not has_ring(problem):
             raise InvalidError(f"{problem.key}: nothing to tune: {no_ring_reason(problem)}")
-        space = set(candidates(problem))
+        space = set(candidates(problem, platform=hardware.platform))
         misfits = [s.decomposition.id for s in settings.seeds if s.decomposition not in space]
         if misfits:
             raise InvalidError(f"{problem.key}: the seeds {misfits} are not candidates of this problem: leave them "
@@ -151,7 +151,7 @@ class Searching:
         if settings.profile not in PROFILES:
             raise InvalidError(f"unknown cost-model profile {settings.profile!r}; one of {sorted(PROFILES)}")
         study = tx.add_study(problem=problem, hardware=hardware.identity(), settings=settings, protocol=protocol,
-                             space_size=len(candidates(problem)), now=now)
+                             space_size=len(candidates(problem, platform=hardware.platform)), now=now)
         self.refill(tx, study, now=now, trials=())
         return tx.study(study.id)
 
@@ -332,15 +332,16 @@ class Searching:
 
 
 def searcher(problem: Problem, hardware: Hardware, settings: SearchSettings) -> Searcher:
-    """The searcher of a study of ``problem`` on ``hardware`` with ``settings`` (its profile, or the platform's)."""
-    return _searcher(problem, settings.profile or profile_name_for(hardware), settings)
+    """The searcher of a study of ``problem`` on ``hardware`` with ``settings`` (its profile, or the platform's; its
+    space holds XLA's own decomposition where the platform has one)."""
+    return _searcher(problem, settings.profile or profile_name_for(hardware), settings, hardware.platform)
 
 
 @functools.lru_cache(maxsize=1024)
-def _searcher(problem: Problem, profile: str, settings: SearchSettings) -> Searcher:
-    """Searchers of the studies in progress: a searcher is a pure function of these three (its space
+def _searcher(problem: Problem, profile: str, settings: SearchSettings, platform: str) -> Searcher:
+    """Searchers of the studies in progress: a searcher is a pure function of these four (its space
     and cost-model order are computed once per study, not once per ask)."""
-    return Searcher(problem, profile, settings)
+    return Searcher(problem, profile, settings, platform)
 
 
 def _progress(study: StudyRecord, trial_id: int, ratio: float | None) -> dict:

@@ -251,3 +251,21 @@ def test_measurements_serialise():
     failed = record(PROBLEM, Decomposition(), None, status="oom")
     assert Measurement.model_validate_json(failed.model_dump_json()).status == "oom"
     assert Protocol.model_validate_json(Protocol(repeats=3).model_dump_json()).repeats == 3
+
+
+def test_on_a_platform_with_a_windowed_einsum_xlas_own_is_timed_after_the_baseline_and_can_win():
+    """On TPU (and GPU) the space holds method='xla' (the product as written, XLA decomposing it itself): the search
+    times it right after the baseline, and it competes in the confirmation like a ring; on CPU it is not there."""
+    from collective_matmul import Decomposition, Problem
+
+    problem = Problem.parse("ag:1024x256x1024:bfloat16:8")
+    tpu = Searcher(problem, "tpu-v5p", SearchSettings(), platform="tpu")
+    first = tpu.ask([])
+    assert first == Decomposition.baseline()
+    second = tpu.ask([Finished(first, 1.0)])
+    assert second == Decomposition.xla()
+    ring = tpu.ask([Finished(first, 1.0), Finished(second, 0.8)])
+    assert ring.method == "ring"
+    confirm = tpu.confirm_set([Finished(first, 1.0), Finished(second, 0.8), Finished(ring, 0.9)])
+    assert confirm[:2] == [Decomposition.baseline(), Decomposition.xla()]
+    assert Decomposition.xla() not in Searcher(problem, "cpu", SearchSettings(), platform="cpu").space
