@@ -98,7 +98,8 @@ def test_each_match_kind_in_the_look_up_order():
     other = Problem.parse("rs:256x64x128:float32:8")
     assert from_tuned(other, configs, OLD) is None
     assert untuned(other, HW)[0] == "model"
-    assert untuned(other, HW.model_copy(update={"platform": "npu"})) == ("baseline", Decomposition.baseline())
+    npu = HW.model_copy(update={"platform": "npu", "device_kind": "npu-1"})  # a device kind without figures
+    assert untuned(other, npu) == ("baseline", Decomposition.baseline())
 
 
 def mesh_1d():

@@ -214,7 +214,7 @@ def test_config_fallbacks(api):
     nearest = api.reader.get("/v1/configs", params=params | {"m": 512}).json()
     assert nearest["match"] == "nearest" and nearest["decomposition"]["direction"] == "bidirectional"
     assert nearest["source_problem"]["m"] == 256
-    model = api.reader.get("/v1/configs", params=params | {"device_kind": "other-cpu"}).json()
+    model = api.reader.get("/v1/configs", params=params | {"collective": "matmul_reduce_scatter"}).json()
     assert model["match"] == "model"
     baseline = api.reader.get("/v1/configs", params=params | {"platform": "neuron", "device_kind": "trn1"}).json()
     assert baseline["match"] == "baseline" and baseline["decomposition"]["method"] == "baseline"

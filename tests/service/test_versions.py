@@ -57,7 +57,7 @@ def test_each_match_kind_in_the_look_up_order(api):
     assert nearest["match"] == "nearest" and nearest["source_problem"] == PROBLEM
     model = look(api, OLD, PROBLEM | {"collective": "matmul_reduce_scatter"})
     assert model["match"] == "model" and model["software"] is None
-    assert look(api, OLD, platform="npu")["match"] == "baseline"
+    assert look(api, OLD, platform="npu", device_kind="npu-1")["match"] == "baseline"
     unnamed = look(api)  # a look-up that names no stack: answered as before, and told so
     assert (unnamed["match"], unnamed["decomposition"], unnamed["note"]) == ("exact", winner, NO_STACK)
     batch = api.reader.post("/v1/configs/query", json={"queries": [
