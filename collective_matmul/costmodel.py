@@ -1,4 +1,5 @@
-"""Analytic cost model of the decompositions: orders candidates and answers when untuned.
+"""Analytic cost model of the decompositions: orders and seeds the search, and answers a look-up nothing
+measured answers where the caller asks for it (`collective_matmul.lookup.untuned`).
 
 The model, per problem on a ring of P devices:
 
