@@ -23,7 +23,7 @@ bundle's stacks with its own), then 5-6, with the same functions.  A weight grad
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 from collective_matmul.bundle import TunedConfig, nearest
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
@@ -31,7 +31,7 @@ from collective_matmul.problem import Hardware, Problem, Software
 
 Match = Literal["exact", "stale", "nearest", "model", "baseline"]  # what a config look-up answers with (2-6)
 Unmeasured = Literal["baseline", "costmodel"]  # what answers where nothing measured on the hardware does
-UNMEASURED: tuple[str, ...] = ("baseline", "costmodel")
+UNMEASURED: tuple[str, ...] = get_args(Unmeasured)
 NOT_MEASURED = "not measured on this hardware"  # how the reason of an answer of 5 or 6 begins
 MATCHES: tuple[str, ...] = ("override", "exact", "stale", "nearest", "model", "baseline")  # the order, first wins
 MEASURED = ("override", "exact", "stale", "nearest")  # answers that come from a measurement
