@@ -170,7 +170,7 @@ def main() -> None:
     from cmtune.tuner.searching import profile_name_for, study_settings
     from cmtune.tuner.warm import seeds
     from collective_matmul import Problem
-    from collective_matmul.costmodel import PROFILES, estimate
+    from collective_matmul.costmodel import PROFILES, estimate, no_figures, profile_for
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     problems = [Problem.parse(spec) for spec in args.problems]
@@ -183,6 +183,7 @@ def main() -> None:
                                                                for m in by.values()]}))
     hardware = next(iter(next(iter(recorded.values())).values())).hardware.identity()
     profile = profile_name_for(hardware)
+    shown = profile if profile_for(hardware) is not None else f"{profile} ({no_figures(hardware)})"
 
     # every problem tuned as a study would tune it alone: the neighbours of the others
     alone = {p.key: replayed(recorded, p, hardware, study_settings(p, hardware)) for p in specs}
@@ -233,7 +234,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "problems": per_problem, "demo": demo_run, "profile": profile, "stop_rule": rule,
         "measurements": [m.model_dump(mode="json") for by in recorded.values() for m in by.values()]}))
-    print(report(per_problem, demo_run, args, profile))
+    print(report(per_problem, demo_run, args, shown))
 
 
 def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:

@@ -180,8 +180,10 @@ def discovery_tables(discovery, *, title: str) -> list[Table]:
 
 
 def sites_table(sites, *, title: str) -> Table:
-    """Every call site a `Tuned` client traced: what it solved and ran there, or why it fell back."""
-    table = Table(title=title)
+    """Every call site a `Tuned` client traced: what it solved and ran there, or why it fell back (the caption: why
+    any answer came from nothing measured)."""
+    unmeasured = dict.fromkeys(note for site in sites if site.applied for note in site.unmeasured)
+    table = Table(title=title, caption="; ".join(unmeasured) or None, caption_justify="left")
     for name in ("role", "source", "problem", "forward", "grad_input", "grad_weight"):
         table.add_column(name)
     for site in sites:

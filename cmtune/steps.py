@@ -10,12 +10,16 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from cmtune.common import console, devices_option, relaunch_as_group, show_step
 from cmtune.workers.cluster import DeviceSpec
 from cmtune.workers.userstep import SpecError, SpecRef
+
+if TYPE_CHECKING:
+    from collective_matmul.client import Tuned
 
 DEFAULT_DEVICES = "virtual:8"
 
@@ -147,6 +151,15 @@ def tune(step: str, devices: str, tune_problems) -> None:
         tune_problems(unique, ring)
 
 
+def verified_client(server: str | None, token: str | None, bundle: Path | None, model: str) -> Tuned:
+    """The `Tuned` client verify builds its tuned step with: the configs of a bundle or a server (a problem they
+    have not measured runs the baseline, as in training), or with neither the cost model's choices."""
+    from collective_matmul.client import Tuned
+
+    return Tuned(server, token=token, bundle=bundle, model=model,
+                 unmeasured="costmodel" if server is None and bundle is None else "baseline")
+
+
 def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
                     name: str | None) -> None:
     """`cmtune verify --step --compile-only` (what a TPU topology allows): the step as written (with XLA's windowed
@@ -157,7 +170,6 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
 
     from cmtune.report import compiled_steps_table, sites_table
     from cmtune.workers.userstep import Built, step_variants
-    from collective_matmul.client import Tuned
     from collective_matmul.schedule import overlap
     from collective_matmul.xla_options import windowed_einsum
 
@@ -169,7 +181,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
                                  param_hint="--devices")
     ref, fn = load(step)
     topology = spec.tpu_devices() if spec.kind == "tpu" else None
-    tuned = Tuned(server, token=token, bundle=bundle, model=name or ref.name)
+    tuned = verified_client(server, token, bundle, name or ref.name)
     rows = []
     with spec_errors():
         reference = Built.of(fn, None, spec=str(ref), devices=topology)
@@ -228,7 +240,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     # process 0 looks the configs up while it traces the tuned step; the others replay what it resolved.
     # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
     # session keeps the tuned step built here and compiles it when it measures.
-    tuned = Tuned(server, token=token, bundle=bundle, model=model) if group.leader else Tuned.pinned({})
+    tuned = verified_client(server, token, bundle, model) if group.leader else Tuned.pinned({})
     with spec_errors():
         reference = Built.of(fn, None, spec=str(ref))
         session = UserStepSession(fn, reference, model=model, spec=str(ref),

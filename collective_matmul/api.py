@@ -20,6 +20,7 @@ import httpx
 from pydantic import BaseModel
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from collective_matmul.lookup import Unmeasured
 from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     WORKER_HEADER,
@@ -200,9 +201,11 @@ class ApiClient:
 
     # -- configs -------------------------------------------------------------------------------
 
-    def config(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> ConfigAnswer:
-        """The service's config for ``problem`` on ``hardware``, for the stack ``software`` (None: any)."""
-        params = problem.model_dump() | _hardware_params(hardware)
+    def config(self, problem: Problem, hardware: Hardware, software: Software | None = None, *,
+               unmeasured: Unmeasured = "baseline") -> ConfigAnswer:
+        """The service's config for ``problem`` on ``hardware``, for the stack ``software`` (None: any); where nothing
+        measured answers, the baseline or (``unmeasured="costmodel"``) the cost model's choice."""
+        params = problem.model_dump() | _hardware_params(hardware) | {"unmeasured": unmeasured}
         if software is not None:
             params |= software.model_dump()
         return self._call("config", params=params)

@@ -2,8 +2,9 @@
 
 Look-ups fall back in a stated order and say which they used: the model's per-role override
 (`collective_matmul.overrides`), the server's answer (exact, stale or nearest), the bundle's (the
-same, its stacks compared with this process's), the cost model's choice for the hardware, the
-baseline (`collective_matmul.sources`).  Every look-up sends this process's software stack
+same, its stacks compared with this process's), then the baseline, "not measured on this hardware"
+(`collective_matmul.sources`): a ring no one measured never runs unless the client asks for the
+cost model's choice (``unmeasured="costmodel"``).  Every look-up sends this process's software stack
 (`collective_matmul.problem.Software`): a config measured on another stack answers ``stale`` and the
 report says which stack measured it; an override of another stack is still applied, and noted so.
 Each (problem, hardware, stack) is looked up once per process; a server that is down or errs is
@@ -30,6 +31,7 @@ from collective_matmul import flax as drop_in
 from collective_matmul import roles
 from collective_matmul.bundle import Bundle
 from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.lookup import Unmeasured
 from collective_matmul.models import SLOTS, rings, slot_problems
 from collective_matmul.ops import OPS, BatchAxis, problem_of
 from collective_matmul.overrides import Override, Overrides
@@ -60,16 +62,23 @@ class Tuned:
         model: the name the model was submitted (or verified) under: its per-role overrides
             (decided by the step measurement) then come first for the calls of those roles.
         timeout_s: per request to the server.
+        unmeasured: what answers a problem nothing has measured on this hardware (match ``baseline`` or
+            ``model``, its note saying why): ``baseline`` (the default), or ``costmodel``: the cost model's
+            choice on the device kind's profile, a ring no one has timed (the baseline where the kind has no
+            figures).
+
+    Raises:
+        ValueError: if ``unmeasured`` is neither.
     """
 
     def __init__(self, server: str | None = None, *, token: str | None = None, bundle: str | Path | None = None,
-                 model: str | None = None, timeout_s: float = 2.0):
+                 model: str | None = None, timeout_s: float = 2.0, unmeasured: Unmeasured = "baseline"):
         self.server = server.rstrip("/") if server else None
         self.bundle = Bundle.load(bundle) if bundle is not None else None
         self.model = model
         warn = WarnOnce()
         self._sources = Sources(ServiceSource(server, token=token, timeout_s=timeout_s, warn=warn) if server else None,
-                                BundleSource(self.bundle) if self.bundle is not None else None)
+                                BundleSource(self.bundle) if self.bundle is not None else None, unmeasured)
         self._overrides = Overrides(model, self._sources, warn)
         self._answers: Overrides | Pins = self._overrides  # how a call is answered: looked up, or pinned
         self._record = Record("tuned")

@@ -1,4 +1,5 @@
-"""Analytic cost model of the decompositions: orders candidates and answers when untuned.
+"""Analytic cost model of the decompositions: orders and seeds the search, and answers a look-up nothing
+measured answers where the caller asks for it (`collective_matmul.lookup.untuned`).
 
 The model, per problem on a ring of P devices:
 
@@ -89,7 +90,7 @@ PROFILES: dict[str, HardwareProfile] = {
         link_bytes_per_s=5e9, latency_s=30e-6, memory_bytes_per_s=10e9, overlap=False,
         half_rows=16, launch_s=20e-6, loop_s=20e-6, source="defaults; see calibrate_cpu",
     ),
-    # A platform cmtune has no figures for: an overlapping accelerator of middling rates, so the
+    # A device kind cmtune has no figures for: an overlapping accelerator of middling rates, so the
     # order of candidates is plausible until measurements take over.
     "generic": HardwareProfile(
         name="generic", flops_per_s={"bfloat16": 200e12, "float16": 200e12, "float32": 50e12},
@@ -99,20 +100,36 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
+# Device kinds as JAX reports them -> profile.  A kind not here has no figures: `profile_for` gives None
+# (the engine then orders candidates with ``generic``: `cmtune.tuner.searching.profile_name_for`).
+DEVICE_KINDS: dict[str, str] = {
+    "cpu": "cpu",
+    "TPU v4": "tpu-v4",
+    "TPU v5 lite": "tpu-v5e",
+    "TPU v5p": "tpu-v5p",
+    "TPU v5": "tpu-v5p",  # what libtpu's compile-only v5p devices report
+}
+# GPUs report the product's name, with a suffix per variant (memory, form factor): these prefixes
+# (case as reported) name the NVLink parts the figures are for; an H100 PCIe ("NVIDIA H100 PCIe") is not one.
+DEVICE_KIND_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("NVIDIA H100 80GB HBM3", "h100-nvlink"),  # H100 SXM5
+    ("H100", "h100-nvlink"),
+    ("NVIDIA H200", "h200-nvlink"),
+    ("H200", "h200-nvlink"),
+)
+
+
 def profile_for(hardware: Hardware) -> HardwareProfile | None:
-    """The closest profile for ``hardware`` (by platform and device kind), or None for a platform
-    without figures (`profile_name_for` of the engine then uses ``generic``)."""
-    kind = hardware.device_kind.lower()
-    if hardware.platform == "tpu":
-        for version in ("v5p", "v5e", "v5 lite", "v4"):
-            if version in kind:
-                return PROFILES["tpu-v5e" if version == "v5 lite" else f"tpu-{version}"]
-        return PROFILES["tpu-v4"]
-    if hardware.platform in ("gpu", "cuda"):
-        return PROFILES["h200-nvlink" if "h200" in kind else "h100-nvlink"]
-    if hardware.platform == "cpu":
-        return PROFILES["cpu"]
-    return None
+    """The profile of ``hardware``'s device kind (`DEVICE_KINDS`, then `DEVICE_KIND_PREFIXES`), or None for a
+    kind without figures (say so with `no_figures`)."""
+    kind = hardware.device_kind
+    name = DEVICE_KINDS.get(kind) or next((n for prefix, n in DEVICE_KIND_PREFIXES if kind.startswith(prefix)), None)
+    return PROFILES[name] if name is not None else None
+
+
+def no_figures(hardware: Hardware) -> str:
+    """What to tell a user whose hardware `profile_for` has no profile for."""
+    return f"no cost-model figures for device kind {hardware.device_kind!r}"
 
 
 def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) -> float:

@@ -9,24 +9,30 @@
 4. ``nearest``: the tuned problem of the same collective, dtype and ring size closest in
    log-distance over (m, k, n) whose decomposition is valid here (`collective_matmul.bundle.nearest`),
    each tuned problem by its config of this stack where it has one, else its newest;
-5. ``model``: the cost model's favourite on the hardware's published profile;
-6. ``baseline``: no profile for the platform.
+5. ``model``: only where the caller asks for it (``unmeasured="costmodel"``): the cost model's favourite
+   on the profile of the hardware's device kind;
+6. ``baseline``: nothing was measured on this hardware (the default: no ring that no one measured goes
+   into a training step), or the model was asked for and the device kind has no figures.
 
-The service answers 2-6 from its tuned configs (`cmtune.service.lookup`); `Tuned` answers 1, then
-2-4 from the server and its bundle (comparing a bundle's stacks with its own), then 5-6, with the
-same functions.  A weight gradient runs what `weight_gradient` makes of its answer.
+An answer of 5 or 6 says why (`untuned`).  The service answers 2-6 from its tuned configs
+(`cmtune.service.lookup`); `Tuned` answers 1, then 2-4 from the server and its bundle (comparing a
+bundle's stacks with its own), then 5-6, with the same functions.  A weight gradient runs what
+`weight_gradient` makes of its answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 from collective_matmul.bundle import TunedConfig, nearest
 from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.problem import Hardware, Problem, Software
 
 Match = Literal["exact", "stale", "nearest", "model", "baseline"]  # what a config look-up answers with (2-6)
+Unmeasured = Literal["baseline", "costmodel"]  # what answers where nothing measured on the hardware does
+UNMEASURED: tuple[str, ...] = get_args(Unmeasured)
+NOT_MEASURED = "not measured on this hardware"  # how the reason of an answer of 5 or 6 begins
 MATCHES: tuple[str, ...] = ("override", "exact", "stale", "nearest", "model", "baseline")  # the order, first wins
 MEASURED = ("override", "exact", "stale", "nearest")  # answers that come from a measurement
 NO_STACK = ("the look-up named no software stack: answered with the newest measurement of any stack; send jax, "
@@ -77,12 +83,30 @@ def override_note(measured_on: Software | None, software: Software | None) -> st
     return f"override measured on another software stack ({measured_on}), applied on {software}"
 
 
-def untuned(problem: Problem, hardware: Hardware) -> tuple[Match, Decomposition]:
-    """What answers when nothing tuned does: the cost model's choice, else the baseline."""
-    from collective_matmul.costmodel import model_choice
+def untuned(problem: Problem, hardware: Hardware, unmeasured: Unmeasured = "baseline"
+            ) -> tuple[Match, Decomposition, str]:
+    """What answers when nothing measured does, and why: the baseline, or where the caller asks for it
+    (``unmeasured="costmodel"``) the cost model's choice (the baseline where the device kind has no figures)."""
+    if unmeasured == "costmodel":
+        from collective_matmul.costmodel import model_choice, no_figures
 
-    choice = model_choice(problem, hardware)
-    return ("model", choice) if choice is not None else ("baseline", Decomposition.baseline())
+        choice = model_choice(problem, hardware)
+        if choice is not None:
+            return "model", choice, f"{NOT_MEASURED}: the cost model's choice, as asked (unmeasured=costmodel)"
+        return "baseline", Decomposition.baseline(), f"{NOT_MEASURED}, and {no_figures(hardware)}: the baseline"
+    return ("baseline", Decomposition.baseline(),
+            f"{NOT_MEASURED}: the baseline (unmeasured=costmodel asks for the cost model's choice instead)")
+
+
+def checked_unmeasured(unmeasured: str) -> Unmeasured:
+    """``unmeasured`` if it is one of `UNMEASURED`.
+
+    Raises:
+        ValueError: if it is not.
+    """
+    if unmeasured not in UNMEASURED:
+        raise ValueError(f"unmeasured must be one of {list(UNMEASURED)}, got {unmeasured!r}")
+    return unmeasured
 
 
 def weight_gradient(decomposition: Decomposition | None, match: str | None = "exact") -> Decomposition:

@@ -48,6 +48,11 @@ class CallSite:
     def configs(self) -> OpConfigs | None:
         return OpConfigs(**{slot: f.decomposition for slot, f in self.found.items()}) if self.applied else None
 
+    @property
+    def unmeasured(self) -> list[str]:
+        """Why slots were answered by nothing measured on this hardware (`collective_matmul.lookup.untuned`)."""
+        return list(dict.fromkeys(f.note for f in self.found.values() if f.match in ("model", "baseline") and f.note))
+
     def line(self) -> str:
         """One line: the role, where, and what ran (or why not)."""
         where = f"{self.role} ({self.source})" if self.source and self.source != self.role else self.role
@@ -57,7 +62,7 @@ class CallSite:
         slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source}"
                           + (f", measured on {f.software}" if f.match == "stale" and f.software else "") + ")"
                           for slot, f in self.found.items())
-        notes = f"; {'; '.join(self.notes)}" if self.notes else ""
+        notes = "".join(f"; {note}" for note in (*self.unmeasured, *self.notes))
         return f"{where}: {forward.key}: {slots}{notes}"
 
 

@@ -5,8 +5,8 @@ lists a model's per-role overrides.  `ServiceSource` asks a server through `coll
 a server that is down or errs is reported by one warning (`WarnOnce`) and answers nothing, so the
 training step goes on.  `BundleSource` answers from a bundle file, indexed once per hardware.
 `Sources` asks both in the look-up order of `collective_matmul.lookup` (measured answers first, the
-server's before the bundle's at the same match; then the cost model or the baseline) and keeps
-each answer for the process.  Nothing here imports JAX.
+server's before the bundle's at the same match; then the baseline, or the cost model where the
+client asked for it) and keeps each answer for the process.  Nothing here imports JAX.
 """
 
 from __future__ import annotations
@@ -17,7 +17,17 @@ from typing import TYPE_CHECKING
 
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import MATCHES, MEASURED, by_problem, from_tuned, stack_note, untuned, weight_gradient
+from collective_matmul.lookup import (
+    MATCHES,
+    MEASURED,
+    Unmeasured,
+    by_problem,
+    checked_unmeasured,
+    from_tuned,
+    stack_note,
+    untuned,
+    weight_gradient,
+)
 from collective_matmul.problem import Hardware, Problem, Software
 
 if TYPE_CHECKING:
@@ -35,7 +45,7 @@ class Lookup:
     source: str  # server | bundle | costmodel | baseline | variant | process 0
     speedup: float | None = None
     software: Software | None = None  # the stack that measured the config it came from
-    note: str = ""  # what the answer says of the stacks (a stale one: which stack measured it)
+    note: str = ""  # which stack measured it (a stale one), or why nothing measured answered (model, baseline)
 
 
 class WarnOnce:
@@ -95,8 +105,8 @@ class ServiceSource:
         from collective_matmul.api import ApiError
 
         why = str(exc) if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
-        self.warn("server", f"cmtune server {self.server} unavailable ({why}); falling back to the bundle, the cost "
-                            "model or the baseline")
+        self.warn("server", f"cmtune server {self.server} unavailable ({why}); falling back to the bundle, then "
+                            "the baseline (or the cost model, where asked for)")
 
     def _bad_override(self, item, exc: ValueError) -> None:
         self.warn(f"override:{item.get('role') if isinstance(item, dict) else item!r}",
@@ -134,10 +144,21 @@ class BundleSource:
 
 
 class Sources:
-    """A client's sources asked in the look-up order (`collective_matmul.lookup`), each answer kept per process."""
+    """A client's sources asked in the look-up order (`collective_matmul.lookup`), each answer kept per process.
 
-    def __init__(self, service: ServiceSource | None = None, bundle: BundleSource | None = None):
-        self.service, self.bundle = service, bundle
+    Args:
+        service: the server's answers (optional).
+        bundle: a bundle's answers (optional).
+        unmeasured: what answers where nothing measured does (`collective_matmul.lookup.untuned`): ``baseline``
+            or ``costmodel``.
+
+    Raises:
+        ValueError: if ``unmeasured`` is neither.
+    """
+
+    def __init__(self, service: ServiceSource | None = None, bundle: BundleSource | None = None,
+                 unmeasured: Unmeasured = "baseline"):
+        self.service, self.bundle, self.unmeasured = service, bundle, checked_unmeasured(unmeasured)
         self._cache: dict[tuple[str, str, str], Lookup] = {}
 
     def lookup(self, problem: Problem, hardware: Hardware) -> Lookup:
@@ -161,11 +182,11 @@ class Sources:
 
     def _resolve(self, problem: Problem, hardware: Hardware, software: Software | None) -> Lookup:
         """The first answer in the look-up order: the measured ones (the server's first at the same match),
-        then the cost model or the baseline."""
+        then `collective_matmul.lookup.untuned`'s, which says why."""
         measured = [a for a in (s.answer(problem, hardware, software) for s in (self.service, self.bundle)
                                 if s is not None)
                     if a is not None and a.match in MEASURED and problem.accepts(a.decomposition)]
         if measured:
             return min(measured, key=lambda a: MATCHES.index(a.match))  # stable: the server first
-        match, decomposition = untuned(problem, hardware)
-        return Lookup(decomposition, match, "costmodel" if match == "model" else "baseline")
+        match, decomposition, reason = untuned(problem, hardware, self.unmeasured)
+        return Lookup(decomposition, match, "costmodel" if match == "model" else "baseline", note=reason)

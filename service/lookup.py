@@ -1,4 +1,5 @@
-"""Config look-up in the stated order (`collective_matmul.lookup`): exact, stale, nearest, model, baseline.
+"""Config look-up in the stated order (`collective_matmul.lookup`): exact, stale, nearest, then the baseline (or the
+cost model's choice, where the caller asks for it).
 
 Tuned configs of a hardware (every stack's) are cached per replica for ``config_cache_seconds`` (writes
 from this replica clear the cache at once; other replicas see them within that time).
@@ -16,7 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import by_problem, from_tuned, stack_note, untuned
+from collective_matmul.lookup import Unmeasured, by_problem, from_tuned, stack_note, untuned
 from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire import ConfigAnswer
 
@@ -25,14 +26,15 @@ if TYPE_CHECKING:
 
 
 def answer(problem: Problem, hardware: Hardware, tuned: Mapping[str, Sequence[TunedConfig]],
-           software: Software | None = None) -> ConfigAnswer:
+           software: Software | None = None, unmeasured: Unmeasured = "baseline") -> ConfigAnswer:
     """Pick from ``tuned`` (one hardware's configs, `collective_matmul.lookup.by_problem`) in the look-up order
-    (`collective_matmul.lookup`) for a caller on ``software`` (None: it named no stack)."""
+    (`collective_matmul.lookup`) for a caller on ``software`` (None: it named no stack); where nothing measured
+    answers, what ``unmeasured`` says (`collective_matmul.lookup.untuned`), its ``reason`` saying why."""
     found = from_tuned(problem, tuned, software)
     if found is not None:
         return _from_tuned(problem, hardware, found[1], found[0], software)
-    match, decomposition = untuned(problem, hardware)
-    return _answer(problem, hardware, decomposition, match, note=stack_note(match, None, software))
+    match, decomposition, reason = untuned(problem, hardware, unmeasured)
+    return _answer(problem, hardware, decomposition, match, reason=reason)
 
 
 def _answer(problem: Problem, hardware: Hardware, decomposition: Decomposition, match: str, **extra) -> ConfigAnswer:
@@ -75,7 +77,7 @@ class ConfigCache:
     def __init__(self, store: SqlStore, ttl_s: float):
         self.store, self.ttl_s = store, ttl_s
         self._entries: dict[str, tuple[float, dict[str, list[TunedConfig]]]] = {}
-        self._answers: dict[tuple[str, str, str], tuple[float, bytes]] = {}
+        self._answers: dict[tuple[str, str, str, str], tuple[float, bytes]] = {}
         self._lock = threading.Lock()
         self._refreshing: set[str] = set()
         self._loading: dict[str, asyncio.Lock] = {}
@@ -136,14 +138,15 @@ class ConfigCache:
             self._entries.clear()
             self._answers.clear()
 
-    def lookup_json(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> bytes:
+    def lookup_json(self, problem: Problem, hardware: Hardware, software: Software | None = None,
+                    unmeasured: Unmeasured = "baseline") -> bytes:
         """`lookup` as JSON bytes, memoised as long as the hardware's configs are cached."""
-        key = (problem.key, hardware.identity().key, software.key if software is not None else "")
+        key = (problem.key, hardware.identity().key, software.key if software is not None else "", unmeasured)
         loaded_at = self._entries.get(key[1], (None,))[0]
         hit = self._answers.get(key)
         if hit is not None and hit[0] == loaded_at:
             return hit[1]
-        body = self.lookup(problem, hardware, software).model_dump_json().encode()
+        body = self.lookup(problem, hardware, software, unmeasured).model_dump_json().encode()
         loaded_at = self._entries.get(key[1], (None,))[0]
         if loaded_at is not None:
             with self._lock:
@@ -152,9 +155,10 @@ class ConfigCache:
                     self._answers.pop(next(iter(self._answers)))
         return body
 
-    def lookup(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> ConfigAnswer:
+    def lookup(self, problem: Problem, hardware: Hardware, software: Software | None = None,
+               unmeasured: Unmeasured = "baseline") -> ConfigAnswer:
         """Answer a caller on ``software`` from the cached configs (loading them if absent; an entry past its time
-        is used as it is)."""
+        is used as it is), as `answer` does."""
         entry = self._entries.get(hardware.identity().key)
         configs = entry[1] if entry is not None else self.tuned_for(hardware)
-        return answer(problem, hardware.identity(), configs, software)
+        return answer(problem, hardware.identity(), configs, software, unmeasured)

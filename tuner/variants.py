@@ -85,10 +85,11 @@ def ablation_variants(whole: Mapping[str, OpConfigs], roles: Sequence[str], othe
 
 
 def cost_model_configs(problems: Mapping[str, Mapping[str, Problem]], hardware: Hardware) -> dict[str, OpConfigs]:
-    """The cost model's whole-step choice: each role's configs as an untuned `collective_matmul.Tuned` resolves them.
+    """The cost model's whole-step choice: each role's configs as ``Tuned(unmeasured="costmodel")`` resolves them
+    where nothing was measured.
 
-    Each slot's problem gets the cost model's favourite on ``hardware``'s published profile (the
-    baseline where the platform has none), and a weight gradient what
+    Each slot's problem gets the cost model's favourite on the profile of ``hardware``'s device kind
+    (the baseline where the kind has none), and a weight gradient what
     `collective_matmul.lookup.weight_gradient` makes of that answer (the cost model does not know
     ``fuse``, so the fused baseline).
 
@@ -103,7 +104,7 @@ def cost_model_configs(problems: Mapping[str, Mapping[str, Problem]], hardware: 
     for role, slots in problems.items():
         configs = {}
         for slot in SLOTS:
-            match, decomposition = untuned(slots[slot], hardware)
+            match, decomposition, _ = untuned(slots[slot], hardware, "costmodel")
             configs[slot] = weight_gradient(decomposition, match) if slot == "grad_weight" else decomposition
         chosen[role] = OpConfigs(**configs)
     return chosen

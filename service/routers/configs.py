@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
 from cmtune.service.errors import InvalidError, responses
+from collective_matmul.lookup import Unmeasured
 from collective_matmul.models import ModelName
 from collective_matmul.problem import (
     DeviceKind,
@@ -25,6 +26,12 @@ from collective_matmul.text import label
 from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, ShortText, TunedPublic
 
 router = APIRouter(tags=["configs"], responses=responses(401, 403, 413, 503))
+
+
+UnmeasuredQuery = Annotated[Unmeasured, Query(description=(
+    "what answers a problem nothing has measured on this hardware: baseline (the default: match 'baseline', "
+    "reason 'not measured on this hardware') or costmodel (match 'model': the cost model's choice on the device "
+    "kind's profile, a ring no one has timed; the baseline where the kind has no figures)"))]
 
 
 def _validated(model, **fields):
@@ -50,9 +57,11 @@ async def get_config(
     jaxlib: Annotated[Version | None, Query()] = None,
     platform_version: Annotated[PlatformVersion | None, Query()] = None,
     flags: Annotated[FlagsDigest | None, Query(description="flags_digest of XLA_FLAGS and LIBTPU_INIT_ARGS")] = None,
+    unmeasured: UnmeasuredQuery = "baseline",
 ) -> ConfigAnswer:
     """The config for one problem: ``match`` says whether it is exact, stale (measured on another software stack
-    than the caller's), nearest, model or baseline; a look-up that names no stack is answered from the newest
+    than the caller's), nearest, or, where nothing was measured on this hardware, baseline (or model, with
+    ``unmeasured=costmodel``), its ``reason`` saying why; a look-up that names no stack is answered from the newest
     measurement of any stack, and its ``note`` says so."""
     problem = _validated(Problem, collective=collective, m=m, k=k, n=n, dtype=dtype, axis_size=axis_size)
     hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count or axis_size,
@@ -61,12 +70,13 @@ async def get_config(
                                              ("flags", flags)) if value is not None}
     software = _validated(Software, **stack) if stack else None
     await state.cache.ensure(hardware)
-    return Response(state.cache.lookup_json(problem, hardware, software), media_type="application/json")
+    return Response(state.cache.lookup_json(problem, hardware, software, unmeasured), media_type="application/json")
 
 
 @router.post("/v1/configs/query", response_model=list[ConfigAnswer])
-async def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep) -> Response:
-    """Many look-ups at once, answered in order.
+async def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep,
+                        unmeasured: UnmeasuredQuery = "baseline") -> Response:
+    """Many look-ups at once, answered in order (as ``GET /v1/configs`` answers each; ``unmeasured`` for them all).
 
     One batch at a time per server process: the others wait their turn on the event loop, holding
     no request thread, so that large batches cannot starve every other request.
@@ -77,7 +87,7 @@ async def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep) -
     async with state.batch_turn:
         for hardware in {h.key: h for _, h, _ in queries}.values():
             await state.cache.ensure(hardware)
-        answers = await run_in_threadpool(lambda: [state.cache.lookup_json(*query) for query in queries])
+        answers = await run_in_threadpool(lambda: [state.cache.lookup_json(*query, unmeasured) for query in queries])
     return Response(b"[" + b",".join(answers) + b"]", media_type="application/json")
 
 

@@ -38,6 +38,7 @@ from collective_matmul import (
     train_step,
 )
 from collective_matmul.block import RMS_EPS, ROLES
+from collective_matmul.lookup import NOT_MEASURED
 
 D = Decomposition.from_id
 # the measurement protocol's bounds (relative error in norm); measured: float32 ~5e-7, bfloat16 ~8e-3
@@ -242,7 +243,7 @@ def expected_problems(block, mesh_spec):
 ])
 def test_tuned_configs_derive_the_three_problems_of_each_role(block, mesh_factory, batch_axis, spec):
     mesh = mesh_factory()
-    tuned = Tuned()  # no server, no bundle: the cost model's choice
+    tuned = Tuned()  # no server, no bundle: nothing measured, the baselines
     configs = configs_per_role(tuned, block, mesh=mesh, axis="model", batch_axis=batch_axis)
     assert set(configs) == set(ROLES)
     want = expected_problems(block, MeshSpec.parse(spec))
@@ -253,14 +254,11 @@ def test_tuned_configs_derive_the_three_problems_of_each_role(block, mesh_factor
     for role, slots in by_role.items():
         assert configs[role] == OpConfigs(**{slot: found.decomposition for slot, (_, found) in slots.items()})
         for problem, found in slots.values():
-            assert found.match == "model" and found.source == "costmodel"
+            assert (found.match, found.source) == ("baseline", "baseline") and found.note.startswith(NOT_MEASURED)
             assert problem.accepts(found.decomposition)
 
 
-def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path, monkeypatch):
-    import collective_matmul.costmodel as costmodel
-
-    monkeypatch.setattr(costmodel, "model_choice", lambda problem, hardware: None)  # no cost-model profile
+def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path):
     mesh = mesh_1d()
     ring = ring_hardware(mesh, "model")
     hw = ring.identity()
@@ -284,7 +282,7 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path, m
     up_gw = roles["mlp_up"]["grad_weight"][1]
     assert (up_gw.decomposition, up_gw.match, up_gw.source) == (D("baseline-fuse"), "exact", "bundle")
     assert {found.source for slots in roles.values() for _, found in slots.values()} == {"bundle"}
-    # nothing tuned and no cost-model profile: the baselines
+    # nothing tuned: the baselines
     bare = Tuned()
     assert configs_per_role(bare, MHA_GATED, mesh=mesh, axis="model") == {role: OpConfigs() for role in ROLES}
     assert {(found.match, found.source) for _, found in bare.resolved} == {("baseline", "baseline")}
@@ -405,6 +403,6 @@ def test_a_served_override_that_does_not_fit_is_skipped_with_one_warning_and_the
     skipped = [w for w in caught if "does not fit" in str(w.message)]
     assert len(skipped) == 1 and "qkv" in str(skipped[0].message) and "c64" in str(skipped[0].message)
     found = tuned.resolved_by_role["qkv"]["forward"][1]
-    assert found.match == "model" and "override did not fit" in found.source  # the look-up decided instead
+    assert found.match == "baseline" and "override did not fit" in found.source  # the look-up decided instead
     (site,) = [s for s in tuned.report().applied if s.role == "qkv"]
     assert any("skipped" in note for note in site.notes)

@@ -11,7 +11,7 @@ import pytest
 
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Problem, Tuned, TunedConfig, ring_hardware
 from collective_matmul.bundle import RoleOverride
-from collective_matmul.lookup import MATCHES, NO_STACK, by_problem, from_tuned, stack_note, untuned
+from collective_matmul.lookup import MATCHES, NO_STACK, NOT_MEASURED, by_problem, from_tuned, stack_note, untuned
 from collective_matmul.models import slot_problems
 from collective_matmul.problem import Software, flags_digest, platform_version_of
 
@@ -97,8 +97,13 @@ def test_each_match_kind_in_the_look_up_order():
     assert from_tuned(bigger, configs, NEW)[1].decomposition == D("baseline")
     other = Problem.parse("rs:256x64x128:float32:8")
     assert from_tuned(other, configs, OLD) is None
-    assert untuned(other, HW)[0] == "model"
-    assert untuned(other, HW.model_copy(update={"platform": "npu"})) == ("baseline", Decomposition.baseline())
+    match, decomposition, reason = untuned(other, HW)  # nothing measured: the baseline, and why
+    assert (match, decomposition) == ("baseline", Decomposition.baseline()) and reason.startswith(NOT_MEASURED)
+    assert untuned(other, HW, "costmodel")[0] == "model"  # only where asked for
+    npu = HW.model_copy(update={"platform": "npu", "device_kind": "npu-1"})
+    match, decomposition, reason = untuned(other, npu, "costmodel")
+    assert (match, decomposition) == ("baseline", Decomposition.baseline())
+    assert reason == f"{NOT_MEASURED}, and no cost-model figures for device kind 'npu-1': the baseline"
 
 
 def mesh_1d():

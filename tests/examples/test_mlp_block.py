@@ -21,6 +21,7 @@ from collective_matmul import (
     matmul_reduce_scatter,
     ring_hardware,
 )
+from collective_matmul.lookup import NOT_MEASURED
 from examples.mlp_block import init, train_step
 
 
@@ -98,7 +99,8 @@ def test_server_down_warns_once_and_falls_back(mesh, bundle_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compare_with_baseline(no_bundle, mesh)
-    assert {lookup.match for _, lookup in no_bundle.resolved} == {"model"}
+    assert {(lookup.match, lookup.note.split(":")[0]) for _, lookup in no_bundle.resolved} == {
+        ("baseline", NOT_MEASURED)}  # nothing measured on this hardware: no ring no one timed
 
 
 def test_lookups_against_a_real_server_are_cached(mesh, bundle_path, tmp_path):
@@ -124,6 +126,39 @@ def test_lookups_against_a_real_server_are_cached(mesh, bundle_path, tmp_path):
         server.process.terminate()  # cached: no request needed any more
         server.process.wait()
         assert tuned.lookup(problem, hw).source == "server"
+
+
+def test_nothing_measured_on_the_hardware_answers_the_baseline_through_a_real_server(tmp_path):
+    """A server holding a config of another hardware only: `Tuned` against it, and its REST look-up, answer the
+    baseline and say why on every platform; the cost model's choice only where asked for."""
+    from cmtune.service.db import Database
+    from cmtune.service.store import SqlStore
+    from collective_matmul.api import ApiClient
+    from collective_matmul.costmodel import model_choice
+    from tests.collective_matmul.test_lookup import BIG, MEASURED_ON, PLATFORMS, RING
+    from tests.service.conftest import create_tokens
+
+    url = f"sqlite:///{tmp_path / 'unmeasured.sqlite'}"
+    reader = create_tokens(url, ["reader"])["reader"]
+    db = Database(url)
+    with SqlStore(db).write() as tx:
+        tx.save_tuned(TunedConfig(problem=BIG, hardware=MEASURED_ON, decomposition=RING, time_s=1e-3,
+                                  baseline_s=2e-3, speedup=2.0), study_id=None)
+    db.dispose()
+    with running_server(database_url=url) as server, ApiClient(server.url, reader) as api:
+        tuned, asked = Tuned(server.url, token=reader), Tuned(server.url, token=reader, unmeasured="costmodel")
+        for hardware in PLATFORMS:
+            found = tuned.lookup(BIG, hardware)
+            assert (found.decomposition, found.match) == (Decomposition.baseline(), "baseline")
+            assert found.source == "baseline" and found.note.startswith(NOT_MEASURED)
+            served = api.config(BIG, hardware)
+            assert (served.decomposition, served.match) == (Decomposition.baseline(), "baseline")
+            assert served.reason.startswith(NOT_MEASURED)
+            model = asked.lookup(BIG, hardware)
+            assert (model.decomposition, model.match) == (model_choice(BIG, hardware), "model")
+            assert api.config(BIG, hardware, unmeasured="costmodel").decomposition == model.decomposition
+        measured = tuned.lookup(BIG, MEASURED_ON)
+        assert (measured.decomposition, measured.source) == (RING, "server")  # what was measured still answers
 
 
 def test_ring_hardware_of_a_2d_mesh():

@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from cmtune.service.models import Study, Submission, Trial
 from collective_matmul import Decomposition
 from collective_matmul.bundle import Bundle
+from collective_matmul.lookup import NOT_MEASURED
 from tests.service.conftest import HARDWARE, PROBLEM, Worker, make_api, measurement, register, report, run_trial
 
 
@@ -214,14 +215,55 @@ def test_config_fallbacks(api):
     nearest = api.reader.get("/v1/configs", params=params | {"m": 512}).json()
     assert nearest["match"] == "nearest" and nearest["decomposition"]["direction"] == "bidirectional"
     assert nearest["source_problem"]["m"] == 256
-    model = api.reader.get("/v1/configs", params=params | {"device_kind": "other-cpu"}).json()
-    assert model["match"] == "model"
-    baseline = api.reader.get("/v1/configs", params=params | {"platform": "neuron", "device_kind": "trn1"}).json()
-    assert baseline["match"] == "baseline" and baseline["decomposition"]["method"] == "baseline"
-    batch = api.reader.post("/v1/configs/query", json={"queries": [
-        {"problem": PROBLEM, "platform": "cpu", "device_kind": "cpu"},
-        {"problem": PROBLEM | {"m": 512}, "platform": "cpu", "device_kind": "cpu"}]}).json()
-    assert [a["match"] for a in batch] == ["exact", "nearest"]
+    other = api.reader.get("/v1/configs", params=params | {"device_kind": "other-cpu"}).json()  # nothing measured
+    assert (other["match"], other["decomposition"]["method"]) == ("baseline", "baseline")
+    assert other["reason"].startswith(NOT_MEASURED) and other["speedup"] is None
+    model = api.reader.get("/v1/configs", params=params | {"collective": "matmul_reduce_scatter",
+                                                            "unmeasured": "costmodel"}).json()
+    assert model["match"] == "model" and model["reason"].startswith(NOT_MEASURED)
+    no_figures = api.reader.get("/v1/configs", params=params | {"platform": "neuron", "device_kind": "trn1",
+                                                                 "unmeasured": "costmodel"}).json()
+    assert no_figures["match"] == "baseline" and no_figures["decomposition"]["method"] == "baseline"
+    assert "no cost-model figures for device kind 'trn1'" in no_figures["reason"]
+    assert api.reader.get("/v1/configs", params=params | {"unmeasured": "model"}).status_code == 422
+    queries = {"queries": [{"problem": PROBLEM, "platform": "cpu", "device_kind": "cpu"},
+                           {"problem": PROBLEM | {"m": 512}, "platform": "cpu", "device_kind": "cpu"},
+                           {"problem": PROBLEM, "platform": "cpu", "device_kind": "other-cpu"}]}
+    batch = api.reader.post("/v1/configs/query", json=queries).json()
+    assert [a["match"] for a in batch] == ["exact", "nearest", "baseline"]
+    asked = api.reader.post("/v1/configs/query", json=queries, params={"unmeasured": "costmodel"}).json()
+    assert [a["match"] for a in asked] == ["exact", "nearest", "baseline"]  # other-cpu: no cost-model figures
+    assert "no cost-model figures for device kind 'other-cpu'" in asked[2]["reason"]
+
+
+def test_nothing_measured_answers_the_baseline_on_every_platform_unless_the_model_is_asked_for(api):
+    from collective_matmul.bundle import TunedConfig
+    from tests.collective_matmul.test_lookup import BIG, MEASURED_ON, PLATFORMS
+
+    with api.store.write() as tx:  # measured on another hardware only: it answers none of the look-ups below
+        tx.save_tuned(TunedConfig(problem=BIG, hardware=MEASURED_ON, decomposition=Decomposition(chunks=2),
+                                  time_s=1e-3, baseline_s=2e-3, speedup=2.0), study_id=None)
+    singles = [BIG.model_dump() | {"platform": h.platform, "device_kind": h.device_kind} for h in PLATFORMS]
+    queries = {"queries": [{"problem": BIG.model_dump(), "platform": h.platform, "device_kind": h.device_kind}
+                           for h in PLATFORMS]}
+
+    def answers(asked: dict) -> list[list[dict]]:
+        return [[api.reader.get("/v1/configs", params=single | asked).json() for single in singles],
+                api.reader.post("/v1/configs/query", json=queries, params=asked).json()]
+
+    for asked in ({}, {"unmeasured": "baseline"}):
+        for answer in (a for found in answers(asked) for a in found):
+            assert (answer["match"], answer["decomposition_id"]) == ("baseline", "baseline"), answer
+            assert answer["reason"].startswith(NOT_MEASURED) and answer["speedup"] is None
+    for found in answers({"unmeasured": "costmodel"}):
+        assert [a["match"] for a in found] == ["model"] * len(PLATFORMS)
+        # the cpu profile never overlaps; on TPU and GPU the model picks a ring no one has timed
+        assert [a["decomposition"]["method"] for a in found] == ["baseline", "ring", "ring", "ring"]
+    spec = api.anonymous.get("/openapi.json").json()["paths"]
+    for path, method in (("/v1/configs", "get"), ("/v1/configs/query", "post")):
+        (declared,) = [p for p in spec[path][method]["parameters"] if p["name"] == "unmeasured"]
+        assert declared["in"] == "query" and not declared["required"] and declared["schema"]["default"] == "baseline"
+        assert declared["schema"]["enum"] == ["baseline", "costmodel"] and "not measured" in declared["description"]
 
 
 def test_bundle_round_trip(api, tmp_path):

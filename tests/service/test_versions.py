@@ -1,6 +1,6 @@
-"""Software stacks in the service (issue 21): look-ups answer exact, stale, nearest, model or baseline for the
-caller's stack; a worker of a new stack queues the re-confirmation of configs held only for others, which
-only workers of that stack run.  Every test touching the store runs on SQLite and PostgreSQL."""
+"""Software stacks in the service (issue 21): look-ups answer exact, stale, nearest, then baseline (or model, where
+asked for) for the caller's stack; a worker of a new stack queues the re-confirmation of configs held only for
+others, which only workers of that stack run.  Every test touching the store runs on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sqlalchemy import JSON, column, create_engine, select, table, text
 
 from cmtune.service import migrate
 from collective_matmul import Decomposition, Problem
-from collective_matmul.lookup import NO_STACK
+from collective_matmul.lookup import NO_STACK, NOT_MEASURED
 from collective_matmul.problem import Software
 from collective_matmul.wire import Protocol
 from tests.service.conftest import HARDWARE, PROBLEM, cost, make_api, register, run_trial, step_result
@@ -55,9 +55,12 @@ def test_each_match_kind_in_the_look_up_order(api):
     assert "jax 0.11.0" in stale["note"] and stale["speedup"] == exact["speedup"]
     nearest = look(api, OLD, PROBLEM | {"m": 512})
     assert nearest["match"] == "nearest" and nearest["source_problem"] == PROBLEM
-    model = look(api, OLD, PROBLEM | {"collective": "matmul_reduce_scatter"})
+    unmeasured = look(api, OLD, PROBLEM | {"collective": "matmul_reduce_scatter"})  # nothing measured: the baseline
+    assert (unmeasured["match"], unmeasured["software"]) == ("baseline", None)
+    assert unmeasured["reason"].startswith(NOT_MEASURED)
+    model = look(api, OLD, PROBLEM | {"collective": "matmul_reduce_scatter"}, unmeasured="costmodel")
     assert model["match"] == "model" and model["software"] is None
-    assert look(api, OLD, platform="npu")["match"] == "baseline"
+    assert look(api, OLD, platform="npu", device_kind="npu-1")["match"] == "baseline"
     unnamed = look(api)  # a look-up that names no stack: answered as before, and told so
     assert (unnamed["match"], unnamed["decomposition"], unnamed["note"]) == ("exact", winner, NO_STACK)
     batch = api.reader.post("/v1/configs/query", json={"queries": [

@@ -3,25 +3,40 @@
 import pytest
 
 from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.costmodel import PROFILES, calibrate_cpu, estimate, profile_for, rank
+from collective_matmul.costmodel import PROFILES, calibrate_cpu, estimate, no_figures, profile_for, rank
 
 
-def test_profiles_are_chosen_by_hardware():
-    tpu = Hardware(platform="tpu", device_kind="TPU v5p", device_count=8)
-    lite = Hardware(platform="tpu", device_kind="TPU v5 lite", device_count=8)
-    gpu = Hardware(platform="gpu", device_kind="NVIDIA H200", device_count=8)
-    cpu = Hardware(platform="cpu", device_kind="cpu", device_count=8)
-    assert [profile_for(h).name for h in (tpu, lite, gpu, cpu)] == ["tpu-v5p", "tpu-v5e", "h200-nvlink", "cpu"]
+def kind(platform: str, device_kind: str) -> Hardware:
+    return Hardware(platform=platform, device_kind=device_kind, device_count=8)
 
 
-def test_an_unknown_platform_is_tuned_with_the_generic_profile():
+@pytest.mark.parametrize("platform, device_kind, name", [
+    ("cpu", "cpu", "cpu"),
+    ("tpu", "TPU v4", "tpu-v4"),
+    ("tpu", "TPU v5 lite", "tpu-v5e"),
+    ("tpu", "TPU v5p", "tpu-v5p"),
+    ("tpu", "TPU v5", "tpu-v5p"),  # libtpu's compile-only v5p devices
+    ("gpu", "NVIDIA H100 80GB HBM3", "h100-nvlink"),
+    ("gpu", "H100 SXM5", "h100-nvlink"),
+    ("gpu", "NVIDIA H200", "h200-nvlink"),
+    ("gpu", "NVIDIA H200 NVL", "h200-nvlink"),
+])
+def test_profiles_are_chosen_by_device_kind(platform, device_kind, name):
+    assert profile_for(kind(platform, device_kind)).name == name
+
+
+@pytest.mark.parametrize("platform, device_kind", [
+    ("tpu", "TPU v6 lite"), ("tpu", "TPU v3"), ("tpu", "TPU v4 lite"), ("gpu", "NVIDIA H100 PCIe"),
+    ("gpu", "NVIDIA A100-SXM4-80GB"), ("cpu", "cpu-b"), ("rocm", "MI300X")])
+def test_an_unknown_device_kind_has_no_profile_and_is_tuned_with_the_generic_one(platform, device_kind):
     from cmtune.tuner.searching import profile_name_for, study_settings
 
-    rocm = Hardware(platform="rocm", device_kind="MI300X", device_count=8)
-    assert profile_for(rocm) is None
-    assert profile_name_for(rocm) == "generic"
+    hardware = kind(platform, device_kind)
+    assert profile_for(hardware) is None  # before: any TPU got v4's figures, any GPU H100's
+    assert no_figures(hardware) == f"no cost-model figures for device kind {device_kind!r}"
+    assert profile_name_for(hardware) == "generic"
     problem = Problem.parse("ag:4096x1024x4096:bfloat16:8")
-    assert study_settings(problem, rocm).profile == "generic"
+    assert study_settings(problem, hardware).profile == "generic"
 
 
 def test_overlap_makes_rings_win_on_large_shapes_with_fast_compute():
