@@ -86,7 +86,11 @@ def override_note(measured_on: Software | None, software: Software | None) -> st
 def untuned(problem: Problem, hardware: Hardware, unmeasured: Unmeasured = "baseline"
             ) -> tuple[Match, Decomposition, str]:
     """What answers when nothing measured does, and why: the baseline, or where the caller asks for it
-    (``unmeasured="costmodel"``) the cost model's choice (the baseline where the device kind has no figures)."""
+    (``unmeasured="costmodel"``) the cost model's choice (the baseline where the device kind has no figures).
+
+    On a platform whose XLA decomposes collective matmuls itself (its windowed einsum: TPU, GPU) the baseline a
+    step would run unmeasured is the product as written (``method="xla"``): cmtune's own baseline runs in a
+    ``shard_map`` that XLA's windowed einsum does not touch, so answering it would undo what XLA does there."""
     if unmeasured == "costmodel":
         from collective_matmul.costmodel import model_choice, no_figures
 
@@ -94,8 +98,27 @@ def untuned(problem: Problem, hardware: Hardware, unmeasured: Unmeasured = "base
         if choice is not None:
             return "model", choice, f"{NOT_MEASURED}: the cost model's choice, as asked (unmeasured=costmodel)"
         return "baseline", Decomposition.baseline(), f"{NOT_MEASURED}, and {no_figures(hardware)}: the baseline"
+    from collective_matmul.xla_options import windowed_einsum
+
+    if windowed_einsum(hardware.platform, "on") is not None:
+        return ("baseline", Decomposition.xla(),
+                f"{NOT_MEASURED}: the product as written, left to XLA (on {hardware.platform} XLA decomposes it "
+                "itself at its threshold; unmeasured=costmodel asks for the cost model's choice instead)")
     return ("baseline", Decomposition.baseline(),
             f"{NOT_MEASURED}: the baseline (unmeasured=costmodel asks for the cost model's choice instead)")
+
+
+def whole_op(decompositions: Mapping[str, Decomposition]) -> dict[str, tuple[Decomposition, str]]:
+    """The slots of one op call whose answers must change so the op runs (``method="xla"`` is a choice for the
+    whole op), with why: a forward left to XLA takes its backward with it; a backward slot left to XLA under a
+    forward of cmtune's runs cmtune's default for that slot."""
+    forward = decompositions["forward"]
+    if forward.method == "xla":
+        return {slot: (Decomposition.xla(), "the forward is left to XLA, and its backward with it")
+                for slot, d in decompositions.items() if slot != "forward" and d.method != "xla"}
+    defaults = {"grad_input": Decomposition.baseline(), "grad_weight": DEFAULT_GRAD_WEIGHT}
+    return {slot: (defaults[slot], "left to XLA alone, but the forward is cmtune's: its default for the slot")
+            for slot, d in decompositions.items() if slot != "forward" and d.method == "xla"}
 
 
 def checked_unmeasured(unmeasured: str) -> Unmeasured:
@@ -114,6 +137,8 @@ def weight_gradient(decomposition: Decomposition | None, match: str | None = "ex
     to win (``decomposition`` from a measured ``match``); otherwise, and where the measured winner is the
     baseline, the fused baseline (what autodiff of the baseline does: no second gather).  The cost model
     does not know `fuse`, so its choice is not taken here."""
+    if decomposition is not None and decomposition.method == "xla":
+        return decomposition  # the whole op is XLA's (`whole_op`)
     if decomposition is None or match not in MEASURED or decomposition == Decomposition.baseline():
         return DEFAULT_GRAD_WEIGHT
     return decomposition

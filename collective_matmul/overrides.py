@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from collective_matmul import roles
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.decomposition import OpConfigs
-from collective_matmul.lookup import override_note
+from collective_matmul.lookup import override_note, whole_op
 from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.sources import Lookup, Sources, WarnOnce
 
@@ -101,6 +101,9 @@ class Overrides:
             answer = record.answer((slot, *call), problem, partial(self.sources.answer, slot, problem, hardware))
             found[slot] = replace(answer, source=f"{answer.source} (the override did not fit)") if slot in skipped \
                 else answer
+        for slot, (decomposition, why) in whole_op({s: f.decomposition for s, f in found.items()}).items():
+            found[slot] = replace(found[slot], decomposition=decomposition,
+                                  note=f"{found[slot].note}; {why}" if found[slot].note else why)
         return found
 
     def unmatched(self, hardware_keys: Iterable[str], matched: set[tuple[str, str]]) -> list[str]:
