@@ -206,6 +206,8 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     sites = tuned.report()
     console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} applied, "
                                            f"{len(sites.fell_back)} fell back)"))
+    for line in filter(None, (sites.unmatched_line(), *sites.advice())):
+        console.print(f"[yellow]{line}[/yellow]")
     where = f"tpu:{spec.topology}" if spec.kind == "tpu" else platform
     mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
     console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
@@ -224,7 +226,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     with ``decide``, the step search on it (`decide_user_step`)."""
     from cmtune.report import sites_table
     from cmtune.workers.cluster import Group
-    from cmtune.workers.userstep import Built, UserStepSession, step_variants
+    from cmtune.workers.userstep import AsWritten, Built, UserStepSession, step_variants
     from collective_matmul.client import Tuned
     from collective_matmul.wire import Protocol, StepCalls
 
@@ -254,8 +256,8 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
                             axis=next((s.axis for s in sites.applied), None))
         console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
                                                f"applied, {len(sites.fell_back)} fell back)"))
-        if sites.unmatched:
-            console.print(f"[yellow]{sites.unmatched_line()}[/yellow]")
+        for line in filter(None, (sites.unmatched_line(), *sites.advice())):
+            console.print(f"[yellow]{line}[/yellow]")
     message = group.share(message, StepCalls)
     if not group.leader:
         tuned.pin(message.pins)
@@ -274,7 +276,10 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
         result = decide_user_step(group, session, tuned, per_role, model=model, bundle=bundle, axis=message.axis,
                                   rounds=search_rounds, per_round=round_variants, say=say)
     else:
-        variants = step_variants(tuned)
+        platform = reference.mesh.devices.flat[0].platform
+        variants = step_variants(tuned, platform)
+        if not any(isinstance(source, AsWritten) for source in variants.values()):
+            say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
         say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
         result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
     if not group.leader:

@@ -10,6 +10,7 @@ process's record resolved (`Tuned.pinned`).  The call sites and the calls' answe
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from collective_matmul.models import SLOTS
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.sources import Lookup
 from collective_matmul.wire import Pin
+from collective_matmul.xla_options import missing_overlap_flags, windowed_einsum
 
 logger = logging.getLogger("collective_matmul")
 
@@ -90,6 +92,41 @@ class Report(list):
         """The applied call sites that run a config measured on another software stack."""
         return [s for s in self.applied if any(f.match == "stale" for f in s.found.values())]
 
+    @property
+    def left_to_xla(self) -> list[CallSite]:
+        """The applied call sites whose configs leave the product to XLA's own decomposition (method ``xla``)."""
+        return [s for s in self.applied if any(f.decomposition.method == "xla" for f in s.found.values())]
+
+    def compiler_options(self) -> dict[str, object]:
+        """The compile options the training step needs for what its call sites run: XLA's windowed einsum on at
+        any size where a role is left to XLA (it was timed so; at XLA's default threshold a smaller product stays
+        a plain collective), for ``jax.jit(step).lower(...).compile(compiler_options=...)``; empty otherwise."""
+        options: dict[str, object] = {}
+        for site in self.left_to_xla:
+            if site.hardware is not None:
+                options.update(windowed_einsum(site.hardware.platform, "on") or {})
+        return options
+
+    def advice(self, xla_flags: str | None = None) -> list[str]:
+        """What the training process must set for the configs it runs to do what they were timed doing: the compile
+        options of roles left to XLA, and on GPU the overlap flags missing from ``xla_flags`` (the process's
+        ``XLA_FLAGS`` when None) without which no ring overlaps."""
+        lines = []
+        options = self.compiler_options()
+        if options:
+            roles = ", ".join(dict.fromkeys(s.role for s in self.left_to_xla))
+            lines.append(f"{len(self.left_to_xla)} call site(s) leave the product to XLA's windowed einsum "
+                         f"({roles}): compile the step with compiler_options={options!r} "
+                         "(tuned.report().compiler_options()), as they were timed")
+        flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+        platforms = {s.hardware.platform for s in self.applied if s.hardware}
+        missing = list(dict.fromkeys(f for p in sorted(platforms) for f in missing_overlap_flags(flags, p)))
+        if missing:
+            lines.append(f"XLA_FLAGS lacks {' '.join(missing)}: without them XLA does not overlap a ring's permutes "
+                         "with its matmuls on GPU; set them before JAX starts "
+                         "(collective_matmul.xla_options.with_overlap_flags)")
+        return lines
+
     def __str__(self) -> str:
         head = f"{len(self.applied)} call site(s) run cmtune's ops, {len(self.fell_back)} fell back"
         if self.stale:
@@ -97,7 +134,7 @@ class Report(list):
         lines = [head, *(f"  {s.line()}" for s in self)]
         if self.unmatched:
             lines.append(self.unmatched_line())
-        return "\n".join(lines)
+        return "\n".join([*lines, *self.advice()])
 
     def unmatched_line(self) -> str:
         """What `unmatched` means, in one line (empty if every override matched a call)."""

@@ -8,12 +8,16 @@ see the plain collectives it rewrites.  CPU has no windowed einsum: no options, 
 
 from __future__ import annotations
 
-# per platform: the options that turn XLA's windowed einsum off (plain collectives) and on (at any size)
+# per platform: the options that turn XLA's windowed einsum off (plain collectives) and on (at any size).  On TPU
+# the threshold (xla_jf_spmd_threshold_for_windowed_einsum_mib) only lowers the bar of a cost check that still
+# refuses small products and every product on some slices (v5p:2x2x1 at 8192x4096x16384): what forces the loop,
+# at any size and on every slice compiled here, is libtpu's post-SPMD collective matmul (its "V2").
 WINDOWED_EINSUM: dict[str, dict[str, dict[str, object]]] = {
     "tpu": {
         "off": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
                 "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False},
-        "on": {"xla_jf_spmd_threshold_for_windowed_einsum_mib": 0},
+        "on": {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd",
+               "xla_tpu_reduce_scatter_collective_matmul_mode": "post_spmd"},
     },
     "gpu": {  # not compiled here: the options of the pinned XLA, as its debug options name them
         "off": {"xla_gpu_threshold_for_windowed_einsum_mib": 1_000_000},

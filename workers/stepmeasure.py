@@ -58,6 +58,10 @@ class MeasurementSession:
         """Build the variant's step (not timed; may raise) and return its lowering (timed with its compile)."""
         raise NotImplementedError
 
+    def _compiler_options(self, tracer) -> Mapping[str, object] | None:
+        """The XLA compile options of the variant (here: none, XLA's defaults)."""
+        return None
+
     def _used(self, tracer) -> dict[str, OpConfigs]:
         """The per-role configs the variant's step used, as far as its build went."""
         raise NotImplementedError
@@ -134,7 +138,7 @@ class MeasurementSession:
         try:
             lower = self._lowering(tracer)
             start = time.perf_counter()
-            executable = lower().compile()
+            executable = lower().compile(compiler_options=self._compiler_options(tracer))
             record["compile_s"] = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - any failure to build or compile is a result
             oom = classify_failure(exc) == Status.OOM

@@ -201,11 +201,25 @@ def tuning_ring(mesh, axis: str):
 # ---- the variants -----------------------------------------------------------------------------
 
 
-def step_variants(tuned) -> dict:
+@dataclass(frozen=True, eq=False)
+class AsWritten:
+    """The step as written, compiled with XLA ``options`` (a variant's config source)."""
+
+    options: Mapping[str, object]
+
+
+def step_variants(tuned, platform: str | None = None) -> dict:
     """The variants of a user's step that `cmtune verify --step` times: name -> config source (None: the step as
     written): ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline) and
-    ``tuned`` (``tuned`` itself).  ``--decide`` searches beyond them (`cmtune.steps.decide_user_step`)."""
-    return {REFERENCE: None, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()), "tuned": tuned}
+    ``tuned`` (``tuned`` itself); on a ``platform`` whose XLA has a windowed einsum (TPU, GPU), the step as written
+    with it forced ``off`` and ``on`` too (`collective_matmul.xla_options`).  ``--decide`` searches beyond them
+    (`cmtune.steps.decide_user_step`)."""
+    from collective_matmul.xla_options import windowed_einsum
+
+    einsum = {f"as-written-windowed-einsum-{s}": AsWritten(windowed_einsum(platform, s)) for s in ("off", "on")
+              if platform and windowed_einsum(platform, s) is not None}
+    return {REFERENCE: None, **einsum, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()),
+            "tuned": tuned}
 
 
 # ---- the session ----------------------------------------------------------------------------
@@ -269,13 +283,18 @@ class UserStepSession(MeasurementSession):
                                reference=reference, variants=results)
 
     def _lowering(self, source) -> Callable[[], object]:
-        """NAME with the variant's source (the step as written for None)."""
-        step = self.reference.step if source is None else self.built(source).step
+        """NAME with the variant's source (the step as written for None or `AsWritten`)."""
+        as_written = source is None or isinstance(source, AsWritten)
+        step = self.reference.step if as_written else self.built(source).step
         self._built.pop(id(source), None)
         return lambda: step.lower(*self.args)
 
+    def _compiler_options(self, source) -> Mapping[str, object] | None:
+        return source.options if isinstance(source, AsWritten) else None
+
     def _used(self, source) -> dict[str, OpConfigs]:
-        per_role = source.per_role() if source is not None else {}  # a `Tuned` client or one of its variants
+        # a `Tuned` client or one of its variants; the step as written uses none
+        per_role = source.per_role() if source is not None and not isinstance(source, AsWritten) else {}
         return {role: configs[0] for role, configs in per_role.items() if configs}
 
     def _check_run(self, executable, record: dict, expected):

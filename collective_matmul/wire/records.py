@@ -147,8 +147,8 @@ class CompiledCandidate(BaseModel):
     memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60)
     overlap: OverlapVerdict | None = None
     overlap_note: Message = ""
-    xla_options: dict[ShortText, bool | int] = Field(default_factory=dict, description="the compile options it "
-                                                     "needs (method 'xla': XLA's windowed einsum on)")
+    xla_options: dict[ShortText, bool | int | ShortText] = Field(
+        default_factory=dict, description="the compile options it needs (method 'xla': XLA's windowed einsum on)")
 
 
 class BoundsMeasurement(BaseModel):

@@ -83,3 +83,28 @@ def test_xla_is_a_choice_for_the_whole_op():
     assert {s: d for s, (d, _) in changed.items()} == {"grad_input": Decomposition.baseline(),
                                                        "grad_weight": DEFAULT_GRAD_WEIGHT}
     assert not whole_op({"forward": ring, "grad_input": ring, "grad_weight": DEFAULT_GRAD_WEIGHT})
+
+
+def test_the_report_says_what_the_training_compile_needs():
+    """A role left to XLA was timed with its windowed einsum on at any size: the report gives the compile options
+    (none on CPU, which has no windowed einsum); on GPU it names the overlap flags XLA_FLAGS lacks."""
+    from collective_matmul.report import CallSite, Report
+    from collective_matmul.sources import Lookup
+    from collective_matmul.xla_options import windowed_einsum, with_overlap_flags
+
+    def site(platform, decomposition):
+        hardware = Hardware(platform=platform, device_kind=platform, device_count=8)
+        return CallSite(role=f"mlp_up@{platform}", source="", via="op", problems={"forward": BIG}, hardware=hardware,
+                        found={"forward": Lookup(decomposition, "exact", "bundle")})
+
+    tpu = Report([site("tpu", Decomposition.xla()), site("tpu", RING)])
+    assert tpu.compiler_options() == windowed_einsum("tpu", "on") and tpu.left_to_xla == tpu[:1]
+    (line,) = tpu.advice(xla_flags="")
+    assert "1 call site(s) leave the product to XLA's windowed einsum (mlp_up@tpu)" in line
+    assert repr(windowed_einsum("tpu", "on")) in line and line in str(tpu)
+    assert Report([site("cpu", Decomposition.xla())]).compiler_options() == {}
+    gpu = Report([site("gpu", RING)])
+    (flags,) = gpu.advice(xla_flags="--xla_gpu_enable_latency_hiding_scheduler=false")
+    assert flags.startswith("XLA_FLAGS lacks --xla_gpu_experimental_parallel_collective_overlap_limit=2:")
+    assert gpu.advice(xla_flags=with_overlap_flags("", "gpu")) == []
+    assert Report([site("cpu", RING)]).advice(xla_flags="") == []

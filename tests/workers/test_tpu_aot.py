@@ -162,3 +162,31 @@ def test_xlas_own_decomposition_is_a_candidate_compiled_with_its_windowed_einsum
     assert xla.decomposition == Decomposition.xla() and xla.xla_options and xla.status == "compiled"
     assert xla.overlap in ("overlaps", "partly") and off.overlap == "no permutes"
     assert any(v is False for v in off.xla_options.values()) and not default.xla_options
+
+
+def test_a_role_left_to_xla_says_which_compile_option_the_training_step_needs(tmp_path):
+    """A config of ``xla`` runs the product as written; the report names the windowed-einsum option it was timed
+    with, and the step compiled with those options is XLA's loop of permutes (without them, at this size on v5p,
+    XLA's default threshold leaves it one all-gather)."""
+    from collective_matmul import Bundle, Tuned, TunedConfig
+    from collective_matmul.client import ring_hardware
+    from collective_matmul.xla_options import windowed_einsum
+
+    mesh = mesh_of(tpu_devices("v5p:2x2x1"), (4,), ("model",))
+    x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("model", None)))
+    w = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
+    problem = Problem.parse("ag:2048x1024x2048:bfloat16:4")
+    path = tmp_path / "bundle.json"
+    Bundle(configs=[TunedConfig(problem=problem, hardware=ring_hardware(mesh, "model").identity(),
+                                decomposition=Decomposition.xla(), time_s=1e-3, baseline_s=2e-3,
+                                speedup=2.0)]).save(path)
+    tuned = Tuned(bundle=path)
+    step = jax.jit(lambda x, w: tuned.allgather_matmul(x, w, mesh=mesh, axis="model", role="mlp_up"))
+    lowered = step.lower(x, w)
+    report = tuned.report()
+    assert report.compiler_options() == windowed_einsum("tpu", "on")
+    assert "leave the product to XLA's windowed einsum (mlp_up)" in str(report)
+    plain = lowered.compile().as_text()
+    decomposed = lowered.compile(compiler_options=report.compiler_options()).as_text()
+    assert "all-gather" in plain and "collective-permute" not in plain
+    assert "collective-permute" in decomposed and " all-gather(" not in decomposed

@@ -12,7 +12,7 @@ import pytest
 
 import collective_matmul.ring as ring
 from cmtune.steps import save_overrides
-from cmtune.workers.userstep import Built, SpecError, SpecRef, UserStepSession, pair_outputs, step_variants
+from cmtune.workers.userstep import AsWritten, Built, SpecError, SpecRef, UserStepSession, pair_outputs, step_variants
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned, TunedConfig
 from collective_matmul.bundle import RoleOverride
 from collective_matmul.models import slot_problems
@@ -88,6 +88,24 @@ def test_an_adam_step_that_donates_its_state_is_checked_and_fed_back():
     assert {v.name: v.status for v in result.variants} == {"as-written": "ok", "baseline": "ok", "tuned": "ok"}
     for v in result.variants:  # three timed runs each on the state its last run returned (donated)
         assert len(v.timing.samples_s) == 3 and v.loss == pytest.approx(result.variants[0].loss, rel=1e-5)
+
+
+def test_the_step_as_written_is_also_timed_with_xlas_windowed_einsum_off_and_on_where_xla_has_one():
+    """On TPU and GPU the step as written is a variant with XLA's windowed einsum forced off and on (compiled with
+    those options); on CPU, which has none, nothing extra.  The options reach the compile: one XLA does not know
+    fails that variant alone."""
+    from collective_matmul.xla_options import windowed_einsum
+
+    assert list(step_variants(Tuned(), "cpu")) == ["as-written", "baseline", "tuned"]
+    for platform in ("tpu", "gpu"):
+        variants = step_variants(Tuned(), platform)
+        assert list(variants)[:3] == ["as-written", "as-written-windowed-einsum-off", "as-written-windowed-einsum-on"]
+        assert variants["as-written-windowed-einsum-on"].options == windowed_einsum(platform, "on")
+    result = session(gspmd_mlp.mlp_step).measure({"as-written": None, "unknown-option": AsWritten(
+        {"xla_no_such_option_here": 1})})
+    unknown = result.variant("unknown-option")
+    assert result.variant("as-written").ok and unknown.status == "compile_error"
+    assert "xla_no_such_option_here" in unknown.message and unknown.configs == {}
 
 
 def test_verify_needs_concrete_arguments_and_the_same_parameters():
