@@ -275,7 +275,9 @@ def test_restart_with_a_study_in_flight(database_url):
         ({"problem": PROBLEM | {"n": 1 << 40}}, "less than or equal to 16777216"),
         ({"problem": PROBLEM | {"collective": "allreduce"}}, "allgather_matmul"),
         ({"problem": PROBLEM | {"dtype": "int4"}}, "bfloat16"),
-        ({"problem": PROBLEM | {"axis_size": 4}}, "ring of 4 devices but the hardware has device_count=8"),
+        ({"problem": PROBLEM | {"m": 384, "n": 192, "axis_size": 3}},
+         "ring of 3 devices, which does not divide the hardware's device_count=8: a worker tunes the rings its "
+         "devices split into, so submit to hardware whose device_count is a multiple of 3"),
         ({"model": "tiny", "mesh": {"axes": {"data": 3, "model": 8}}}, "global_batch=4 is not divisible"),
         ({"model": "gpt-5"}, "'model' needs 'mesh'"),
         ({"model": "gpt-5", "mesh": {"axes": {"model": 8}}}, "unknown model 'gpt-5'"),
