@@ -30,7 +30,7 @@ from collective_matmul import flax as drop_in
 from collective_matmul import roles
 from collective_matmul.bundle import Bundle
 from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import SLOTS, rings, slot_problems
+from collective_matmul.models import SLOTS, ring_hardware, slot_problems
 from collective_matmul.ops import OPS, BatchAxis, problem_of
 from collective_matmul.overrides import Override, Overrides
 from collective_matmul.problem import Hardware, Problem
@@ -231,8 +231,3 @@ def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: B
     forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
     return slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
                          axis_size=forward.axis_size)
-
-
-def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
-    """The hardware of one ring of ``mesh`` along ``axis``, the first (what configs are tuned for)."""
-    return Hardware.detect(rings(mesh.devices, mesh.axis_names.index(axis))[0].tolist())

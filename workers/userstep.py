@@ -171,33 +171,6 @@ def pair_outputs(args: tuple, outputs) -> dict[int, int]:
     return pairs
 
 
-def tuning_ring(mesh, axis: str):
-    """The devices of one ring of ``mesh`` along ``axis`` to tune on, from this process's point of view.
-
-    The drop-in keys its look-ups by the first ring of the mesh along the axis
-    (`collective_matmul.ring_hardware`), so tuning runs on a ring like it: the first ring when it
-    spans every process (the group tunes it together), else a ring of this process's own devices
-    (each process tunes its own at once, as the data-parallel rings of the step run).
-
-    Raises:
-        SpecError: if the rings span some processes but not all.
-    """
-    import jax
-
-    from collective_matmul.models import rings
-
-    all_rings = rings(mesh.devices, mesh.axis_names.index(axis))
-    first = {d.process_index for d in all_rings[0]}
-    if len(first) == jax.process_count():
-        return list(all_rings[0])
-    if len(first) == 1:
-        mine = [list(r) for r in all_rings if {d.process_index for d in r} == {jax.process_index()}]
-        if mine:
-            return mine[0]
-    raise SpecError(f"the rings of mesh axis {axis!r} span {len(first)} of {jax.process_count()} processes: "
-                    "tune on a mesh whose rings stay within one process or span all of them")
-
-
 # ---- the variants -----------------------------------------------------------------------------
 
 
@@ -260,13 +233,13 @@ class UserStepSession(MeasurementSession):
 
         Failures (NAME raising, a compile error, a variant that disagrees) come back as statuses.
         """
-        from collective_matmul.problem import Hardware
+        from collective_matmul.models import ring_hardware
 
         results = self.measure_variants(variants, reference=reference, protocol=self.protocol, on_event=on_event)
+        axis = axis or self.mesh.axis_names[-1]
         return StepMeasurement(model=self.model, mesh={str(n): int(s) for n, s in self.mesh.shape.items()},
-                               tensor_axis=axis or self.mesh.axis_names[-1], batch_axes=[],
-                               hardware=Hardware.detect(self.mesh.devices.flat), protocol=self.protocol,
-                               reference=reference, variants=results)
+                               tensor_axis=axis, batch_axes=[], hardware=ring_hardware(self.mesh, axis),
+                               protocol=self.protocol, reference=reference, variants=results)
 
     def _lowering(self, source) -> Callable[[], object]:
         """NAME with the variant's source (the step as written for None)."""
