@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from cmtune.tuner.variants import REFERENCE, variant_configs
 from cmtune.workers.stepmeasure import MeasurementSession
 from collective_matmul.decomposition import OpConfigs
-from collective_matmul.models import MeshSpec, TransformerBlock, ring_hardware
+from collective_matmul.models import MeshSpec, TransformerBlock
 from collective_matmul.problem import Hardware
 from collective_matmul.wire import ChosenVariant, Protocol, Status, StepMeasurement, StepVariant
 
@@ -305,7 +305,7 @@ class StepSession(MeasurementSession):
         check_block(block, tensor_size=mesh.shape[axis],
                     batch_shards=math.prod(mesh.shape[name] for name in self.batch_axes))
         self.protocol, self.lr = protocol, lr
-        self.hardware = ring_hardware(mesh, axis)
+        self.hardware = Hardware.detect(mesh.devices.flat)
         key_params, key_x, key_target = jax.random.split(jax.random.key(protocol.seed), 3)
         self.params = init_params(key_params, block, mesh, axis=axis)
         shape, dtype = (block.global_batch, block.seq_len, block.d_model), jnp.dtype(block.dtype)

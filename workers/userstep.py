@@ -233,13 +233,13 @@ class UserStepSession(MeasurementSession):
 
         Failures (NAME raising, a compile error, a variant that disagrees) come back as statuses.
         """
-        from collective_matmul.models import ring_hardware
+        from collective_matmul.problem import Hardware
 
         results = self.measure_variants(variants, reference=reference, protocol=self.protocol, on_event=on_event)
-        axis = axis or self.mesh.axis_names[-1]
         return StepMeasurement(model=self.model, mesh={str(n): int(s) for n, s in self.mesh.shape.items()},
-                               tensor_axis=axis, batch_axes=[], hardware=ring_hardware(self.mesh, axis),
-                               protocol=self.protocol, reference=reference, variants=results)
+                               tensor_axis=axis or self.mesh.axis_names[-1], batch_axes=[],
+                               hardware=Hardware.detect(self.mesh.devices.flat), protocol=self.protocol,
+                               reference=reference, variants=results)
 
     def _lowering(self, source) -> Callable[[], object]:
         """NAME with the variant's source (the step as written for None)."""
