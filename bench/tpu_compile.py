@@ -29,7 +29,8 @@ TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1"]
 
 
 def row(topology: str, key: str) -> str:
-    from cmtune.workers.aot import compile_all, ring_mesh_of
+    from cmtune.workers.aot import compile_all
+    from cmtune.workers.measure import ring_mesh_of
     from collective_matmul import Problem, candidates
     from collective_matmul.topology import tpu_devices
 

@@ -121,12 +121,12 @@ def problems(step: str, devices: str, as_json: bool) -> None:
 
 
 def tune(step: str, devices: str, tune_problems) -> None:
-    """`cmtune tune --step`: discover, then tune each unique problem on one ring of its axis.
+    """`cmtune tune --step`: discover, then tune each unique problem on the rings of its axis in the step's own
+    mesh, all at once, as the step runs them (its configs keyed as the drop-in looks them up:
+    `collective_matmul.models.ring_hardware`).
 
-    ``tune_problems(problems, ring_devices)`` runs the tuner (`cmtune.tuning._tune`).
+    ``tune_problems(problems, mesh, axis)`` runs the tuner (`cmtune.tuning._tune`).
     """
-    from cmtune.workers.userstep import tuning_ring
-
     spec = prepare(devices)
     if spec is None:
         return
@@ -146,9 +146,7 @@ def tune(step: str, devices: str, tune_problems) -> None:
         if found.problem not in by_axis.setdefault(axis, []):
             by_axis[axis].append(found.problem)
     for axis, unique in by_axis.items():
-        with spec_errors():
-            ring = tuning_ring(built.mesh, axis)
-        tune_problems(unique, ring)
+        tune_problems(unique, built.mesh, axis)
 
 
 def verified_client(server: str | None, token: str | None, bundle: Path | None, model: str) -> Tuned:

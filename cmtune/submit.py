@@ -43,8 +43,12 @@ def submit(
     platform: Annotated[str | None, typer.Option(
         help="hardware to tune on (default cpu; with --step, the platform of the step's ring here)")] = None,
     device_kind: Annotated[str | None, typer.Option(help="(default cpu; with --step, the ring's)")] = None,
+    device_count: Annotated[int | None, typer.Option(
+        min=1, help="the devices of the hardware to tune on: its workers tune every ring whose size divides them, "
+                    "all at once (default: the mesh's devices with --model; the ring's with --problem; with --step, "
+                    "the step's mesh's)")] = None,
     process_count: Annotated[int | None, typer.Option(
-        min=1, help="processes one ring spans (default 1; with --step, the ring's)")] = None,
+        min=1, help="the processes of the hardware (default 1; with --step, the ring's)")] = None,
     trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
     force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
     warm_start: Annotated[bool, typer.Option(
@@ -71,13 +75,14 @@ def submit(
         if found is None:  # a process other than 0 of a group
             return
         hardware = HardwareIn(platform=platform or ring.platform, device_kind=device_kind or ring.device_kind,
-                              device_count=ring.device_count, process_count=process_count or ring.process_count)
+                              device_count=ring.device_count, process_count=process_count or ring.process_count,
+                              slice_devices=device_count or ring.slice_devices)
         bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force,
                               warm_start=warm_start)]
         return _post(server, token, token_file, bodies)
-    def on(device_count: int) -> dict:
+    def on(devices: int) -> dict:
         hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
-                              device_count=device_count, process_count=process_count or 1)
+                              device_count=device_count or devices, process_count=process_count or 1)
         return dict(hardware=hardware, budget=Budget(trials=trials), force=force, warm_start=warm_start)
 
     if model and not problem:  # the service derives the model's problems (and says what does not fit)
@@ -90,7 +95,7 @@ def submit(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis),
-                              **on(spec.axes[spec.tensor_axis]))]
+                              **on(spec.device_count))]
     else:
         bodies = [StudyCreate(problem=p, **on(p.axis_size))
                   for p in problems_from_options(problem, model, mesh, tensor_axis)]
@@ -152,6 +157,9 @@ def status(
     if models:
         console.print(_models_table(models))
     console.print(f"workers online: {sum(w.online for w in workers)} of {len(workers)} registered")
+    rings = {w.hardware_key: w.ring_keys[1:] for w in workers if w.online and len(w.ring_keys) > 1}
+    for hardware, keys in sorted(rings.items()):
+        console.print(f"workers of {hardware} also tune its rings: {', '.join(keys)}")
     stacks = sorted({str(w.software) for w in workers if w.online})
     if stacks:
         console.print(f"software stacks online: {'; '.join(stacks)}")

@@ -80,7 +80,8 @@ def _compile_sweep(problems, spec, devices=None) -> list:
     from rich.progress import Progress
 
     from cmtune.report import compiled_table
-    from cmtune.workers.aot import compile_all, ring_mesh_of
+    from cmtune.workers.aot import compile_all
+    from cmtune.workers.measure import ring_mesh_of
     from collective_matmul import candidates
 
     devices = list(devices) if devices is not None else spec.tpu_devices() if spec.kind == "tpu" else jax.devices()
@@ -188,20 +189,23 @@ def tune(
         if problem or model or mesh:
             raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
         if compile_only or devices.startswith("tpu:"):
-            return steps.tune(step, devices, lambda found, ring: _compile_sweep(found, devices_option(devices),
-                                                                               devices=ring))
-        return steps.tune(step, devices, lambda found, ring: _tune(found, ring=len(ring), ring_devices=ring,
-                                                                           **options))
+            return steps.tune(step, devices, lambda found, mesh, axis: _compile_sweep(
+                found, devices_option(devices), devices=list(mesh.devices.flat)))
+        return steps.tune(step, devices, lambda found, mesh, axis: _tune(found, ring=mesh.shape[axis], mesh=mesh,
+                                                                         axis=axis, **options))
     problems = problems_from_options(problem, model, mesh, tensor_axis)
     sizes = {p.axis_size for p in problems}
     if len(sizes) > 1:
         raise typer.BadParameter(f"problems have different ring sizes {sorted(sizes)}: tune them separately")
     ring = sizes.pop()
     spec = devices_option(devices)
+    if spec.total is not None and spec.total % ring:
+        raise typer.BadParameter(f"rings of {ring} devices do not divide the {spec.total} devices of {devices}: give "
+                                 f"a multiple of {ring}", param_hint="--devices")
     if spec.needs_group:
-        if ring % spec.count:
+        if not spec.local and ring % spec.count:
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
-        return relaunch_as_group(spec.count, local_devices=ring // spec.count, platform=spec.platform)
+        return relaunch_as_group(spec.count, local_devices=spec.local or ring // spec.count, platform=spec.platform)
     from cmtune.workers.cluster import configure
     from collective_matmul.topology import TopologyError
 
@@ -216,8 +220,10 @@ def tune(
 
 
 def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out, warm_start=True,
-          bundled=(), ring_devices=None) -> None:
-    """Tune ``problems`` on a ring of ``ring`` devices: all of them, or ``ring_devices`` (this process's view).
+          bundled=(), mesh=None, axis=None) -> None:
+    """Tune ``problems`` on rings of ``ring`` devices, all at once: every ring of that size the devices split into
+    (`cmtune.workers.measure.ring_mesh`), or those of ``mesh`` along ``axis`` (a user's step's); configs are keyed
+    by the first ring's hardware, part of a slice of the mesh's devices (`collective_matmul.models.ring_hardware`).
 
     With ``warm_start``, each study is seeded (`cmtune.tuner.warm.seeds`) from the studies of this run
     before it and from the configs of ``bundled`` (the --out bundle's).
@@ -230,27 +236,25 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     from cmtune.tuner.warm import Known, seeds
     from cmtune.workers.cluster import Group
     from cmtune.workers.local import LocalTuner
+    from cmtune.workers.measure import ring_mesh
     from cmtune.workers.runner import LocalRunner, follow
-    from collective_matmul import Hardware
     from collective_matmul.bundle import Bundle
+    from collective_matmul.models import ring_hardware
     from collective_matmul.wire import Protocol
 
-    if ring_devices is None and jax.device_count() != ring:
+    if mesh is None and jax.device_count() % ring:
         raise typer.BadParameter(
-            f"the problems need a ring of {ring} devices but {jax.device_count()} are present; "
-            f"use --devices virtual:{ring} (or processes:N with N dividing {ring})"
-        )
-    if ring_devices is not None:
-        from cmtune.workers.measure import ring_mesh
-
-        runner = LocalRunner(mesh=ring_mesh(ring_devices))
-    else:
-        runner = LocalRunner()
+            f"the problems need rings of {ring} devices, which do not divide the {jax.device_count()} devices "
+            f"present; use --devices virtual:{ring} (or a multiple of {ring}), or processes:PxD with P x D a "
+            f"multiple of {ring}")
+    mesh = mesh or ring_mesh(None, ring)
+    axis = axis or mesh.axis_names[-1]
+    runner = LocalRunner(mesh=mesh, axis=axis)
     group = Group()
     if not group.leader:
         follow(group, runner, grace_s=grace_s)  # process 0 decides; this process runs what it is handed
         return
-    hardware = Hardware.detect(ring_devices)
+    hardware = ring_hardware(mesh, axis)
     outcomes = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

@@ -39,14 +39,16 @@ def worker(
     poll_seconds: Annotated[float, typer.Option(min=0.05, help="wait between empty lease requests")] = 2.0,
     heartbeat_seconds: Annotated[float, typer.Option(min=0.05)] = 10.0,
     max_trials: Annotated[int | None, typer.Option(min=1, help="leave after this many trials")] = None,
-    local_devices: Annotated[int, typer.Option(min=1, help="virtual CPU devices per process (processes:N)")] = 4,
+    local_devices: Annotated[int, typer.Option(
+        min=1, help="virtual CPU devices per process (processes:N; processes:PxD says D)")] = 4,
     exit_when_idle: Annotated[bool, typer.Option(help="leave when no trial is offered for 5 s")] = False,
     restart: Annotated[bool, typer.Option(
         help="start the worker again whenever it exits with an error (where no docker or systemd does)")] = False,
     trial_grace_seconds: Annotated[float, typer.Option(
         min=1, help="a trial may take 2 x its candidates' timeout_s plus this before it counts as hung")] = 120.0,
 ) -> None:
-    """Run a worker daemon: lease trials that match this host's hardware, time them, report."""
+    """Run a worker daemon: lease trials that match this host's hardware, or a ring whose size divides its devices
+    (all such rings timed at once), time them, report."""
     import logging
 
     from cmtune.workers.cluster import configure, launch
@@ -65,7 +67,7 @@ def worker(
     if restart and "CMTUNE_SUPERVISED" not in os.environ:
         raise typer.Exit(supervise(without_token([w for w in sys.orig_argv[1:] if w != "--restart"])))
     if spec.needs_group:
-        results = launch(spec.count, without_token(sys.orig_argv[1:]), local_devices=local_devices,
+        results = launch(spec.count, without_token(sys.orig_argv[1:]), local_devices=spec.local or local_devices,
                          timeout_s=7 * 24 * 3600, stream=True, platform=spec.platform)
         raise typer.Exit(max(r.returncode for r in results))
     configure(spec)  # a cluster of --coordinator (join_options), a local group's, one JAX detects, or none

@@ -268,8 +268,9 @@ class ApiClient:
 
 
 def _hardware_params(hardware: Hardware) -> dict:
-    return {"platform": hardware.platform, "device_kind": hardware.device_kind,
-            "device_count": hardware.device_count, "process_count": hardware.process_count}
+    params = {"platform": hardware.platform, "device_kind": hardware.device_kind,
+              "device_count": hardware.device_count, "process_count": hardware.process_count}
+    return params | ({"slice_devices": hardware.slice_devices} if hardware.slice_devices is not None else {})
 
 
 def _error(endpoint: Endpoint, response: httpx.Response) -> ApiError:

@@ -32,7 +32,7 @@ from collective_matmul import roles
 from collective_matmul.bundle import Bundle
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.lookup import Unmeasured
-from collective_matmul.models import SLOTS, rings, slot_problems
+from collective_matmul.models import SLOTS, ring_hardware, slot_problems
 from collective_matmul.ops import OPS, BatchAxis, problem_of
 from collective_matmul.overrides import Override, Overrides
 from collective_matmul.problem import Hardware, Problem
@@ -59,13 +59,10 @@ class Tuned:
         server: base URL of a cmtune service (optional).
         token: a reader token for the server.
         bundle: a bundle file (``cmtune tune --out`` or ``GET /v1/bundles``); needs no server.
-        model: the name the model was submitted (or verified) under: its per-role overrides
-            (decided by the step measurement) then come first for the calls of those roles.
+        model: the name the model was submitted (or verified) under: its roles' overrides answer first.
         timeout_s: per request to the server.
-        unmeasured: what answers a problem nothing has measured on this hardware (match ``baseline`` or
-            ``model``, its note saying why): ``baseline`` (the default), or ``costmodel``: the cost model's
-            choice on the device kind's profile, a ring no one has timed (the baseline where the kind has no
-            figures).
+        unmeasured: what answers a problem nothing measured on this hardware: ``baseline`` (the default) or
+            ``costmodel`` (the cost model's untimed choice on the kind's profile; match ``model``).
 
     Raises:
         ValueError: if ``unmeasured`` is neither.
@@ -119,8 +116,7 @@ class Tuned:
         return self._sources.lookup(problem, hardware)
 
     def override(self, role: str, hardware: Hardware) -> Override | None:
-        """This model's override of ``role`` on ``hardware`` (server first, then the bundle), or None: decided by
-        measuring the whole step (docs/tuning.md), for ``model=`` (`collective_matmul.overrides`)."""
+        """This model's override of ``role`` on ``hardware`` (server, then bundle; `collective_matmul.overrides`)."""
         return self._overrides.match(role, hardware, self._record.matched)
 
     @property
@@ -180,18 +176,13 @@ class Tuned:
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
                 batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
-        """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`).
-
-        The three problems come from the forward's shapes (`collective_matmul.models.slot_problems`); the
-        model's override of ``role`` answers first (`collective_matmul.overrides`), then `lookup`.
+        """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`): the problems
+        of the forward's shapes (`call_problems`), answered by the model's override of ``role``, then `lookup`.
 
         Args:
             role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
-            collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
-            x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`).
-            mesh, axis, batch_axis: as for the op.
-            source: ``file:line`` of the call, for `report` (default: the call site, where ``role`` is given).
-            via: how the call came (``op`` or ``dot_general``), for `report`.
+            collective, x, w, mesh, axis, batch_axis: as for the op (arrays, tracers or shape structs).
+            source, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
 
         Raises:
             ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
@@ -240,8 +231,3 @@ def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: B
     forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
     return slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
                          axis_size=forward.axis_size)
-
-
-def ring_hardware(mesh: Mesh, axis: str) -> Hardware:
-    """The hardware of one ring of ``mesh`` along ``axis``, the first (what configs are tuned for)."""
-    return Hardware.detect(rings(mesh.devices, mesh.axis_names.index(axis))[0].tolist())

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from collective_matmul.problem import DType, Problem
+from collective_matmul.problem import DType, Hardware, Problem
 from collective_matmul.text import label
 
 MODEL_NAME_LENGTH = 200  # a model's name: role_overrides.model
@@ -127,6 +127,12 @@ class MeshSpec(BaseModel):
 def rings(grid: np.ndarray, index: int) -> np.ndarray:
     """The rings of a mesh's device (or partition id) grid along its axis ``index``: one a row, in mesh order."""
     return np.moveaxis(np.asarray(grid), index, -1).reshape(-1, np.shape(grid)[index])
+
+
+def ring_hardware(mesh, axis: str) -> Hardware:
+    """The hardware of one ring of ``mesh`` (a `jax.sharding.Mesh`) along ``axis``, the first (what configs are
+    tuned for), as part of a slice of the mesh's devices (`Hardware.slice_devices`)."""
+    return Hardware.detect(rings(mesh.devices, mesh.axis_names.index(axis))[0].tolist(), slice_devices=mesh.size)
 
 
 class ModelProblem(BaseModel):

@@ -345,6 +345,9 @@ class Software(BaseModel):
 class Hardware(BaseModel):
     """Where a decomposition runs: the key half that is not the problem.
 
+    ``device_count`` and ``process_count`` are the ring's; ``slice_devices`` the devices of the slice the ring is
+    part of, where it is not the whole machine (None: the ring is the whole machine).  A worker of N devices
+    tunes a ring of each size dividing N, all of that size at once (`rings`).
     ``jax_version``/``jaxlib_version`` and ``software`` travel with results but are not part of `key`
     (a tuned config carries its stack beside its hardware: `collective_matmul.bundle.TunedConfig`).
     """
@@ -355,26 +358,75 @@ class Hardware(BaseModel):
     device_kind: DeviceKind
     device_count: int = Field(gt=0, le=1 << 20)
     process_count: int = Field(default=1, gt=0, le=1 << 16)
+    slice_devices: int | None = Field(default=None, gt=0, le=1 << 20, description=(
+        "devices of the slice the ring is part of, a multiple of device_count (None, or device_count: the ring is "
+        "the whole machine)"))
     jax_version: Version = ""
     jaxlib_version: Version = ""
     software: Software | None = Field(default=None, description="the stack that measured (`Hardware.detect`)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_machine(cls, data):
+        """A slice of the ring's own size is the whole machine: None, so that it has one key."""
+        if isinstance(data, dict) and data.get("slice_devices") is not None \
+                and data.get("slice_devices") == data.get("device_count"):
+            data = {**data, "slice_devices": None}
+        return data
+
+    @model_validator(mode="after")
+    def _ring_of_the_slice(self) -> Hardware:
+        if self.slice_devices is not None and self.slice_devices % self.device_count:
+            raise ValueError(f"a ring of device_count={self.device_count} is not part of a slice of slice_devices="
+                             f"{self.slice_devices}: slice_devices must be a multiple of device_count")
+        return self
+
     @property
     def key(self) -> str:
-        """Stable key without versions, e.g. ``cpu:cpu:8:1``."""
-        return f"{self.platform}:{self.device_kind}:{self.device_count}:{self.process_count}"
+        """Stable key without versions, e.g. ``cpu:cpu:8:1``; a ring of part of a slice names the slice's devices,
+        e.g. ``cpu:cpu:4:1/8`` (a ring of 4 devices of an 8-device slice)."""
+        key = f"{self.platform}:{self.device_kind}:{self.device_count}:{self.process_count}"
+        return f"{key}/{self.slice_devices}" if self.slice_devices is not None else key
 
     def identity(self) -> Hardware:
         """This hardware without software versions (what configs are keyed by, with their `Software` beside)."""
         return self.model_copy(update={"jax_version": "", "jaxlib_version": "", "software": None})
 
     def canonical_json(self) -> str:
-        return json.dumps(self.identity().model_dump(mode="json", exclude={"software"}), sort_keys=True,
+        exclude = {"software"} | ({"slice_devices"} if self.slice_devices is None else set())
+        return json.dumps(self.identity().model_dump(mode="json", exclude=exclude), sort_keys=True,
                           separators=(",", ":"))
 
+    def ring(self, size: int) -> Hardware:
+        """The hardware of a ring of ``size`` of these devices (itself for ``size`` = `device_count`).
+
+        The rings lie as `collective_matmul.topology.mesh_of` lays the last axis of a mesh of ``(devices / size,
+        size)``: on neighbouring devices, so that the first spans the processes its devices fill when each process
+        holds an equal run of them (``ceil(size * process_count / device_count)``, what `detect` finds there).
+
+        Raises:
+            ValueError: ``size`` does not divide `device_count`.
+        """
+        if size < 1 or self.device_count % size:
+            raise ValueError(f"a ring of {size} devices does not divide the {self.device_count} devices of {self.key}; "
+                             f"the ring size must divide the hardware's device_count")
+        if size == self.device_count:
+            return self
+        processes = max(1, -(-size * self.process_count // self.device_count))
+        return self.model_copy(update={"device_count": size, "process_count": processes,
+                                       "slice_devices": self.slice_devices or self.device_count})
+
+    def rings(self) -> list[Hardware]:
+        """The hardware of every ring these devices tune: the whole first, then a ring of each size n >= 2 that
+        divides `device_count`, largest first (what a worker of this hardware leases)."""
+        count = self.device_count
+        divisors = {d for i in range(1, math.isqrt(count) + 1) if count % i == 0 for d in (i, count // i)}
+        sizes = sorted(divisors - {1, count}, reverse=True)
+        return [self, *(self.ring(n) for n in sizes)]
+
     @classmethod
-    def detect(cls, devices=None) -> Hardware:
-        """Describe the running JAX runtime (or the given devices).
+    def detect(cls, devices=None, slice_devices: int | None = None) -> Hardware:
+        """Describe the running JAX runtime (or the given devices: a ring, part of a slice of ``slice_devices``).
 
         Initialises the JAX backend; call it after `jax.distributed.initialize` on multi-host.
         """
@@ -392,6 +444,7 @@ class Hardware(BaseModel):
             device_kind=devices[0].device_kind,
             device_count=len(devices),
             process_count=len({d.process_index for d in devices}),
+            slice_devices=slice_devices,
             jax_version=jax.__version__,
             jaxlib_version=jaxlib.__version__,
             software=Software.detect(devices[0]),

@@ -4,8 +4,10 @@ The engine (`cmtune.tuner.engine`) owns the study lifecycle; this module adds th
 the store's leases (``tx.leases``, `cmtune.service.store.leases`, which holds every statement):
 
 1. A lease request claims the oldest pending trial of the active studies on the worker's
-   hardware and leases it (`Leases.claim_leased`: one ``FOR UPDATE SKIP LOCKED`` statement on
-   PostgreSQL; SQLite's write transaction is exclusive); the first claim starts its study
+   hardware or one of its rings (`Hardware.rings`: a worker of N devices tunes every ring whose size
+   divides N, all such rings at once) and leases it (`Leases.claim_leased`: one ``FOR UPDATE SKIP
+   LOCKED`` statement on PostgreSQL, its hardware keys an IN list; SQLite's write transaction is
+   exclusive); the first claim starts its study
    (`Engine.claimed`).  The engine queues proposals in advance, so a lease is a claim, never an
    ask.  Only a study with nothing in flight at all (e.g. one created by an older version) is
    refilled on the spot.
@@ -78,8 +80,8 @@ def _expire_one(tx: SqlTx, engine: Engine, settings: Settings, lease: LeaseInfo,
 
 def lease(tx: SqlTx, engine: Engine, worker: WorkerInfo, settings: Settings,
           now: dt.datetime, *, ending: str | None = None) -> tuple[LeaseInfo, TrialTask] | None:
-    """Claim one trial for ``worker``, or None if no study on its hardware has one to give; ``ending``: the
-    worker's lease whose result was just stored ends first (`Leases.claim_leased`)."""
+    """Claim one trial for ``worker``, or None if no study on its hardware or its rings has one to give;
+    ``ending``: the worker's lease whose result was just stored ends first (`Leases.claim_leased`)."""
     expire(tx, engine, settings, now)
     claim = functools.partial(tx.leases.claim_leased, hardware=worker.hardware, software=worker.software,
                               worker_id=worker.id, now=now, seconds=settings.lease_seconds)
@@ -120,7 +122,7 @@ def grant(tx: SqlTx, engine: Engine, settings: Settings, worker_id: int, now: dt
 
 
 def _refill_starving(tx: SqlTx, engine: Engine, worker: WorkerInfo, now: dt.datetime) -> bool:
-    """Refill the searching studies on the worker's hardware that have no trial in flight at all."""
+    """Refill the searching studies on the worker's hardware (or its rings) that have no trial in flight at all."""
     return any([engine.refill(tx, study_id, now=now) for study_id in tx.leases.starving_studies(worker.hardware)])
 
 

@@ -82,8 +82,9 @@ class HardwareRow(Base):
     key: Mapped[str] = mapped_column(String(300), unique=True)
     platform: Mapped[str] = mapped_column(String(64))
     device_kind: Mapped[str] = mapped_column(String(128))
-    device_count: Mapped[int]
+    device_count: Mapped[int]  # the ring's
     process_count: Mapped[int]
+    slice_devices: Mapped[int | None]  # the slice the ring is part of; None: the whole machine
 
 
 class ProblemRow(Base):

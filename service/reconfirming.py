@@ -43,12 +43,21 @@ class Queued:
 
 
 def on_register(tx: SqlTx, engine: Engine, hardware: Hardware, software: Software, *, now: dt.datetime) -> Queued:
-    """Queue the re-confirmations (and the models' steps) a worker of ``software`` on ``hardware`` brings.
+    """Queue the re-confirmations (and the models' steps) a worker of ``software`` on ``hardware`` brings, on its
+    hardware and on each of its rings (`Hardware.rings`: it leases their trials too).
 
     A worker that names no jax version queues nothing: its stack cannot be told from another.
     """
     if not software.jax:
         return Queued()
+    whole, *rings = hardware.identity().rings()
+    known = [ring for ring in rings if tx.catalog.known(ring)]  # a ring never studied holds nothing
+    queued = [_on_ring(tx, engine, ring, software, now=now) for ring in (whole, *known)]
+    return Queued([s for q in queued for s in q.reconfirmations], [s for q in queued for s in q.steps])
+
+
+def _on_ring(tx: SqlTx, engine: Engine, hardware: Hardware, software: Software, *, now: dt.datetime) -> Queued:
+    """`on_register` on one of the worker's rings (or its whole hardware)."""
     tx.submissions.lock_hardware(hardware)  # two workers of a new stack at once: the second sees the first's
     done = {s.problem.key for s in tx.catalog.reconfirmations(hardware, software)}
     newest: dict[str, TunedRow] = {}  # problem key -> its newest config of another stack

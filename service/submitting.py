@@ -3,7 +3,10 @@
 `Request.of` resolves the body (the targets, the mesh, what is refused and why) without the database;
 `submit` then creates, in one transaction, one study per unique problem (skipping what is tuned, under
 study, or has nothing to tune), the submission record, and a model's step study, or joins the identical
-submission whose step study is in progress.  Unless the body says ``warm_start: false``, each new study is
+submission whose step study is in progress.  A problem's ring size must divide the hardware's devices: its
+study is on the hardware of such a ring (`Hardware.ring`: ``cpu:cpu:4:1/8``, a ring of 4 of 8 devices), which
+every worker of the hardware leases and runs on all its rings at once; a model's step study is on the ring of
+its tensor axis.  Unless the body says ``warm_start: false``, each new study is
 seeded from the configs already tuned on its hardware (`cmtune.tuner.warm`): those of finished studies, not
 of the studies this submission creates.
 """
@@ -61,8 +64,8 @@ def _discovered(body: StudyCreate) -> tuple[MeshSpec, list[tuple]]:
 
 @dataclass(frozen=True)
 class Request:
-    """A submission, resolved: the hardware, the targets (problem, roles, runs per step), and for a model or a
-    user's step its mesh and what the submission record keeps."""
+    """A submission, resolved: the hardware as submitted, the targets (problem, roles, runs per step), and for a
+    model or a user's step its mesh and what the submission record keeps."""
 
     body: StudyCreate
     hardware: Hardware
@@ -93,14 +96,23 @@ class Request:
             except ValueError as exc:
                 raise InvalidError(str(exc)) from None
             submitted = model.model_dump(mode="json")
-        for problem, _roles, _count in targets:
-            if problem.axis_size != hardware.device_count:
+        sizes = {(problem.key, problem.axis_size) for problem, _roles, _count in targets}
+        if mesh is not None:
+            sizes.add((f"the mesh's tensor axis {mesh.tensor_axis}", mesh.tensor_size))
+        for what, size in sorted(sizes):
+            if hardware.device_count % size:
                 raise InvalidError(
-                    f"{problem.key} is a ring of {problem.axis_size} devices but the hardware has device_count="
-                    f"{hardware.device_count}; tune each ring on hardware of its size")
+                    f"{what} is a ring of {size} devices, which does not divide the hardware's device_count="
+                    f"{hardware.device_count}: a worker tunes the rings its devices split into, so submit to "
+                    f"hardware whose device_count is a multiple of {size} (or a ring size dividing "
+                    f"{hardware.device_count})")
         if body.problem is not None and not has_ring(body.problem):
             raise InvalidError(f"{body.problem.key}: nothing to tune: {no_ring_reason(body.problem)}")
         return cls(body, hardware, targets, model, mesh, submitted)
+
+    def ring(self, size: int) -> Hardware:
+        """Where a ring of ``size`` devices of this hardware is studied (`Hardware.ring`)."""
+        return self.hardware.ring(size)
 
 
 def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> StudyCreated:
@@ -109,10 +121,11 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     body, hardware, model, mesh = request.body, request.hardware, request.model, request.mesh
     targets, submitted = request.targets, request.submitted
     created, skipped, depends_on = [], [], []
+    step_hardware = request.ring(mesh.tensor_size) if mesh is not None else None
     if model is not None and body.step.measure and not body.force:
         # two identical submissions at once: the second sees the first's study
-        tx.submissions.lock_hardware(hardware)
-        joined = step_study_of(tx, block=model, mesh=mesh, hardware=hardware)
+        tx.submissions.lock_hardware(step_hardware)
+        joined = step_study_of(tx, block=model, mesh=mesh, hardware=step_hardware)
         if joined is not None:
             return StudyCreated(studies=[], submission_id=joined.submission_id, joined=True, skipped=[
                 Skipped(problem=f"step:{model.name}", study_id=joined.id, reason="under study")])
@@ -129,18 +142,19 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
                                            now=now)
     shapes: dict[tuple, list] = {}  # per family: nothing this transaction creates adds to them
     for problem, roles, count in targets:
-        skip = _skip(tx, problem, hardware, force=body.force)
+        ring = request.ring(problem.axis_size)
+        skip = _skip(tx, problem, ring, force=body.force)
         if skip is not None:
             skipped.append(skip)
             study_id = skip.study_id
         else:
-            settings = study_settings(problem, hardware, trials=body.budget.trials, minutes=body.budget.minutes,
+            settings = study_settings(problem, ring, trials=body.budget.trials, minutes=body.budget.minutes,
                                       patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
                                       confirm_top=body.confirm_top,
-                                      seeds=_seeds(tx, problem, hardware, shapes) if body.warm_start else ())
+                                      seeds=_seeds(tx, problem, ring, shapes) if body.warm_start else ())
             protocol = Protocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
-            study = engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
-                                    protocol=protocol, now=now)
+            study = engine.create_study(tx, problem=problem, hardware=ring, settings=settings, protocol=protocol,
+                                        now=now)
             created.append(study)
             study_id = study.id
         if submission_id is not None:
@@ -150,7 +164,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
                 depends_on.append(study_id)
     if model is not None and body.step.measure:  # a user's step is measured where it runs (cmtune verify)
         created.append(engine.create_step_study(
-            tx, block=model, mesh=mesh, hardware=hardware, depends_on=depends_on, now=now,
+            tx, block=model, mesh=mesh, hardware=step_hardware, depends_on=depends_on, now=now,
             protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
             submission_id=submission_id, ablation=body.step.ablation, search_rounds=body.step.search_rounds,
             round_variants=body.step.round_variants))

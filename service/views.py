@@ -122,6 +122,7 @@ def trial_public(trial: TrialRecord) -> TrialPublic:
 def worker_public(worker: WorkerInfo, *, current_trial_id: int | None, online_after: dt.datetime) -> WorkerPublic:
     return WorkerPublic(
         id=worker.id, name=worker.name, hardware=worker.hardware, hardware_key=worker.hardware.key,
+        ring_keys=[ring.key for ring in worker.hardware.rings()],
         software=worker.software, software_key=worker.software.key, registered_at=worker.registered_at,
         last_heartbeat=worker.last_heartbeat,
         online=worker.active and worker.last_heartbeat >= online_after, active=worker.active,

@@ -162,7 +162,7 @@ class Engine:
 
     def claim(self, tx: StoreTx, *, study_ids: Sequence[int] | None = None, hardware: Hardware | None = None,
               worker_id: int | None = None, now: dt.datetime) -> TrialRecord | None:
-        """Claim the oldest pending trial (of ``study_ids``, or of the active studies on ``hardware``).
+        """Claim the oldest pending trial (of ``study_ids``, or of the active studies on ``hardware`` or its rings).
 
         The store moves it to ``leased`` atomically (attempts + 1); the first claim starts its study.
         """

@@ -203,9 +203,10 @@ class StoreTx(TypingProtocol):
               now: dt.datetime) -> TrialRecord | None:
         """Atomically move the oldest pending trial to leased (attempts + 1, worker set), or None.
 
-        Candidates: trials of ``study_ids``, else of every active study on ``hardware`` (where
-        ``hardware.software`` is set, only studies of that stack or of none); the oldest study first,
-        then trial number.  Concurrent claims never get the same trial.
+        Candidates: trials of ``study_ids``, else of every active study on ``hardware`` or one of its rings
+        (`Hardware.rings`: a worker tunes every ring whose size divides its devices; where ``hardware.software``
+        is set, only studies of that stack or of none); the oldest study first, then trial number.  Concurrent
+        claims never get the same trial.
         """
         ...
 
@@ -332,9 +333,10 @@ class InMemoryStore:
         return sorted(best, key=lambda d: (best[d], d.id))[:limit]
 
     def claim(self, *, study_ids=None, hardware=None, worker_id=None, now) -> TrialRecord | None:
+        served = {ring.key for ring in hardware.identity().rings()} if hardware is not None else set()
         studies = [s for s in sorted(self._studies.values(), key=lambda s: s.id) if s.state.active
                    and (study_ids is None or s.id in study_ids)
-                   and (hardware is None or s.hardware.key == hardware.identity().key)
+                   and (hardware is None or s.hardware.key in served)
                    and (hardware is None or hardware.software is None or s.software is None
                         or s.software.key == hardware.software.key)]
         for study in studies:

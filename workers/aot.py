@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 from cmtune.workers.measure import compiled_memory, default_program, error_message, operand_shapes, xla_options
 from collective_matmul.decomposition import Decomposition
+from collective_matmul.models import ring_hardware
 from collective_matmul.ops import input_shardings
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.problem import Problem
 from collective_matmul.schedule import overlap
 from collective_matmul.text import as_message
 from collective_matmul.wire import CompiledCandidate
@@ -40,7 +41,7 @@ class CompileSession:
             raise ValueError(f"{problem.key} needs a ring of {problem.axis_size} devices, the mesh has "
                              f"{mesh.shape[self.axis]}")
         self.platform = mesh.devices.flat[0].platform
-        self.hardware = Hardware.detect(list(mesh.devices.flat))
+        self.hardware = ring_hardware(mesh, self.axis)
         shapes, dtype = operand_shapes(problem), jnp.dtype(problem.dtype)
         self.args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, sharding in
                      zip(shapes, input_shardings(problem.collective, mesh, self.axis), strict=True)]
@@ -85,15 +86,6 @@ def plain_program(problem: Problem, mesh: Mesh, axis: str):
     if problem.collective == "allgather_grad_weight":
         return lambda u, v: jax.lax.with_sharding_constraint(jnp.tensordot(u, v, axes=((0,), (0,))), sharding)
     return lambda x, w: jax.lax.with_sharding_constraint(x @ w, sharding)
-
-
-def ring_mesh_of(devices: Sequence, ring: int) -> Mesh:
-    """The devices as ``len(devices) // ring`` rings of ``ring`` neighbours (axes ``rings``, ``ring``)."""
-    from collective_matmul.topology import mesh_of
-
-    if len(devices) % ring:
-        raise ValueError(f"a ring of {ring} does not divide the {len(devices)} devices")
-    return mesh_of(devices, (len(devices) // ring, ring), ("rings", "ring"))
 
 
 def compile_all(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[CompiledCandidate]:

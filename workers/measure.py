@@ -34,15 +34,18 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul.decomposition import Decomposition
+from collective_matmul.models import ring_hardware
 from collective_matmul.ops import OPS as MATMULS
 from collective_matmul.ops import allgather_grad_weight, input_shardings
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.schedule import overlap
 from collective_matmul.text import as_message
+from collective_matmul.topology import mesh_of
 from collective_matmul.wire import BoundsMeasurement, Measurement, Protocol, Status, Timing, quartiles
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
 RING_AXIS = "ring"
+RINGS_AXIS = "rings"  # the rings of a problem smaller than the devices, side by side (`ring_mesh`)
 
 # Builds the program for a candidate: (x, w) -> out, over the given mesh and axis.
 Program = Callable[[jax.Array, jax.Array], jax.Array]
@@ -126,15 +129,40 @@ def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundPr
     return {"compute": compute, "communication": communication}
 
 
-def ring_mesh(devices=None) -> Mesh:
-    """A 1-D mesh over every (global) device, axis named ``ring``."""
+def ring_mesh(devices=None, size: int | None = None) -> Mesh:
+    """The rings of ``size`` devices (default: one of all) over ``devices`` (default: every global device), the ring
+    axis named ``ring`` and Explicit: one ring of them all is a 1-D mesh, smaller rings the last axis of
+    `ring_mesh_of`'s mesh (each of them runs every program at once).
+
+    Raises:
+        ValueError: ``size`` does not divide the devices.
+    """
     devices = list(devices) if devices is not None else jax.devices()
-    return jax.make_mesh((len(devices),), (RING_AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
+    if size is None or size == len(devices):
+        return mesh_of(devices, (len(devices),), (RING_AXIS,), axis_types=AxisType.Explicit)
+    return ring_mesh_of(devices, size, axis_types=AxisType.Explicit)
+
+
+def ring_mesh_of(devices, ring: int, *, axis_types: AxisType = AxisType.Auto) -> Mesh:
+    """The devices as ``len(devices) // ring`` rings of ``ring`` neighbours (axes ``rings``, ``ring``), laid as
+    `collective_matmul.topology.mesh_of` lays a mesh's last axis (a TPU slice's physical order, else the
+    devices' own).
+
+    Raises:
+        ValueError: ``ring`` does not divide the devices.
+    """
+    devices = list(devices)
+    if ring < 1 or len(devices) % ring:
+        raise ValueError(f"a ring of {ring} does not divide the {len(devices)} devices")
+    return mesh_of(devices, (len(devices) // ring, ring), (RINGS_AXIS, RING_AXIS), axis_types=axis_types)
 
 
 def failure(problem: Problem, config: Decomposition, protocol: Protocol, status: Status, message: str) -> Measurement:
-    """The record of a candidate that could not be timed."""
-    hardware = Hardware.detect()
+    """The record of a candidate that could not be timed (on the hardware of its rings here, where they fit)."""
+    try:
+        hardware = ring_hardware(ring_mesh(None, problem.axis_size), RING_AXIS)
+    except ValueError:  # no ring of its size divides the devices here
+        hardware = Hardware.detect()
     return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status,
                        message=as_message(message, 2000), protocol=protocol)
 
@@ -185,8 +213,16 @@ def classify_failure(exc: BaseException) -> Status:
 class Session:
     """Inputs, the compiled baseline and its result for one problem: measure many candidates.
 
+    The problem runs on every ring of ``mesh`` along ``axis`` at once (default: the rings of its size over
+    ``devices``, `ring_mesh`): the inputs are sharded over the ring axis only and replicated over the others, and
+    a program's time is the whole program's (the slowest ring's).  Its hardware is the first ring's, part of a
+    slice of the mesh's devices (`collective_matmul.models.ring_hardware`).
+
     Works in one process or across a `jax.distributed` cluster (every process must call the
     same methods in the same order, as in any SPMD program).
+
+    Raises:
+        ValueError: the problem's ring size does not divide the devices (or is not the size of ``axis``).
     """
 
     def __init__(
@@ -195,19 +231,21 @@ class Session:
         *,
         protocol: Protocol = Protocol(),
         mesh: Mesh | None = None,
+        axis: str | None = None,
+        devices=None,
         build: ProgramBuilder = default_program,
     ):
         self.problem = problem
         self.protocol = protocol
-        self.mesh = mesh or ring_mesh()
-        self.axis = self.mesh.axis_names[0]
+        self.mesh = mesh or ring_mesh(devices, problem.axis_size)
+        self.axis = axis or self.mesh.axis_names[-1]
         if self.mesh.shape[self.axis] != problem.axis_size:
             raise ValueError(
                 f"problem needs a ring of {problem.axis_size} devices but the mesh has "
                 f"{self.mesh.shape[self.axis]}"
             )
         self.build = build
-        self.hardware = Hardware.detect(self.mesh.devices.flat)
+        self.hardware = ring_hardware(self.mesh, self.axis)
         self.x, self.w = self._inputs()
         self._baseline_program, _, _ = self._compile(Decomposition.baseline())
         self.reference = self._baseline_program(self.x, self.w).block_until_ready()
@@ -395,7 +433,7 @@ def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: 
 
 
 def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:
-    """Measure one candidate on all devices (a one-off `Session`)."""
+    """Measure one candidate on all devices, as rings of its size (a one-off `Session`)."""
     return Session(problem, protocol=protocol).measure(config)
 
 

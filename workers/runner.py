@@ -42,7 +42,9 @@ log = logging.getLogger("cmtune.worker")
 
 
 class LocalRunner:
-    """Times trials on this process's devices; keeps one `Session` (inputs, compiled baseline) at a time.
+    """Times trials on this process's devices (its group's): a problem on every ring of its size they split into,
+    all at once, unless ``mesh`` and ``axis`` say which (`Session`); keeps one `Session` (inputs, compiled
+    baseline) at a time.
 
     Nothing a trial does stops the runner: inputs that would not fit (checked before anything is
     allocated), a failed allocation, a compile error, a crash of the program all come back as

@@ -171,33 +171,6 @@ def pair_outputs(args: tuple, outputs) -> dict[int, int]:
     return pairs
 
 
-def tuning_ring(mesh, axis: str):
-    """The devices of one ring of ``mesh`` along ``axis`` to tune on, from this process's point of view.
-
-    The drop-in keys its look-ups by the first ring of the mesh along the axis
-    (`collective_matmul.ring_hardware`), so tuning runs on a ring like it: the first ring when it
-    spans every process (the group tunes it together), else a ring of this process's own devices
-    (each process tunes its own at once, as the data-parallel rings of the step run).
-
-    Raises:
-        SpecError: if the rings span some processes but not all.
-    """
-    import jax
-
-    from collective_matmul.models import rings
-
-    all_rings = rings(mesh.devices, mesh.axis_names.index(axis))
-    first = {d.process_index for d in all_rings[0]}
-    if len(first) == jax.process_count():
-        return list(all_rings[0])
-    if len(first) == 1:
-        mine = [list(r) for r in all_rings if {d.process_index for d in r} == {jax.process_index()}]
-        if mine:
-            return mine[0]
-    raise SpecError(f"the rings of mesh axis {axis!r} span {len(first)} of {jax.process_count()} processes: "
-                    "tune on a mesh whose rings stay within one process or span all of them")
-
-
 # ---- the variants -----------------------------------------------------------------------------
 
 

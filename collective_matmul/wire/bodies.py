@@ -26,16 +26,18 @@ class HardwareIn(BaseModel):
 
     platform: Platform
     device_kind: DeviceKind
-    device_count: int = Field(gt=0, le=1 << 20)
+    device_count: int = Field(gt=0, le=1 << 20, description="the devices of the machine (or of one ring of it, "
+                              "with slice_devices): a submission's rings must divide them")
     process_count: int = Field(default=1, gt=0, le=1 << 16)
+    slice_devices: int | None = Field(default=None, gt=0, le=1 << 20, description=(
+        "where device_count is one ring of a larger slice: the slice's devices (`Hardware.slice_devices`)"))
 
     def to_hardware(self) -> Hardware:
         return Hardware(**self.model_dump())
 
     @classmethod
     def of(cls, hardware: Hardware) -> HardwareIn:
-        return cls(**hardware.identity().model_dump(include={"platform", "device_kind", "device_count",
-                                                             "process_count"}))
+        return cls(**hardware.identity().model_dump(include=set(cls.model_fields)))
 
 
 class Seed(BaseModel):
@@ -195,13 +197,16 @@ class ConfigQuery(BaseModel):
     device_kind: DeviceKind
     device_count: int | None = Field(default=None, gt=0, le=1 << 20)
     process_count: int = Field(default=1, gt=0, le=1 << 16)
+    slice_devices: int | None = Field(default=None, gt=0, le=1 << 20, description="the devices of the slice the "
+                                      "ring is part of (`Hardware.slice_devices`; None: the ring is the whole machine)")
     software: Software | None = Field(default=None, description="the caller's stack: a config measured on another "
                                       "is 'stale' (None: the newest of any stack answers 'exact', and the answer's "
                                       "note says so)")
 
     def hardware(self) -> Hardware:
         return Hardware(platform=self.platform, device_kind=self.device_kind,
-                        device_count=self.device_count or self.problem.axis_size, process_count=self.process_count)
+                        device_count=self.device_count or self.problem.axis_size, process_count=self.process_count,
+                        slice_devices=self.slice_devices)
 
 
 MAX_BATCH = 1_000  # look-ups per batch: about 0.1-0.4 s of one core at most (cost-model choices of unseen shapes)

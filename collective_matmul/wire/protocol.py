@@ -47,6 +47,8 @@ class WorkerPublic(BaseModel):
     name: str
     hardware: Hardware
     hardware_key: str
+    ring_keys: list[str] = Field(default_factory=list, description="the hardware keys it leases trials of: its "
+                                 "own, then those of the rings its devices split into (`Hardware.rings`)")
     software: Software
     software_key: str
     registered_at: dt.datetime

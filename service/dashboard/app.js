@@ -315,6 +315,8 @@ async function workersPage() {
     { key: "id", label: "worker", num: true, value: (w) => w.id },
     { key: "name", label: "name", value: (w) => w.name },
     { key: "hardware", label: "hardware", value: (w) => w.hardware_key },
+    // a worker tunes every ring its devices split into: the hardware keys of those rings (a ring of 4 of 8: 4:1/8)
+    { key: "rings", label: "also tunes rings", value: (w) => (w.ring_keys || []).slice(1).join(", ") || "-" },
     { key: "status", label: "status", value: (w) => (w.online ? "online" : w.active ? "offline" : "left"), render: (w) => stateBadge(w.online ? "online" : w.active ? "offline" : "left") },
     { key: "heartbeat", label: "last heartbeat", value: (w) => w.last_heartbeat, render: (w) => ago(w.last_heartbeat) },
     { key: "trial", label: "current trial", num: true, value: (w) => w.current_trial_id },
@@ -329,11 +331,13 @@ async function configsPage() {
   const query = new URLSearchParams();
   for (const key of ["platform", "device_kind"]) if (params.get(key)) query.set(key, params.get(key));
   const [tuned, workers] = await Promise.all([api(`/v1/tuned?${query}`), api("/v1/workers")]);
-  // the stacks of the registered workers: a problem with no config of one of them is stale there
-  const stacks = new Map(workers.map((w) => [`${w.hardware_key}|${w.software_key}`, w]));
+  // the stacks of the registered workers on each hardware they tune (their own and their rings'): a problem with
+  // no config of one of them is stale there
+  const stacks = new Map(workers.flatMap((w) => (w.ring_keys && w.ring_keys.length ? w.ring_keys : [w.hardware_key])
+    .map((key) => [`${key}|${w.software_key}`, { key, w }])));
   const have = new Set(tuned.map((c) => `${c.problem_key}|${c.hardware_key}|${c.software_key}`));
-  const staleFor = (c) => [...stacks.values()].filter((w) => w.hardware_key === c.hardware_key
-    && !have.has(`${c.problem_key}|${c.hardware_key}|${w.software_key}`)).map((w) => stack(w.software));
+  const staleFor = (c) => [...stacks.values()].filter(({ key, w }) => key === c.hardware_key
+    && !have.has(`${c.problem_key}|${c.hardware_key}|${w.software_key}`)).map(({ w }) => stack(w.software));
   const columns = [
     { key: "problem", label: "problem", value: (c) => c.problem_key },
     { key: "hardware", label: "hardware", value: (c) => c.hardware_key },

@@ -25,6 +25,8 @@ from collective_matmul.problem import (
 from collective_matmul.text import label
 from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, ShortText, TunedPublic
 
+SLICE_DEVICES = "the devices of the slice the ring is part of (default: the ring is the whole machine)"
+
 router = APIRouter(tags=["configs"], responses=responses(401, 403, 413, 503))
 
 
@@ -52,6 +54,7 @@ async def get_config(
     device_kind: Annotated[DeviceKind, Query(examples=["TPU v5p"])],
     device_count: Annotated[int | None, Query(gt=0, description="default: axis_size")] = None,
     process_count: Annotated[int, Query(gt=0)] = 1,
+    slice_devices: Annotated[int | None, Query(gt=0, description=SLICE_DEVICES)] = None,
     jax: Annotated[Version | None, Query(description="the caller's software stack (collective_matmul.problem."
                                                       "Software): jax, jaxlib, platform_version, flags")] = None,
     jaxlib: Annotated[Version | None, Query()] = None,
@@ -65,7 +68,7 @@ async def get_config(
     measurement of any stack, and its ``note`` says so."""
     problem = _validated(Problem, collective=collective, m=m, k=k, n=n, dtype=dtype, axis_size=axis_size)
     hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count or axis_size,
-                          process_count=process_count)
+                          process_count=process_count, slice_devices=slice_devices)
     stack = {name: value for name, value in (("jax", jax), ("jaxlib", jaxlib), ("platform_version", platform_version),
                                              ("flags", flags)) if value is not None}
     software = _validated(Software, **stack) if stack else None
@@ -83,7 +86,8 @@ async def query_configs(body: ConfigQueryBatch, state: StateDep, _: ReaderDep,
     """
     queries = [(q.problem, _validated(Hardware, platform=q.platform, device_kind=q.device_kind,
                                       device_count=q.device_count or q.problem.axis_size,
-                                      process_count=q.process_count), q.software) for q in body.queries]
+                                      process_count=q.process_count, slice_devices=q.slice_devices), q.software)
+               for q in body.queries]
     async with state.batch_turn:
         for hardware in {h.key: h for _, h, _ in queries}.values():
             await state.cache.ensure(hardware)
@@ -107,10 +111,11 @@ def list_overrides(
     model: Annotated[ModelName, Query(description="the model's name")],
     platform: Annotated[Platform, Query()], device_kind: Annotated[DeviceKind, Query()],
     device_count: Annotated[int, Query(gt=0)], process_count: Annotated[int, Query(gt=0)] = 1,
+    slice_devices: Annotated[int | None, Query(gt=0, description=SLICE_DEVICES)] = None,
 ) -> list[RoleOverride]:
     """The roles of ``model`` that run otherwise than their problems' tuned configs on this hardware, and why."""
     hardware = _validated(Hardware, platform=platform, device_kind=device_kind, device_count=device_count,
-                          process_count=process_count)
+                          process_count=process_count, slice_devices=slice_devices)
     with store.read() as tx:
         return tx.catalog.overrides(model=model, hardware=hardware)
 

@@ -9,6 +9,7 @@ from cmtune.service.errors import NotFoundError, responses
 from cmtune.service.lookup import bounds_fields
 from cmtune.tuner.stepping import step_task_configs
 from cmtune.tuner.stepsearch import step_decision
+from collective_matmul.models import MeshSpec
 from collective_matmul.wire import (
     StepPublic,
     StudyState,
@@ -40,7 +41,7 @@ def get_submission(submission_id: Id, store: StoreDep, _: ReaderDep) -> Submissi
         layers = int(sub.model.get("layers", 1))
         entries = []
         for e in sub.entries:
-            config = tx.tuned_config(e.problem, sub.hardware)
+            config = tx.tuned_config(e.problem, sub.hardware.ring(e.problem.axis_size))  # where it was studied
             entries.append(SubmissionEntry(
                 role=e.roles[0], roles=list(e.roles), count=e.count, problem=e.problem,
                 problem_key=e.problem.key, study_id=e.study_id, study_state=states.get(e.study_id),
@@ -54,7 +55,8 @@ def get_submission(submission_id: Id, store: StoreDep, _: ReaderDep) -> Submissi
                 **(bounds_fields(config) if config else {}),
             ))
         step = step_public(tx, tx.catalog.step_study_of(sub.id), layers)
-        overrides = tx.catalog.overrides(model=sub.name, hardware=sub.hardware)
+        tensor = MeshSpec.model_validate(sub.mesh).tensor_size
+        overrides = tx.catalog.overrides(model=sub.name, hardware=sub.hardware.ring(tensor))
     complete = bool(entries) and all(e.saved_s_per_layer is not None for e in entries)
     return SubmissionPublic(
         id=sub.id, name=sub.name, model=sub.model, mesh=sub.mesh, hardware=sub.hardware,

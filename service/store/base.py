@@ -49,7 +49,8 @@ FIXED = (studies.c.settings, studies.c.protocol, studies.c.space_size, studies.c
          studies.c.step, studies.c.submission_id, studies.c.hardware_id, studies.c.problem_id, studies.c.software,
          studies.c.reconfirm)
 PROBLEM = (problems.c.collective, problems.c.m, problems.c.k, problems.c.n, problems.c.dtype, problems.c.axis_size)
-HARDWARE = (hardware_t.c.platform, hardware_t.c.device_kind, hardware_t.c.device_count, hardware_t.c.process_count)
+HARDWARE = (hardware_t.c.platform, hardware_t.c.device_kind, hardware_t.c.device_count, hardware_t.c.process_count,
+            hardware_t.c.slice_devices)
 TRIAL = (trials.c.id, trials.c.study_id, trials.c.number, trials.c.kind, trials.c.decompositions,
          trials.c.decomposition_id, trials.c.state, trials.c.created_at, trials.c.attempts, trials.c.status,
          trials.c.ratio, trials.c.message, trials.c.worker_id, trials.c.result_lease_id, trials.c.finished_at,
@@ -131,7 +132,7 @@ class Tx:
         hw = hardware.identity()
         return self._key_id("hardware", hw.key, _HARDWARE_ID, _INSERT_HARDWARE, dict(
             key=hw.key, platform=hw.platform, device_kind=hw.device_kind, device_count=hw.device_count,
-            process_count=hw.process_count) if create else None)
+            process_count=hw.process_count, slice_devices=hw.slice_devices) if create else None)
 
     def problem_id(self, problem: Problem, *, create: bool = False) -> int | None:
         return self._key_id("problems", problem.key, _PROBLEM_ID, _INSERT_PROBLEM,
@@ -188,7 +189,7 @@ def problem_of(row) -> Problem:
 
 def hardware_of(row) -> Hardware:
     return Hardware(platform=row.platform, device_kind=row.device_kind, device_count=row.device_count,
-                    process_count=row.process_count)
+                    process_count=row.process_count, slice_devices=row.slice_devices)
 
 
 def study_record(fixed: Fixed, row, prefix: str = "") -> StudyRecord:

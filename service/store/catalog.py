@@ -61,6 +61,10 @@ class Catalog:
     def __init__(self, tx: Tx, studies_: Studies):
         self._tx, self._studies = tx, studies_
 
+    def known(self, hardware: Hardware) -> bool:
+        """Whether anything was ever stored on ``hardware`` (its row exists)."""
+        return self._tx.hardware_id(hardware) is not None
+
     # --- studies ------------------------------------------------------------------------------
 
     def find_study(self, problem: Problem, hardware: Hardware) -> StudyRecord | None:

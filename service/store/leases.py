@@ -77,22 +77,37 @@ _END_LEASE_COUNTED = Prepared(update(workers).where(workers.c.id == _ENDED.c.wor
                               .values(trials_done=workers.c.trials_done + 1).add_cte(_ENDED))
 
 
+@functools.lru_cache(maxsize=1024)
+def served_keys(hardware: Hardware) -> tuple[str, ...]:
+    """The hardware keys a worker of ``hardware`` (its identity) leases trials of: its own, then its rings'
+    (`Hardware.rings`)."""
+    return tuple(ring.key for ring in hardware.rings())
+
+
+def _key_parameters(hardware: Hardware) -> dict[str, str]:
+    """The parameters ``hardware_key_0``, ``hardware_key_1``, ... of a claim on ``hardware``'s `served_keys`."""
+    return {f"hardware_key_{i}": key for i, key in enumerate(served_keys(hardware.identity()))}
+
+
 @functools.cache
-def _claim(by_studies: bool, by_hardware: bool, with_study: bool, by_software: bool = False) -> Prepared:
-    """The claim: the oldest pending trial (of the studies ``study_ids``, or on ``hardware_key``) becomes
-    leased by ``claimer``, in one statement; ``by_software`` (with ``by_hardware``): only of studies whose
-    stack is ``software_key`` or none; ``with_study`` (PostgreSQL: SQLite's RETURNING names only the updated
-    table) returns its study's `MUTABLE` columns too, as `OWNER`."""
+def _claim(by_studies: bool, hardware_keys: int, with_study: bool, by_software: bool = False) -> Prepared:
+    """The claim: the oldest pending trial (of the studies ``study_ids``, or on one of ``hardware_keys`` hardware
+    keys, ``hardware_key_0``, ...) becomes leased by ``claimer``, in one statement; ``by_software`` (with
+    ``hardware_keys``): only of studies whose stack is ``software_key`` or none; ``with_study`` (PostgreSQL:
+    SQLite's RETURNING names only the updated table) returns its study's `MUTABLE` columns too, as `OWNER`.
+
+    Each key is a parameter of its own (not one expanded at execution), so the statement stays `Prepared`."""
     pending = trials.alias("pending")
     # whether a pending trial's study may give it out, asked per trial (a subquery the planner cannot
     # turn into a join): the claim walks the pending index in order and usually stops at its first entry,
     # where a join would visit every active study and sort all their pending trials
     claimable = select(or_(*(studies.c.state == s for s in ACTIVE))).where(studies.c.id == pending.c.study_id)
-    if by_hardware:
+    if hardware_keys:
         stack = [or_(studies.c.software_key.is_(None), studies.c.software_key == P("software_key"))] \
             if by_software else []
-        claimable = select(and_(or_(*(studies.c.state == s for s in ACTIVE)), hardware_t.c.key == P("hardware_key"),
-                                *stack)) \
+        keys = [P(f"hardware_key_{i}") for i in range(hardware_keys)]
+        on_hardware = hardware_t.c.key == keys[0] if hardware_keys == 1 else hardware_t.c.key.in_(keys)
+        claimable = select(and_(or_(*(studies.c.state == s for s in ACTIVE)), on_hardware, *stack)) \
             .join_from(studies, hardware_t, hardware_t.c.id == studies.c.hardware_id) \
             .where(studies.c.id == pending.c.study_id)
     query = select(pending.c.id).where(pending.c.state == TrialState.PENDING, claimable.scalar_subquery()) \
@@ -112,13 +127,12 @@ def _claim(by_studies: bool, by_hardware: bool, with_study: bool, by_software: b
 
 
 @functools.cache
-def _claim_leased(ending: bool) -> Prepared:
-    """PostgreSQL: `_claim` on ``hardware_key`` and ``software_key`` (with its study) and the lease of what it
-    claims, in one
-    statement (``lease_id``, ``now``, ``until``; nothing is inserted when there is nothing to claim);
-    ``ending``: the lease ``_lease_id`` ends and its worker counts a trial done, whatever is claimed (a
+def _claim_leased(ending: bool, hardware_keys: int) -> Prepared:
+    """PostgreSQL: `_claim` on ``hardware_keys`` keys and ``software_key`` (with its study) and the lease of what
+    it claims, in one statement (``lease_id``, ``now``, ``until``; nothing is inserted when there is nothing to
+    claim); ``ending``: the lease ``_lease_id`` ends and its worker counts a trial done, whatever is claimed (a
     data-modifying WITH always runs)."""
-    claimed = _claim(False, True, True, True).statement.cte("claimed")
+    claimed = _claim(False, hardware_keys, True, True).statement.cte("claimed")
     leased = insert(leases).from_select(
         ["id", "trial_id", "worker_id", "created_at", "expires_at", "active"],
         select(P("lease_id", type_=leases.c.id.type), claimed.c.id, claimed.c.worker_id,
@@ -138,19 +152,19 @@ class Leases:
 
     def claim(self, *, study_ids: Sequence[int] | None = None, hardware: Hardware | None = None,
               worker_id: int | None = None, software: Software | None = None) -> TrialRecord | None:
-        """The oldest pending trial (of ``study_ids``, else of the active studies on ``hardware`` whose stack is
-        ``software`` or none), moved to leased by ``worker_id`` (attempts + 1) in one statement, or None
-        (`StoreTx.claim`: the engine's `Engine.claim` checks the move first)."""
+        """The oldest pending trial (of ``study_ids``, else of the active studies on ``hardware`` or its rings,
+        `served_keys`, whose stack is ``software`` or none), moved to leased by ``worker_id`` (attempts + 1) in one
+        statement, or None (`StoreTx.claim`: the engine's `Engine.claim` checks the move first)."""
         parameters = {"claimer": worker_id}
         if study_ids is not None:
             parameters["study_ids"] = list(study_ids)
-        if hardware is not None:
-            parameters["hardware_key"] = hardware.identity().key
+        keys = _key_parameters(hardware) if hardware is not None else {}
+        parameters |= keys
         by_software = hardware is not None and software is not None
         if by_software:
             parameters["software_key"] = software.key
         with_study = self._tx.is_postgres
-        row = self._tx.first(_claim(study_ids is not None, hardware is not None, with_study, by_software), parameters)
+        row = self._tx.first(_claim(study_ids is not None, len(keys), with_study, by_software), parameters)
         if row is None:
             return None
         if with_study:
@@ -160,11 +174,11 @@ class Leases:
     def claim_leased(self, *, hardware: Hardware, worker_id: int, now: dt.datetime, seconds: float,
                      ending: str | None = None, software: Software | None = None,
                      ) -> tuple[TrialRecord, LeaseInfo] | None:
-        """`claim` the oldest pending trial on ``hardware`` of a study of the worker's ``software`` stack (or of
-        none) for ``worker_id`` and lease it to the worker for ``seconds`` (on PostgreSQL one statement), or
-        None (a worker that names no stack: ``Software()``); ``ending``: a lease that ends first, as by
-        `end` (in the same statement).  The caller's engine takes the claimed trial's study through its own
-        moves (`Engine.claimed`)."""
+        """`claim` the oldest pending trial on ``hardware`` or one of its rings (`served_keys`) of a study of the
+        worker's ``software`` stack (or of none) for ``worker_id`` and lease it to the worker for ``seconds`` (on
+        PostgreSQL one statement), or None (a worker that names no stack: ``Software()``); ``ending``: a lease that
+        ends first, as by `end` (in the same statement).  The caller's engine takes the claimed trial's study
+        through its own moves (`Engine.claimed`)."""
         check_trial_move(None, TrialState.PENDING, TrialState.LEASED)  # the engine's guard, once per claim
         tx, software = self._tx, software or Software()
         lease_id, expires_at = str(uuid.uuid4()), now + dt.timedelta(seconds=seconds)
@@ -178,11 +192,12 @@ class Leases:
             lease = dataclasses.replace(lease, trial_id=trial.id)
             tx.rows(_INSERT_LEASE, {"created_at": now, **dataclasses.asdict(lease)})
             return trial, lease
-        parameters = {"claimer": worker_id, "hardware_key": hardware.identity().key, "software_key": software.key,
-                      "lease_id": lease_id, "now": now, "until": expires_at}
+        keys = _key_parameters(hardware)
+        parameters = {"claimer": worker_id, **keys, "software_key": software.key, "lease_id": lease_id, "now": now,
+                      "until": expires_at}
         if ending is not None:
             parameters["_lease_id"] = ending
-        row = tx.first(_claim_leased(ending is not None), parameters)
+        row = tx.first(_claim_leased(ending is not None, len(keys)), parameters)
         if row is None:
             return None
         tx.remember_study(row, "owner_")
@@ -241,12 +256,13 @@ class Leases:
             query.order_by(leases.c.created_at).with_for_update(skip_locked=True))]
 
     def starving_studies(self, hardware: Hardware) -> list[int]:
-        """The searching studies on ``hardware`` with no trial in flight at all (pending or leased)."""
+        """The searching studies on ``hardware`` or its rings (`served_keys`) with no trial in flight at all
+        (pending or leased)."""
         in_flight = exists().where(trials.c.study_id == studies.c.id,
                                    trials.c.state.in_([TrialState.PENDING.value, TrialState.LEASED.value]))
         return list(self._tx.execute(
             select(studies.c.id).join(hardware_t, hardware_t.c.id == studies.c.hardware_id)
-            .where(hardware_t.c.key == hardware.identity().key,
+            .where(hardware_t.c.key.in_(served_keys(hardware.identity())),
                    studies.c.state.in_([StudyState.PENDING.value, StudyState.RUNNING.value]), ~in_flight)
             .order_by(studies.c.id)).scalars())
 

@@ -53,6 +53,27 @@ def test_tune_model_on_two_processes(tmp_path):
     assert entry.bounds is not None  # both processes timed the bounds rounds together
 
 
+@pytest.mark.slow  # two groups of two processes
+def test_tune_rings_of_part_of_the_devices_on_two_processes(tmp_path):
+    """Rings of 4 and of 2 on 2x4 devices: every ring at once, the configs keyed by the ring and the slice, found
+    exact by training code on a ``data=2, model=4`` (``data=4, model=2``) mesh of 8 devices."""
+    from collective_matmul import Tuned, ring_hardware
+
+    bundle_path = tmp_path / "tuned.json"
+    problems = {4: "ag:64x16x32:float32:4", 2: "rs:64x32x16:float32:2"}
+    for spec in problems.values():
+        run = cmtune("tune", "--problem", spec, "--devices", "processes:2x4", "--trials", "2", "--repeats", "3",
+                     "--out", str(bundle_path))
+        assert run.returncode == 0, run.stderr
+    keys = {c.problem.axis_size: c.hardware.key for c in Bundle.load(bundle_path).configs}
+    assert keys == {4: "cpu:cpu:4:1/8", 2: "cpu:cpu:2:1/8"}
+    tuned = Tuned(bundle=bundle_path)
+    for size, spec in problems.items():
+        mesh = jax.make_mesh((8 // size, size), ("data", "model"))
+        found = tuned.lookup(Problem.parse(spec), ring_hardware(mesh, "model"))
+        assert (found.match, found.source) == ("exact", "bundle"), found
+
+
 @pytest.mark.slow  # the whole space timed; the bounds rounds alone: tests/workers/test_bounds.py
 def test_bench_times_the_bounds_after_the_candidates(tmp_path):
     out = tmp_path / "bench.jsonl"
@@ -96,7 +117,8 @@ def test_tune_seeds_each_problem_from_the_bundle_and_the_problems_before_it(tmp_
         (["--model", "tiny"], "--model needs --mesh"),
         (["--problem", "ag:64x8x8:float32:8", "--model", "tiny"], "either --problem"),
         (["--problem", "ag:64x8x8:float32:8", "--sampler", "grid"], "expected auto, enumerate"),
-        (["--problem", "ag:64x8x8:float32:4", "--devices", "virtual:8"], "need a ring of 4 devices but 8"),
+        (["--problem", "ag:48x8x12:float32:3", "--devices", "virtual:8"],
+         "rings of 3 devices do not divide the 8 devices of virtual:8: give a multiple of 3"),
     ],
 )
 def test_tune_rejects_bad_input_with_a_useful_message(args, message):

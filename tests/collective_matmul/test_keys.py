@@ -186,3 +186,33 @@ def test_hardware_detect_and_key():
     assert hw.identity().jax_version == ""
     assert Hardware.model_validate_json(hw.canonical_json()) == hw.identity()
     assert json.loads(hw.canonical_json())["device_count"] == 8
+    assert "slice_devices" not in json.loads(hw.canonical_json())  # a whole machine's, as before
+
+
+def test_a_ring_of_part_of_a_slice_is_keyed_by_its_size_and_the_slice():
+    machine = Hardware(platform="cpu", device_kind="cpu", device_count=8, process_count=2)
+    assert machine.key == "cpu:cpu:8:2" and machine.ring(8) is machine
+    ring = machine.ring(4)
+    assert (ring.device_count, ring.process_count, ring.slice_devices, ring.key) == (4, 1, 8, "cpu:cpu:4:1/8")
+    assert ring.ring(2).key == "cpu:cpu:2:1/8"  # a ring of a ring stays part of the slice
+    assert [r.key for r in machine.rings()] == ["cpu:cpu:8:2", "cpu:cpu:4:1/8", "cpu:cpu:2:1/8"]
+    assert Hardware.model_validate_json(ring.model_dump_json()) == ring
+    assert Hardware.model_validate_json(ring.canonical_json()) == ring
+    # a slice of the ring's own size is the whole machine: one key for it
+    assert Hardware(platform="cpu", device_kind="cpu", device_count=4, slice_devices=4).key == "cpu:cpu:4:1"
+    slice_v5p = Hardware(platform="tpu", device_kind="TPU v5", device_count=32, process_count=8)
+    assert [r.key for r in slice_v5p.rings()][1:4] == ["tpu:TPU v5:16:4/32", "tpu:TPU v5:8:2/32",
+                                                       "tpu:TPU v5:4:1/32"]
+    assert [r.key for r in Hardware(platform="cpu", device_kind="cpu", device_count=1).rings()] == ["cpu:cpu:1:1"]
+    with pytest.raises(ValueError, match="a ring of 3 devices does not divide the 8 devices of cpu:cpu:8:2"):
+        machine.ring(3)
+    with pytest.raises(ValueError, match="slice_devices must be a multiple of device_count"):
+        Hardware(platform="cpu", device_kind="cpu", device_count=3, slice_devices=8)
+
+
+def test_detect_names_the_slice_a_ring_is_part_of():
+    import jax
+
+    ring = Hardware.detect(jax.devices()[:4], slice_devices=8)
+    assert ring.key == f"cpu:{ring.device_kind}:4:1/8" and ring.software is not None
+    assert Hardware.detect(jax.devices(), slice_devices=8).slice_devices is None

@@ -319,7 +319,9 @@ def test_restart_with_a_study_in_flight(database_url):
         ({"problem": PROBLEM | {"n": 1 << 40}}, "less than or equal to 16777216"),
         ({"problem": PROBLEM | {"collective": "allreduce"}}, "allgather_matmul"),
         ({"problem": PROBLEM | {"dtype": "int4"}}, "bfloat16"),
-        ({"problem": PROBLEM | {"axis_size": 4}}, "ring of 4 devices but the hardware has device_count=8"),
+        ({"problem": PROBLEM | {"m": 384, "n": 192, "axis_size": 3}},
+         "ring of 3 devices, which does not divide the hardware's device_count=8: a worker tunes the rings its "
+         "devices split into, so submit to hardware whose device_count is a multiple of 3"),
         ({"model": "tiny", "mesh": {"axes": {"data": 3, "model": 8}}}, "global_batch=4 is not divisible"),
         ({"model": "gpt-5"}, "'model' needs 'mesh'"),
         ({"model": "gpt-5", "mesh": {"axes": {"model": 8}}}, "unknown model 'gpt-5'"),
@@ -684,3 +686,33 @@ def test_a_submissions_entries_carry_their_bounds(api):
     entries = api.reader.get(f"/v1/submissions/{created['submission_id']}").json()["entries"]
     assert {(e["bound_s"], e["hidden_fraction"]) for e in entries} == {(1.2e-3, 0.0)}
     assert all(e["reason"].startswith("communication-bound") for e in entries)
+
+
+def test_a_model_on_part_of_the_slice_is_tuned_on_its_rings_by_the_slices_workers(api):
+    """A ``data=2, model=4`` mesh on 8 devices: every study is on a ring of 4 of the 8 (``cpu:cpu:4:1/8``), which an
+    8-device worker leases and a machine of 4 devices does not; look-ups that name the slice find the configs."""
+    body = {"model": "tiny", "mesh": {"axes": {"data": 2, "model": 4}}, "hardware": HARDWARE,
+            "budget": {"trials": 3}, "confirm_top": 1}
+    created = api.admin.post("/v1/studies", json=body)
+    assert created.status_code == 201, created.text
+    studies = created.json()["studies"]
+    assert {s["hardware_key"] for s in studies} == {"cpu:cpu:4:1/8"} and studies[-1]["kind"] == "step"
+    assert {s["problem"]["axis_size"] for s in studies if s["problem"]} == {4}
+    small = register(api.worker, "four", hardware=HARDWARE | {"device_count": 4})
+    assert small.post(f"/v1/workers/{small}/lease").status_code == 204  # a machine of 4 is other hardware
+    worker = register(api.worker, "eight")
+    assert api.reader.get("/v1/workers").json()[-1]["ring_keys"] == ["cpu:cpu:8:1", "cpu:cpu:4:1/8",
+                                                                       "cpu:cpu:2:1/8"]
+    while run_trial(worker) is not None:
+        pass
+    assert all(api.reader.get(f"/v1/studies/{s['id']}").json()["state"] == "completed" for s in studies)
+    submission = api.reader.get(f"/v1/submissions/{created.json()['submission_id']}").json()
+    assert submission["hardware_key"] == "cpu:cpu:8:1" and submission["complete"]
+    assert submission["step"]["state"] == "completed"
+    problem = next(s["problem"] for s in studies if s["problem"])
+    where = {"platform": "cpu", "device_kind": "cpu", "device_count": 4}
+    found = api.reader.get("/v1/configs", params={**problem, **where, "slice_devices": 8}).json()
+    assert found["match"] == "exact" and found["hardware"]["slice_devices"] == 8
+    assert api.reader.get("/v1/configs", params={**problem, **where}).json()["match"] != "exact"  # a machine of 4
+    overrides = api.reader.get("/v1/overrides", params={"model": "tiny", **where, "slice_devices": 8})
+    assert overrides.status_code == 200, overrides.text

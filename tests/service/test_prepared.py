@@ -126,8 +126,9 @@ def test_the_hot_writes_set_only_their_own_columns():
 
     from cmtune.service.store.leases import _claim_leased
 
-    keys = ["claimer", "hardware_key", "lease_id", "now", "until", "_lease_id"]
-    sql = " ".join(str(_claim_leased(True).statement.compile(dialect=postgresql.dialect(), column_keys=keys)).split())
+    keys = ["claimer", "hardware_key_0", "hardware_key_1", "hardware_key_2", "lease_id", "now", "until", "_lease_id"]
+    statement = _claim_leased(True, 3).statement  # a worker of 8 devices: its own key and its rings' of 4 and 2
+    sql = " ".join(str(statement.compile(dialect=postgresql.dialect(), column_keys=keys)).split())
     ended = sql[sql.index("ended AS (UPDATE leases SET"):sql.index("RETURNING leases.worker_id")]
     counted = sql[sql.index("counted AS (UPDATE workers SET"):sql.index("FROM ended")]
     assert ended.count("=") == 2 and "active=" in ended, ended  # SET active, WHERE id

@@ -49,6 +49,56 @@ def test_a_lease_claims_only_along_trial_moves(store, monkeypatch):
             NOW + dt.timedelta(seconds=120)
 
 
+def test_a_worker_leases_the_trials_of_its_rings_in_one_claim(store):
+    """A worker of 8 devices leases a ring of 4 of its slice's study (on PostgreSQL the one-statement claim and
+    lease), and never a machine of 4's: the ring's hardware row keeps the slice."""
+    machine = HW.model_copy(update={"process_count": 2})
+    ring, alone = machine.ring(4), Hardware(platform="cpu", device_kind="cpu", device_count=4, process_count=1)
+    problem = Problem.parse("ag:256x64x128:float32:4")
+    with store.write() as tx:
+        engine = Engine()
+        other = engine.create_study(tx, problem=problem, hardware=alone, settings=study_settings(problem, alone),
+                                    protocol=Protocol(), now=NOW)
+        study = engine.create_study(tx, problem=problem, hardware=ring, settings=study_settings(problem, ring),
+                                    protocol=Protocol(), now=NOW)
+        worker_id, _ = tx.workers.add(name="w", hardware=machine, software=Software(), memory_bytes=None, now=NOW)
+    assert other.id < study.id and other.hardware.key == "cpu:cpu:4:1" and study.hardware.key == "cpu:cpu:4:1/8"
+    with store.write() as tx:
+        trial, lease = tx.leases.claim_leased(hardware=machine, worker_id=worker_id, now=NOW, seconds=60)
+        assert trial.study_id == study.id and lease.trial_id == trial.id
+        assert tx.leases.starving_studies(machine) == []
+    store.fixed.clear()
+    with store.read() as tx:
+        assert tx.study(study.id).hardware == ring.identity()
+
+
+def test_migration_0009_adds_the_slice_and_keeps_a_ring_through_a_downgrade(database_url):
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(database_url)
+    migrate.upgrade(engine)
+    migrate.downgrade(engine, "0008")
+    with engine.begin() as c:  # a machine stored before the revision
+        c.execute(text("INSERT INTO hardware (key, platform, device_kind, device_count, process_count) "
+                       "VALUES ('cpu:cpu:8:1', 'cpu', 'cpu', 8, 1)"))
+    migrate.upgrade(engine)
+    db = Database(database_url)
+    with SqlStore(db).write() as tx:
+        tx.workers.add(name="w", hardware=HW.ring(4), software=Software(), memory_bytes=None, now=NOW)
+    db.dispose()
+    rows = "SELECT key, slice_devices FROM hardware ORDER BY id"
+    with engine.connect() as c:
+        assert c.execute(text(rows)).all() == [("cpu:cpu:8:1", None), ("cpu:cpu:4:1/8", 8)]
+    migrate.downgrade(engine, "0008")
+    with engine.connect() as c:
+        assert c.execute(text("SELECT key FROM hardware ORDER BY id")).scalars().all() == ["cpu:cpu:8:1",
+                                                                                          "cpu:cpu:4:1/8"]
+    migrate.upgrade(engine)  # the ring gets its slice back from its key
+    with engine.connect() as c:
+        assert c.execute(text(rows)).all() == [("cpu:cpu:8:1", None), ("cpu:cpu:4:1/8", 8)]
+    engine.dispose()
+
+
 def test_submissions_are_frozen_records(store):
     with store.write() as tx:
         submission_id = tx.submissions.add(model={"name": "tiny", "layers": 2}, mesh={"model": 8}, hardware=HW,

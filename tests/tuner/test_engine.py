@@ -224,6 +224,29 @@ def on(stack: Software, results: list[Measurement]) -> list[Measurement]:
     return [m.model_copy(update={"hardware": m.hardware.model_copy(update={"software": stack})}) for m in results]
 
 
+def test_a_claim_on_a_machine_serves_it_and_the_rings_its_devices_split_into_oldest_study_first(store):
+    """A worker of 8 devices (2 processes) tunes its own hardware and rings of 4 and 2 of it (``cpu:cpu:4:1/8``,
+    ``cpu:cpu:2:1/8``); never a machine of 4 devices, nor a ring of another slice."""
+    driver, machine = Driver(store), HW.model_copy(update={"process_count": 2})
+    on = {"other machine": Hardware(platform="cpu", device_kind="cpu", device_count=4),
+          "ring of 16": Hardware(platform="cpu", device_kind="cpu", device_count=4, slice_devices=16),
+          "ring of 2": machine.ring(2), "whole": machine, "ring of 4": machine.ring(4)}
+    ids = {}
+    with driver.store.transaction(write=True) as tx:
+        for name, hardware in on.items():
+            problem = Problem.parse(f"ag:256x64x128:float32:{hardware.device_count}")
+            ids[name] = driver.engine.create_study(tx, problem=problem, hardware=hardware, now=driver.tick(),
+                                                   settings=settings(max_trials=2), protocol=Protocol()).id
+    claimed = []
+    with driver.store.transaction(write=True) as tx:
+        while (trial := driver.engine.claim(tx, hardware=machine, now=driver.tick())) is not None:
+            claimed.append(trial.study_id)
+    assert set(claimed) == {ids["ring of 2"], ids["whole"], ids["ring of 4"]}
+    assert claimed == sorted(claimed)  # the oldest study first, whatever its ring
+    with driver.store.transaction() as tx:
+        assert tx.study(ids["ring of 4"]).hardware.key == "cpu:cpu:4:1/8"
+
+
 def test_a_reconfirmation_retimes_the_winner_its_runner_up_and_the_baseline_on_its_stack_only(store):
     driver = Driver(store)
     study_id = driver.create(settings(max_trials=6, confirm_top=2))

@@ -156,6 +156,60 @@ def test_two_process_worker_group_completes_a_study(tmp_path):
         assert confirm["kind"] == "confirm" and confirm["bounds"]["status"] == "ok"
 
 
+RING_PROBLEMS = {4: {**PROBLEM, "axis_size": 4}, 2: {**PROBLEM, "collective": "matmul_reduce_scatter", "axis_size": 2}}
+
+
+@pytest.mark.slow
+def test_a_slice_worker_tunes_the_rings_of_part_of_it_and_training_code_on_that_layout_finds_them(tmp_path):
+    """Tensor parallelism 4 (and 2) on an 8-device slice: problems of rings of 4 and 2 submitted to the slice's
+    hardware are tuned by its 2x4-device worker, every ring at once, keyed by the ring and the slice; `Tuned` on a
+    ``data=2, model=4`` (``data=4, model=2``) mesh of 8 devices finds them exact, from the server and a bundle."""
+    import jax
+
+    from collective_matmul import Problem, Tuned, ring_hardware
+
+    url = f"sqlite:///{tmp_path / 'rings.sqlite'}"
+    tok = tokens(url)
+    with running_server(database_url=url) as server:
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok['admin']}"}, timeout=30)
+        ids = {}
+        for size, problem in RING_PROBLEMS.items():
+            body = {"problem": problem, "hardware": hardware(processes=2), "budget": {"trials": 2}, "repeats": 3,
+                    "confirm_top": 1}
+            response = api.post("/v1/studies", json=body)
+            assert response.status_code == 201, response.text
+            (study,) = response.json()["studies"]
+            assert study["hardware_key"] == f"cpu:cpu:{size}:1/8"
+            ids[size] = study["id"]
+        group = start_worker(server.url, tok["worker"], "--devices", "processes:2x4", "--exit-when-idle",
+                             log=tmp_path / "group.log")
+        try:
+            wait_for(lambda: all(study_state(api, i)["state"] in ("completed", "failed") for i in ids.values()), 300,
+                     "both studies to end")
+            assert group.wait(timeout=120) == 0
+        finally:
+            stop(group)
+        for size, study_id in ids.items():
+            study = study_state(api, study_id)
+            assert study["state"] == "completed", study
+            assert (study["tuned"]["hardware"]["device_count"], study["tuned"]["hardware"]["slice_devices"]) == \
+                (size, 8)
+            confirm = api.get(f"/v1/studies/{study_id}/trials").json()[-1]  # its bounds rounds, as the ring ran them
+            assert confirm["kind"] == "confirm" and confirm["bounds"]["status"] == "ok"
+            measured = confirm["bounds"]["hardware"]
+            assert (measured["device_count"], measured["process_count"], measured["slice_devices"]) == (size, 1, 8)
+        bundle = tmp_path / "rings.json"
+        bundle.write_text(api.get("/v1/bundles").text)
+        reader = create_tokens(url, ("reader",))["reader"]
+        for size, problem in RING_PROBLEMS.items():
+            mesh = jax.make_mesh((8 // size, size), ("data", "model"))
+            where = ring_hardware(mesh, "model")
+            assert where.identity().key == f"cpu:cpu:{size}:1/8"
+            for tuned, source in ((Tuned(server.url, token=reader), "server"), (Tuned(bundle=bundle), "bundle")):
+                found = tuned.lookup(Problem(**problem), where)
+                assert (found.match, found.source) == ("exact", source), found
+
+
 @pytest.mark.slow
 def test_demo_runs_to_its_tables_and_stops_everything_on_sigterm(tmp_path):
     """The README's demo path on the tiny preset (the real demo model takes ~6 minutes): a 2-process worker

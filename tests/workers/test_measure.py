@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import pytest
 
 from cmtune.tuner.search import SearchSettings
 from cmtune.workers.local import LocalTuner
-from cmtune.workers.measure import Session, default_program
+from cmtune.workers.measure import Session, default_program, ring_mesh
 from cmtune.workers.runner import LocalRunner
 from collective_matmul import Decomposition, Hardware, Problem, candidates
 from collective_matmul.costmodel import PROFILES, rank
@@ -100,9 +103,32 @@ def test_study_skips_wrong_and_broken_candidates_and_goes_on():
     assert wrong not in confirm.decompositions and all(m.ok for m in confirm.measurements)
 
 
-def test_mesh_size_must_match_the_ring():
+def test_the_ring_size_must_divide_the_devices():
+    with pytest.raises(ValueError, match="a ring of 3 does not divide the 8 devices"):
+        Session(Problem.parse("ag:48x8x12:float32:3"))
     with pytest.raises(ValueError, match="needs a ring of 4 devices but the mesh has 8"):
-        Session(Problem.parse("ag:64x8x8:float32:4"))
+        Session(Problem.parse("ag:64x8x8:float32:4"), mesh=ring_mesh())
+
+
+@pytest.mark.parametrize("spec", ["ag:256x64x128:float32:4", "rs:256x64x128:float32:2", "gw:256x64x128:float32:4"])
+def test_a_ring_of_part_of_the_devices_runs_on_every_ring_of_them_at_once(spec):
+    """8 devices, rings of 4 (or 2): the inputs sharded over the ring axis only, replicated over the rings, every
+    ring running the candidate in the same program; measured on the ring's hardware, part of a slice of 8."""
+    problem = Problem.parse(spec)
+    session = Session(problem, protocol=Protocol(warmup=1, repeats=3))
+    assert dict(session.mesh.shape) == {"rings": 8 // problem.axis_size, "ring": problem.axis_size}
+    assert session.hardware.key == f"cpu:cpu:{problem.axis_size}:1/8"
+    assert "rings" not in str(session.x.sharding.spec) and "rings" not in str(session.w.sharding.spec)
+    candidate = next(c for c in candidates(problem) if c.method == "ring")
+    program = jax.jit(session.build(problem, candidate, session.mesh, session.axis)).lower(session.x, session.w)
+    hlo = program.compile().as_text()
+    assert "collective-permute" in hlo and "all-gather" not in hlo
+    pairs = [(int(a), int(b)) for block in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)
+             for a, b in re.findall(r"\{(\d+),(\d+)\}", block)]
+    assert pairs and all(a // problem.axis_size == b // problem.axis_size for a, b in pairs)  # within each ring
+    m = session.measure(candidate)
+    assert m.ok and m.hardware.key == session.hardware.key and m.rel_error < 1e-5, m.message
+    assert session.bounds().ok
 
 
 def test_a_weight_gradient_problem_is_measured_like_the_others():

@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cmtune.workers.aot import CompileSession, compile_all, ring_mesh_of
+from cmtune.workers.aot import CompileSession, compile_all
+from cmtune.workers.measure import ring_mesh_of
 from collective_matmul import Decomposition, Problem, allgather_matmul, candidates
 from collective_matmul.discovery import discover
 from collective_matmul.schedule import overlap

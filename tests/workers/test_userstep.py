@@ -24,7 +24,7 @@ from tests.steps import gspmd_mlp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 D = Decomposition.from_id
-RING_HW = Hardware(platform="cpu", device_kind="cpu", device_count=4, process_count=1)
+RING_HW = Hardware(platform="cpu", device_kind="cpu", device_count=4, process_count=1, slice_devices=8)  # of 2x4
 STEPS = ROOT / "tests" / "steps"
 
 
@@ -163,7 +163,7 @@ def test_tune_a_step_then_the_drop_in_finds_its_configs_exactly(tmp_path):
                  "--out", str(out), timeout=600)
     assert run.returncode == 0, run.stderr
     bundle = Bundle.load(out)
-    assert {c.hardware.key for c in bundle.configs} == {"cpu:cpu:4:1"}  # one ring of the data x model mesh
+    assert {c.hardware.key for c in bundle.configs} == {"cpu:cpu:4:1/8"}  # the rings of the data x model mesh
     assert len(bundle.configs) == 3  # the step's five (role, slot) problems share three keys
     tuned = Tuned(bundle=out)
     step, args, _ = gspmd_mlp.mlp_step(tuned)
@@ -202,7 +202,7 @@ def test_verify_a_step_and_decide(tmp_path):
     assert chosen in graded and set(graded) >= set(names)  # every fixed setting of the seeds, graded again
     saved = {o.role: o for o in Bundle.load(path).overrides if o.model == "mlp_step"}
     assert set(saved) <= {"mlp_up", "mlp_down"} and all(o.problems is not None for o in saved.values())
-    assert f"wrote {len(saved)} per-role override(s) of 'mlp_step' on cpu:cpu:4:1" in text
+    assert f"wrote {len(saved)} per-role override(s) of 'mlp_step' on cpu:cpu:4:1/8" in text
     # one round: the standard menu, the per-role ablation with it (from the bundle without the decision)
     bundle.save(path)
     run = cmtune("verify", "--step", spec, "--bundle", str(path), "--decide", "--search-rounds", "1",
@@ -236,5 +236,5 @@ def test_problems_and_tune_a_linen_step_on_two_processes(tmp_path):
     run = cmtune("tune", "--step", spec, "--devices", "processes:2x4", "--trials", "2", "--repeats", "2",
                  "--out", str(out), timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    # each process tuned its own model ring at once: the configs are for a ring within one process
-    assert {c.hardware.key for c in Bundle.load(out).configs} == {"cpu:cpu:4:1"}
+    # both processes tuned every model ring at once: the configs are for a ring within one process, of 8 devices
+    assert {c.hardware.key for c in Bundle.load(out).configs} == {"cpu:cpu:4:1/8"}
