@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +42,10 @@ from collective_matmul.text import as_message, label, message
 
 if TYPE_CHECKING:
     from collective_matmul.bundle import TunedConfig
+
+# the compiled schedule's verdict on a ring's permutes (collective_matmul.schedule): each hides behind a product,
+# some do, none do (serialised), XLA made them synchronous, or the program has none (the baseline)
+OverlapVerdict = Literal["overlaps", "partly", "serialised", "synchronous", "no permutes"]
 
 NOTHING_TO_HIDE = 0.05  # the collective alone under this share of the baseline: nothing to hide
 AT_BOUND = 0.05  # the baseline within this share of itself above the bound: it sits at the bound

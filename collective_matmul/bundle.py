@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from collective_matmul import bounds as _bounds
+from collective_matmul.bounds import OverlapVerdict
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
 from collective_matmul.problem import Hardware, Problem, Software, Version, log_distance
@@ -18,7 +19,8 @@ from collective_matmul.text import label, message
 
 log = logging.getLogger(__name__)
 BUNDLE_FORMAT = "cmtune.bundle"
-BUNDLE_VERSION = 3  # 2 adds per-model, per-role overrides; 3 the software stack of each; versions 1 and 2 still load
+BUNDLE_VERSION = 4  # 2 adds per-model, per-role overrides; 3 the software stack of each; 4 each config's compiled
+# overlap verdict and memory; versions 1 to 3 still load
 
 
 Timestamp = label(64)  # ISO 8601, as `utc_now` writes it
@@ -63,6 +65,11 @@ class TunedConfig(BaseModel):
     software: Software = Field(default_factory=Software,
                                description="the stack that measured it, part of its key (an entry of a version 1 "
                                            "or 2 bundle: its jax_version and jaxlib_version, no flags)")
+    overlap: OverlapVerdict | None = Field(default=None, description="its compiled schedule's verdict "
+                                           "(collective_matmul.schedule): does a product run while each of its "
+                                           "permutes is in flight (None: not recorded, a bundle before version 4)")
+    memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60,
+                                     description="its compiled program's memory per device (None: not recorded)")
 
     @model_validator(mode="before")
     @classmethod
@@ -210,7 +217,7 @@ class Bundle(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["cmtune.bundle"] = BUNDLE_FORMAT
-    version: Literal[1, 2, 3] = BUNDLE_VERSION
+    version: Literal[1, 2, 3, 4] = BUNDLE_VERSION
     created_at: Timestamp = Field(default_factory=utc_now)
     configs: list[TunedConfig] = Field(default_factory=list, max_length=100_000)
     overrides: list[RoleOverride] = Field(default_factory=list, max_length=100 * MAX_ROLES)

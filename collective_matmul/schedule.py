@@ -14,12 +14,12 @@ XLA's CPU backend does) overlaps nothing.  Pure text: no JAX.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from collective_matmul.bounds import OverlapVerdict
 from collective_matmul.discovery import is_product
 from collective_matmul.hlo import Module, parse_module
 
-Verdict = Literal["overlaps", "partly", "serialised", "synchronous", "no permutes"]
+Verdict = OverlapVerdict
 
 
 @dataclass(frozen=True)

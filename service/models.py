@@ -264,6 +264,9 @@ class TunedConfigRow(Base):
     bounds_baseline_s: Mapped[float | None] = mapped_column(Float)
     software: Mapped[dict[str, Any]]  # the stack that measured it (collective_matmul.problem.Software)
     software_key: Mapped[str] = mapped_column(String(64))  # Software.key of ``software``
+    # the winner's compiled schedule verdict (collective_matmul.schedule) and memory per device (None: not recorded)
+    overlap: Mapped[str | None] = mapped_column(String(16))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     problem: Mapped[ProblemRow] = relationship()

@@ -364,7 +364,8 @@ def tuned_config(problem: Problem, winner: Measurement, *, trials: int, invalid:
         problem=problem, hardware=winner.hardware.identity(), decomposition=winner.decomposition,
         time_s=time_s, baseline_s=baseline_s, speedup=speedup,
         speedup_iqr=winner.speedup_iqr, trials=trials, invalid=invalid, failed=failed,
-        space_size=space_size, **_stack_of(winner.hardware),
+        space_size=space_size, overlap=winner.overlap, memory_bytes=winner.memory_bytes,
+        **_stack_of(winner.hardware),
     )
 
 

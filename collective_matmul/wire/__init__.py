@@ -26,6 +26,7 @@ import X``):
 - `group`: what process 0 of a multi-process group tells the others.
 """
 
+from collective_matmul.bounds import OverlapVerdict
 from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.problem import Hardware, Problem, Software
@@ -119,7 +120,6 @@ from collective_matmul.wire.records import (
 from collective_matmul.wire.states import (
     ACTIVE_STUDY_STATES,
     Outcome,
-    OverlapVerdict,
     Status,
     StopReason,
     StudyKind,

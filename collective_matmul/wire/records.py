@@ -7,12 +7,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from collective_matmul.bounds import StepBound
+from collective_matmul.bounds import OverlapVerdict, StepBound
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
 from collective_matmul.wire.fields import MAX_SAMPLES, MeshAxes, Message, Seconds, ShortText, VariantName
-from collective_matmul.wire.states import OverlapVerdict, Status
+from collective_matmul.wire.states import Status
 from collective_matmul.wire.stats import Quartiles, agrees, check_ratio, check_rounds, quartiles
 
 

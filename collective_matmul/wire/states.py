@@ -86,7 +86,6 @@ class Status(StrEnum):
     ERROR = "error"
 
 
-OverlapVerdict = Literal["overlaps", "partly", "serialised", "synchronous", "no permutes"]
 Outcome = Literal["waiting", "re-confirmed", "replaced", "failed", "cancelled"]
 
 

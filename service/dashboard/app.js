@@ -24,6 +24,7 @@ function el(tag, attrs = {}, ...children) {
 
 const ms = (s) => (s === null || s === undefined ? "–" : `${(s * 1e3).toFixed(3)} ms`);
 const x = (v) => (v === null || v === undefined ? "–" : `${v.toFixed(2)}×`);
+const mib = (b) => (b === null || b === undefined ? "–" : `${(b / 2 ** 20).toFixed(1)} MiB`);
 // Keys, ids and savings come from the API (problem_key, hardware_key, decomposition_id, saved_s_*):
 // the page never re-derives them.
 const stateBadge = (state) => el("span", { class: `state ${state}` }, state);
@@ -349,6 +350,8 @@ async function configsPage() {
     { key: "communication", label: "communication", num: true, value: (c) => c.communication_s, render: (c) => ms(c.communication_s) },
     { key: "bound", label: "bound", num: true, value: (c) => c.bound_s, render: (c) => ms(c.bound_s) },
     { key: "hidden", label: "hidden", num: true, value: (c) => c.hidden_fraction, render: (c) => pct(c.hidden_fraction) },
+    { key: "overlap", label: "overlap", value: (c) => c.overlap || "–" },
+    { key: "memory", label: "memory", num: true, value: (c) => c.memory_bytes, render: (c) => mib(c.memory_bytes) },
     { key: "trials", label: "trials", num: true, value: (c) => c.trials, render: (c) => `${c.trials} / ${c.space_size}` },
     { key: "software", label: "measured on", value: (c) => stack(c.software) },
     { key: "stale", label: "stale for", value: (c) => staleFor(c).join("; "),

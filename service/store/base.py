@@ -239,7 +239,8 @@ def tuned_config_of(row) -> TunedConfig:
         time_s=row.time_s, baseline_s=row.baseline_s, speedup=row.speedup, speedup_iqr=row.speedup_iqr,
         trials=row.trials, invalid=row.invalid, failed=row.failed, space_size=row.space_size,
         software=Software.of(row.software), tuned_at=row.updated_at.isoformat(timespec="seconds"),
-        compute_s=row.compute_s, communication_s=row.communication_s, bounds_baseline_s=row.bounds_baseline_s)
+        compute_s=row.compute_s, communication_s=row.communication_s, bounds_baseline_s=row.bounds_baseline_s,
+        overlap=row.overlap, memory_bytes=row.memory_bytes)
 
 
 def tuned_select(*conditions):

@@ -256,6 +256,7 @@ class Studies:
             software=config.software.model_dump(mode="json"),
             updated_at=dt.datetime.now(dt.UTC), study_id=study_id, compute_s=config.compute_s,
             communication_s=config.communication_s, bounds_baseline_s=config.bounds_baseline_s,
+            overlap=config.overlap, memory_bytes=config.memory_bytes,
         )
         key = config.software.key
         existing = tx.first(_TUNED_ID, {"problem_id": problem_id, "hardware_id": hardware_id, "software_key": key})

@@ -30,6 +30,8 @@ def test_tune_writes_a_bundle_the_ops_accept(tmp_path):
     assert entry is not None and entry.trials == 6 and entry.space_size == 49
     assert entry.speedup > 0 and entry.baseline_s > 0
     assert entry.compute_s > 0 and entry.communication_s > 0 and entry.bounds_baseline_s > 0  # the bounds came too
+    # the winner's compiled program came with it: XLA's CPU backend runs a ring's permutes in place
+    assert entry.overlap == ("synchronous" if entry.ring else "no permutes") and entry.memory_bytes > 0
     assert "hidden" in run.stdout and "communication" in run.stdout
     assert " ".join(entry.reason.split()[:3]) in " ".join(run.stdout.split())  # each problem's reason, printed
 

@@ -332,13 +332,13 @@ def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp
     # another model, or no model: the override does not apply
     assert configs_per_role(Tuned(bundle=tmp_path / "v2.json", model="other"), MHA_GATED, mesh=mesh,
                             axis="model")["mlp_up"] != ring
-    # a version-1 file (no overrides) still loads; saving it writes version 3
+    # a version-1 file (no overrides) still loads; saving it writes version 4
     old = tmp_path / "v1.json"
     old.write_text('{"format": "cmtune.bundle", "version": 1, "created_at": "2026-11-30T00:00:00+00:00", '
                    '"configs": []}')
     assert Bundle.load(old).overrides == []
     Bundle.load(old).save(old)
-    assert '"version": 3' in old.read_text()
+    assert '"version": 4' in old.read_text()
 
 
 def test_an_override_no_call_matches_is_reported_not_dropped_silently(tmp_path):
@@ -375,7 +375,8 @@ def test_the_bundle_example_in_the_docs_loads(tmp_path):
     example = text[text.index("```json", text.index("## Bundle format")) + len("```json"):]
     (tmp_path / "example.json").write_text(example[: example.index("```")])
     bundle = Bundle.load(tmp_path / "example.json")
-    assert bundle.version == 3 and len(bundle.configs) == 1
+    assert bundle.version == 4 and len(bundle.configs) == 1
+    assert (bundle.configs[0].overlap, bundle.configs[0].memory_bytes) == ("overlaps", 12713984)
     assert bundle.configs[0].software.jax == "0.10.2" and bundle.overrides[0].software.platform_version == "cpu"
     assert bundle.overrides[0].role == "mlp_down" and bundle.overrides[0].configs.forward.method == "baseline"
 

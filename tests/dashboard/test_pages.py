@@ -157,6 +157,11 @@ def test_a_tuned_config_is_drawn_against_its_bounds(page, site):
     assert bar_widths(page.locator("#bounds-pictures figure.bounds")) == widths
     assert "hidden" in page.locator("#configs thead").inner_text()
     assert f"{tuned['hidden_fraction']:.0%}" in page.locator("#configs tbody").inner_text()
+    # the winner's compiled program: its schedule's verdict and memory per device (the ring's, as measured)
+    assert "overlap" in page.locator("#configs thead").inner_text()
+    row = page.locator("#configs tbody").inner_text()
+    assert tuned["overlap"] == "synchronous" and "synchronous" in row
+    assert f"{tuned['memory_bytes'] / 2 ** 20:.1f} MiB" in row
 
     page.goto(f"{site['url']}/ui/submissions/{site['submission']}")
     page.wait_for_selector("#bounds-pictures figure.bounds rect.bar-tuned")

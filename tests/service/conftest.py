@@ -96,7 +96,8 @@ def measurement(problem: dict, config: Decomposition, ratio: float | None, statu
     else:
         m = Measurement(problem=Problem(**problem), decomposition=config, hardware=hw, status="ok",
                         candidate=Timing.of([1e-3 * ratio] * 3), baseline=Timing.of([1e-3] * 3),
-                        ratio=ratio, ratio_iqr=0.0)
+                        ratio=ratio, ratio_iqr=0.0, memory_bytes=(48 << 20) + (config.chunks << 20),
+                        overlap="synchronous" if config.method == "ring" else "no permutes")
     return m.model_dump(mode="json")
 
 

@@ -99,6 +99,34 @@ def test_migration_0009_adds_the_slice_and_keeps_a_ring_through_a_downgrade(data
     engine.dispose()
 
 
+def test_migration_0010_keeps_a_configs_overlap_and_memory_and_the_config_through_a_downgrade(database_url):
+    from sqlalchemy import create_engine
+
+    from collective_matmul import Decomposition, TunedConfig
+
+    config = TunedConfig(problem=PROBLEM, hardware=HW, decomposition=Decomposition.from_id("ring-bi-c1-full-dus"),
+                         time_s=1e-3, baseline_s=2e-3, speedup=2.0, overlap="partly", memory_bytes=3 << 20)
+    engine = create_engine(database_url)
+    migrate.upgrade(engine)
+    db = Database(database_url)
+    store = SqlStore(db)
+    with store.write() as tx:
+        tx.save_tuned(config, study_id=None)
+    with store.read() as tx:
+        stored = tx.tuned_config(PROBLEM, HW)
+        assert (stored.overlap, stored.memory_bytes) == ("partly", 3 << 20)
+    db.dispose()
+    migrate.downgrade(engine, "0009")  # the older code's table: the config stays, without the two
+    migrate.upgrade(engine)
+    db = Database(database_url)
+    with SqlStore(db).read() as tx:
+        again = tx.tuned_config(PROBLEM, HW)
+    db.dispose()
+    engine.dispose()
+    assert again.decomposition == config.decomposition and again.speedup == 2.0
+    assert (again.overlap, again.memory_bytes) == (None, None)
+
+
 def test_submissions_are_frozen_records(store):
     with store.write() as tx:
         submission_id = tx.submissions.add(model={"name": "tiny", "layers": 2}, mesh={"model": 8}, hardware=HW,

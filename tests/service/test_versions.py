@@ -105,7 +105,7 @@ def test_a_jax_upgrade_turns_exact_into_stale_until_a_worker_of_it_reconfirms_th
     assert len({c["software_key"] for c in stored}) == 2
     assert {c["problem_key"] for c in stored} == {study["problem_key"]}
     bundle = api.reader.get("/v1/bundles").json()
-    assert bundle["version"] == 3 and sorted(c["software"]["jax"] for c in bundle["configs"]) == ["0.10.2", "0.11.0"]
+    assert bundle["version"] == 4 and sorted(c["software"]["jax"] for c in bundle["configs"]) == ["0.10.2", "0.11.0"]
     workers = {w["name"]: w for w in api.reader.get("/v1/workers").json()}
     assert workers["new"]["software"]["jax"] == "0.11.0" and workers["new"]["software_key"] == Software(**NEW).key
 

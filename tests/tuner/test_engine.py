@@ -85,9 +85,11 @@ def measured(config: Decomposition, status: Status = Status.OK, problem: Problem
     if status != Status.OK:
         return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status, message="boom")
     ratio = ratio or ratio_of(config)
+    ring = config.method == "ring"
     return Measurement(problem=problem, decomposition=config, hardware=hardware, status=status,
                        candidate=Timing.of([1e-3 * ratio] * 3), baseline=Timing.of([1e-3] * 3), ratio=ratio,
-                       ratio_iqr=0.0)
+                       ratio_iqr=0.0, overlap="partly" if ring else "no permutes",
+                       memory_bytes=(1 << 20) + 4096 * config.chunks if ring else 1 << 20)
 
 
 class Driver:
@@ -710,6 +712,10 @@ def test_a_confirmations_bounds_are_stored_on_its_trial_and_the_tuned_config(sto
     tuned = driver.tuned(study_id)
     assert (tuned.compute_s, tuned.communication_s, tuned.bounds_baseline_s) == (0.5e-3, 0.3e-3, 1e-3)
     assert tuned.bound_s == 0.5e-3 and tuned.ring
+    # the winner's compiled program as its confirmation compiled it: its schedule's verdict and memory
+    winner = next(m for m in trials[-1].measurements if m.decomposition == tuned.decomposition)
+    assert (tuned.overlap, tuned.memory_bytes) == ("partly", winner.memory_bytes)
+    assert tuned.memory_bytes == (1 << 20) + 4096 * tuned.decomposition.chunks
     assert tuned.hidden_fraction == pytest.approx((1 - tuned.time_s / tuned.baseline_s) / 0.5)
     assert study.message is None  # a ring won: the tuned config says how much it hid
 
