@@ -41,14 +41,17 @@ def submit(
     mesh: Annotated[str | None, typer.Option(help="e.g. data=1,model=8")] = None,
     tensor_axis: Annotated[str | None, typer.Option()] = None,
     platform: Annotated[str | None, typer.Option(
-        help="hardware to tune on (default cpu; with --step, the platform of the step's ring here)")] = None,
-    device_kind: Annotated[str | None, typer.Option(help="(default cpu; with --step, the ring's)")] = None,
+        help="hardware to tune on (default: the registered workers' hardware, where they are of one kind; with "
+             "--step, the platform of the step's ring here)")] = None,
+    device_kind: Annotated[str | None, typer.Option(help="(default: the workers'; cpu with --platform cpu; with "
+                                                         "--step, the ring's)")] = None,
     device_count: Annotated[int | None, typer.Option(
         min=1, help="the devices of the hardware to tune on: its workers tune every ring whose size divides them, "
-                    "all at once (default: the mesh's devices with --model; the ring's with --problem; with --step, "
-                    "the step's mesh's)")] = None,
+                    "all at once (default: the workers'; with --platform, the mesh's devices with --model, the "
+                    "ring's with --problem; with --step, the step's mesh's)")] = None,
     process_count: Annotated[int | None, typer.Option(
-        min=1, help="the processes of the hardware (default 1; with --step, the ring's)")] = None,
+        min=1, help="the processes of the hardware (default: the workers'; 1 with --platform; with --step, the "
+                    "ring's)")] = None,
     trials: Annotated[int | None, typer.Option(min=1, help="trial budget per problem")] = None,
     force: Annotated[bool, typer.Option(help="tune again even if tuned")] = False,
     warm_start: Annotated[bool, typer.Option(
@@ -80,9 +83,13 @@ def submit(
         bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force,
                               warm_start=warm_start)]
         return _post(server, token, token_file, bodies)
+    pool = None
+    if platform is None and device_kind is None and device_count is None and process_count is None:
+        pool = _pool_hardware(server, token, token_file)
+
     def on(devices: int) -> dict:
-        hardware = HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
-                              device_count=device_count or devices, process_count=process_count or 1)
+        hardware = pool or HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
+                                      device_count=device_count or devices, process_count=process_count or 1)
         return dict(hardware=hardware, budget=Budget(trials=trials), force=force, warm_start=warm_start)
 
     if model and not problem:  # the service derives the model's problems (and says what does not fit)
@@ -100,6 +107,25 @@ def submit(
         bodies = [StudyCreate(problem=p, **on(p.axis_size))
                   for p in problems_from_options(problem, model, mesh, tensor_axis)]
     _post(server, token, token_file, bodies)
+
+
+def _pool_hardware(server: str, token: str | None, token_file: Path | None):
+    """The hardware of the registered workers (`HardwareIn`), where they are all of one machine; else exit 1
+    saying which options to give (no worker: the hardware is unknown; several kinds: which one is meant)."""
+    from collective_matmul.wire import HardwareIn
+
+    with _api(server, token, token_file) as api:
+        workers = api.workers()
+    kinds = {w.hardware_key: w.hardware for w in workers}
+    if len(kinds) == 1:
+        (key, hardware), = kinds.items()
+        console.print(f"hardware: {key}, the registered workers' ({len(workers)})")
+        return HardwareIn.of(hardware)
+    known = f"the workers are of {len(kinds)} kinds: {', '.join(sorted(kinds))}" if kinds else \
+        "no worker is registered to say what it runs on"
+    console.print(f"[red]{known}: give the hardware to tune on, e.g. --platform cpu (with --device-kind, "
+                  "--device-count and --process-count where they are not cpu's defaults)[/red]")
+    raise typer.Exit(1)
 
 
 def _post(server: str, token: str | None, token_file: Path | None, bodies) -> None:

@@ -250,7 +250,7 @@ def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):
         admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         (summary,) = admin.get("/v1/submissions").json()
         sub = admin.get(f"/v1/submissions/{summary['id']}").json()
-    assert sub["name"] == "my_linen" and sub["hardware_key"] == "cpu:cpu:4:1"  # one ring of the data x model mesh
+    assert sub["name"] == "my_linen" and sub["hardware_key"] == "cpu:cpu:4:1/8"  # a ring of 4 of the 8-device mesh
     roles = {role for entry in sub["entries"] for role in entry["roles"]}
     assert {"Model/layer0/up", "Model/layer1/down.grad_input", "Model/layer0/up.grad_weight"} <= roles
     assert len(sub["entries"]) == 3 and says(run, "study") and says(run, "submission")
@@ -265,13 +265,15 @@ def test_submit_a_model_twice_joins_and_the_service_says_what_does_not_fit(tmp_p
     with running_server(database_url=url) as server:
         env = os.environ | {"CMTUNE_TOKEN": token}
 
-        def submit(*args):
+        def submit(*args, hardware=("--platform", "cpu")):
             return subprocess.run([sys.executable, "-m", "cmtune", "submit", "--server", server.url, "--trials", "2",
-                                   "--model", "tiny", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                                  env=env)
+                                   "--model", "tiny", *hardware, *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=120, env=env)
 
+        unknown = submit("--mesh", "data=1,model=8", hardware=())  # no worker says what the hardware is
         first, second = submit("--mesh", "data=1,model=8"), submit("--mesh", "data=1,model=8")
         unfit = submit("--mesh", "data=1,model=7")
+    assert unknown.returncode == 1 and says(unknown, "no worker is registered") and says(unknown, "--platform cpu")
     assert first.returncode == 0 and says(first, "submission 1") and says(first, "step:tiny"), first.stdout
     assert second.returncode == 0 and says(second, "joined submission 1"), second.stdout
     assert unfit.returncode != 0 and says(unfit, "tiny qkv: allgather_matmul: m=512 is not divisible by axis_size=7")

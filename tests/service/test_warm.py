@@ -102,6 +102,7 @@ def test_cmtune_submit_and_status_show_where_the_seeds_came_from(tmp_path):
         plain = cmtune("submit", "--problem", "ag:256x64x128:float32:8", "--force", "--no-warm-start")
         status = cmtune("status")
     assert f"2 seeds from 512x64x128 (#{neighbour['id']})" in seeded
+    assert "hardware: cpu:cpu:8:1, the registered workers' (1)" in seeded  # no hardware given: the pool's
     assert "seeds" not in plain
     rows = [line for line in status.splitlines() if "allgather_matmul:256x64x128" in line]
     assert len(rows) == 2 and sum(f"512x64x128 (#{neighbour['id']})" in row for row in rows) == 1
