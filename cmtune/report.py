@@ -190,6 +190,10 @@ def sites_table(sites, *, title: str) -> Table:
         if not site.applied:
             table.add_row(site.role, site.source, "[yellow]lax.dot_general[/yellow]", site.reason, "", "")
             continue
+        if site.gathered_by:  # its product is local; its backward is the gathering call's
+            table.add_row(site.role, site.source, site.problems["forward"].key,
+                          f"[cyan]reuses {site.gathered_by}'s gather[/cyan]", "in its reduce-scatter", "local")
+            continue
         cells = [f"{f.decomposition.id} ({f.match})" for f in (site.found[s] for s in
                                                               ("forward", "grad_input", "grad_weight"))]
         table.add_row(site.role, site.source, site.problems["forward"].key, *cells)

@@ -92,8 +92,19 @@ def show_discovery(ref: SpecRef, built, discovery) -> None:
     mesh = ",".join(f"{n}={s}" for n, s in built.mesh.shape.items())
     for table in discovery_tables(discovery, title=f"collective matmuls of {ref} on {mesh}"):
         console.print(table)
+    for group in discovery.groups:
+        console.print(f"one gather, {len(group)} projections: {group_label(group)} (the drop-in shares it: "
+                      "collective_matmul.share)")
     for warning in discovery.warnings:
         console.print(f"[yellow]{warning}[/yellow]")
+
+
+def group_label(roles: list[str]) -> str:
+    """``Llama/layers/{query,key,value}``: roles of one prefix written once (else joined by commas)."""
+    prefix = roles[0].rpartition("/")[0]
+    if prefix and all(r.rpartition("/")[0] == prefix for r in roles):
+        return f"{prefix}/{{{','.join(r.rpartition('/')[2] for r in roles)}}}"
+    return ", ".join(roles)
 
 
 def no_problems(ref: SpecRef, discovery) -> None:
@@ -159,7 +170,7 @@ def verified_client(server: str | None, token: str | None, bundle: Path | None, 
 
 
 def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
-                    name: str | None) -> None:
+                    name: str | None, share: bool = True) -> None:
     """`cmtune verify --step --compile-only` (what a TPU topology allows): the step as written (with XLA's windowed
     einsum at its default, off and on, where the backend has it), through the drop-in at the baseline and with the
     tuned configs, each compiled and checked: memory per device, its collectives and its schedule's overlap
@@ -167,7 +178,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     import jax
 
     from cmtune.report import compiled_steps_table, sites_table
-    from cmtune.workers.userstep import Built, step_variants
+    from cmtune.workers.userstep import Built, step_variants, unshared
     from collective_matmul.schedule import overlap
     from collective_matmul.xla_options import windowed_einsum
 
@@ -180,6 +191,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     ref, fn = load(step)
     topology = spec.tpu_devices() if spec.kind == "tpu" else None
     tuned = verified_client(server, token, bundle, name or ref.name)
+    tuned.share = share
     rows = []
     with spec_errors():
         reference = Built.of(fn, None, spec=str(ref), devices=topology)
@@ -190,6 +202,9 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
                      reference, options) for s, options in settings]
         variants += [(label, Built.of(fn, source, spec=str(ref), devices=topology), {})
                      for label, source in step_variants(tuned).items() if source is not None]
+        variants[-1][1].step.trace(*variants[-1][1].args)  # the tuned step, traced: did it share a gather?
+        if tuned.report().groups:
+            variants.append(("tuned-no-share", Built.of(fn, unshared(tuned), spec=str(ref), devices=topology), {}))
     for label, built, options in variants:
         started = time.monotonic()
         try:
@@ -204,6 +219,8 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     sites = tuned.report()
     console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} applied, "
                                            f"{len(sites.fell_back)} fell back)"))
+    if sites.groups:
+        console.print(sites.groups_line())
     for line in filter(None, (sites.unmatched_line(), *sites.advice())):
         console.print(f"[yellow]{line}[/yellow]")
     where = f"tpu:{spec.topology}" if spec.kind == "tpu" else platform
@@ -219,7 +236,7 @@ def _memory(compiled) -> int | None:
 
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
            name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
-           json_out: Path | None, search_rounds: int = 3, round_variants: int = 3) -> None:
+           json_out: Path | None, search_rounds: int = 3, round_variants: int = 3, share: bool = True) -> None:
     """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
     with ``decide``, the step search on it (`decide_user_step`)."""
     from cmtune.report import sites_table
@@ -241,6 +258,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
     # session keeps the tuned step built here and compiles it when it measures.
     tuned = verified_client(server, token, bundle, model) if group.leader else Tuned.pinned({})
+    tuned.share = share
     with spec_errors():
         reference = Built.of(fn, None, spec=str(ref))
         session = UserStepSession(fn, reference, model=model, spec=str(ref),
@@ -251,9 +269,11 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
         traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
         sites = tuned.report()
         message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
-                            axis=next((s.axis for s in sites.applied), None))
+                            axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
         console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
                                                f"applied, {len(sites.fell_back)} fell back)"))
+        if sites.groups:
+            console.print(sites.groups_line())
         for line in filter(None, (sites.unmatched_line(), *sites.advice())):
             console.print(f"[yellow]{line}[/yellow]")
     message = group.share(message, StepCalls)
@@ -275,7 +295,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
                                   rounds=search_rounds, per_round=round_variants, say=say)
     else:
         platform = reference.mesh.devices.flat[0].platform
-        variants = step_variants(tuned, platform)
+        variants = step_variants(tuned, platform, shared=message.shared)
         if not any(isinstance(source, AsWritten) for source in variants.values()):
             say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
         say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")

@@ -371,6 +371,10 @@ def verify(
         help="with --step: compile the step as written (XLA's windowed einsum at its default, off and on, where the "
              "backend has it) and through the drop-in, and check each (memory, collectives, overlap), timing "
              "nothing (what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")] = False,
+    share: Annotated[bool, typer.Option(
+        help="with --step: column calls of one activation share one gather (q/k/v, gate/up: "
+             "collective_matmul.share), and the step is also timed without (tuned-no-share); --no-share: every "
+             "call gathers for itself")] = True,
     coordinator: Annotated[str | None, COORDINATOR] = None,
     num_processes: Annotated[int | None, NUM_PROCESSES] = None,
     process_id: Annotated[int | None, PROCESS_ID] = None,
@@ -391,10 +395,12 @@ def verify(
         if compile_only or devices.startswith("tpu:"):
             if decide:
                 raise typer.BadParameter("--decide times the step: it needs devices that run (not --compile-only)")
-            return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name)
+            return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name,
+                                         share=share)
         return steps.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
-                                    repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
-                                    json_out=json_out, search_rounds=search_rounds, round_variants=round_variants)
+                            repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
+                            json_out=json_out, search_rounds=search_rounds, round_variants=round_variants,
+                            share=share)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
     if compile_only or devices.startswith("tpu:"):

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from collective_matmul import flax as drop_in
 from collective_matmul import roles
 from collective_matmul.bundle import Bundle
-from collective_matmul.decomposition import Decomposition, OpConfigs
+from collective_matmul.decomposition import OpConfigs
 from collective_matmul.lookup import Unmeasured
 from collective_matmul.models import SLOTS, ring_hardware, slot_problems
 from collective_matmul.ops import OPS, BatchAxis, problem_of
@@ -67,6 +67,8 @@ class Tuned:
     Raises:
         ValueError: if ``unmeasured`` is neither.
     """
+
+    share = True  # the drop-in's column calls of one activation share one gather (`collective_matmul.share`)
 
     def __init__(self, server: str | None = None, *, token: str | None = None, bundle: str | Path | None = None,
                  model: str | None = None, timeout_s: float = 2.0, unmeasured: Unmeasured = "baseline"):
@@ -169,13 +171,8 @@ class Tuned:
         """For linen's ``dot_general_cls=``: a factory of `dot_general` (see `collective_matmul.flax`)."""
         return drop_in.dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
-    def config_for(self, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
-                   ) -> Decomposition:
-        """The forward config an op call would use (the problem is derived from the arrays and the mesh)."""
-        return self.configs(None, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis).forward
-
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op", gathered_by: str = "") -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`): the problems
         of the forward's shapes (`call_problems`), answered by the model's override of ``role``, then `lookup`.
 
@@ -183,6 +180,7 @@ class Tuned:
             role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
             collective, x, w, mesh, axis, batch_axis: as for the op (arrays, tracers or shape structs).
             source, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
+            gathered_by: the role of the call whose gather this one reuses (`collective_matmul.share`), for `report`.
 
         Raises:
             ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
@@ -192,7 +190,7 @@ class Tuned:
         if role is not None and not source:
             source = roles.call_site()[1]
         site = CallSite(role=role or "", source=source, via=via, collective=collective, problems=problems,
-                        hardware=hardware.identity(), axis=axis)
+                        hardware=hardware.identity(), axis=axis, gathered_by=gathered_by)
         call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
         found = self._answers.answers(role, call, hardware, problems, site.notes, self._record)
         site.found = _edited(self.name, self._edit, role, problems, found) if self._edit is not None else found

@@ -77,6 +77,9 @@ class Discovery(BaseModel):
                                             "decomposes in the compiled step (its problems are listed too)")
     warnings: list[str] = Field(default_factory=list)
     mesh: dict[str, int] = Field(default_factory=dict)
+    groups: list[list[Role]] = Field(default_factory=list, description="the roles whose products read one gathered "
+                                     "activation (q/k/v, gate/up), each group in the module's order: XLA gathers "
+                                     "once for them, and so does the drop-in (collective_matmul.share)")
 
 
 # ---- the scan (module text in, problems out: no JAX) ---------------------------------------
@@ -103,6 +106,7 @@ class _Tally:
     skipped: dict[tuple, int] = field(default_factory=dict)
     backward: dict[str, set[str]] = field(default_factory=dict)  # role -> slots its backward computes
     weights: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # role -> forward weight shapes
+    gathers: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (computation, all-gather) -> roles
 
 
 def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discovery:
@@ -156,8 +160,9 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
                             "projection its own jax.named_scope (or Flax module) so that each is decided on its own")
     skipped = [SkippedCollective(role=role, what=what, reason=reason, count=count)
                for (role, what, reason), count in tally.skipped.items()]
+    groups = [roles for roles in tally.gathers.values() if len(roles) > 1]
     return Discovery(problems=problems, skipped=skipped, decomposed=decomposed, warnings=warnings,
-                     mesh=dict(mesh or {}))
+                     mesh=dict(mesh or {}), groups=groups)
 
 
 def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _Tally, *, backward: bool) -> None:
@@ -276,6 +281,10 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
         tally.problems[key][1] += times
     else:
         tally.problems[key] = [slots, times, axis, source]
+    if collective == COLUMN:  # the products one gathered activation feeds: one group
+        readers = tally.gathers.setdefault((dot.computation, gathered_lhs.collective.name), [])
+        if role not in readers:
+            readers.append(role)
 
 
 # ---- the products of a module, in every form a backend prints them ----------------------------

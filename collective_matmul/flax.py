@@ -40,8 +40,9 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from collective_matmul.ops import OPS, check_call, is_explicit
+from collective_matmul.ops import OPS, allgather_matmul_keep, check_call, gathered_matmul, is_explicit
 from collective_matmul.roles import call_site
+from collective_matmul.share import GATHERS
 
 if TYPE_CHECKING:
     from collective_matmul.block import ConfigSource
@@ -82,17 +83,32 @@ class DotGeneral:
         except ValueError as exc:  # _Unfit, or shapes that do not divide over the ring
             return self._plain(role, where, str(exc), lhs, rhs, dimension_numbers, precision,
                                preferred_element_type, kwargs)
-        # a served config that does not fit is skipped inside `configs`; a step variant whose edit does
-        # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
-        configs = self.source.configs(role, collective, x, w, mesh=self.mesh, axis=self.axis,
-                                      batch_axis=batch_axis, source=where, via="dot_general")
-        y = OPS[collective](x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis, config=configs.forward,
-               grad_input=configs.grad_input, grad_weight=configs.grad_weight)
-        y = y.reshape(unfold)
+        y = self._run(role, where, collective, lhs, x, w, batch_axis).reshape(unfold)
         out_sharding = kwargs.get("out_sharding")
         if out_sharding is not None:
             y = _reshard(y, out_sharding, self.mesh)
         return y
+
+    def _run(self, role, where, collective, lhs, x, w, batch_axis):
+        """The op of one call; a column call of an activation an earlier one gathered reuses its gather."""
+        share = collective == "allgather_matmul" and getattr(self.source, "share", False)
+        where_to = dict(mesh=self.mesh, axis=self.axis, batch_axis=batch_axis)
+        found = GATHERS.find(lhs, **where_to) if share else None
+        if found is not None and found[0].shape[1:] == x.shape:  # the same activation, folded alike
+            stack, first = found
+            self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general",
+                                gathered_by=first)
+            return gathered_matmul(stack, w, **where_to)
+        # a served config that does not fit is skipped inside `configs`; a step variant whose edit does
+        # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
+        configs = self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general")
+        if share and configs.forward.method != "xla":
+            y, stack = allgather_matmul_keep(x, w, **where_to, config=configs.forward, grad_input=configs.grad_input,
+                                             grad_weight=configs.grad_weight)
+            GATHERS.keep(lhs, stack, **where_to, role=role)
+            return y
+        return OPS[collective](x, w, **where_to, config=configs.forward, grad_input=configs.grad_input,
+                               grad_weight=configs.grad_weight)
 
     def _fit(self, lhs, rhs, dimension_numbers, precision, preferred, kwargs):
         (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers

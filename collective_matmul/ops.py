@@ -20,6 +20,7 @@ from collective_matmul.problem import Problem
 from collective_matmul.reference import baseline_allgather_matmul_shard, baseline_matmul_reduce_scatter_shard
 from collective_matmul.ring import (
     allgather_grad_weight_shard,
+    allgather_matmul_keep_shard,
     allgather_matmul_shard,
     matmul_reduce_scatter_shard,
 )
@@ -68,6 +69,69 @@ def allgather_matmul(
         return _as_written("allgather_matmul", x, w, mesh=mesh, specs=specs)
     body = partial(allgather_matmul_shard, axis=axis, config=config, grad_input=grad_input, grad_weight=grad_weight)
     return _run(body, x, w, mesh=mesh, specs=specs)
+
+
+def allgather_matmul_keep(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    config: Decomposition,
+    batch_axis: BatchAxis = None,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`allgather_matmul` that also returns what it gathered, for `gathered_matmul` to reuse.
+
+    The gathered ``x`` comes back as ``[P, ..., M, K]``, sharded over ``axis`` on its first dimension: row ``i``
+    is device ``i``'s copy of ``all_gather(x)`` (the one the ring or the all-gather left there), so a later
+    product of the same activation needs no collective.  The input gradients of those products flow back
+    into this op's backward and join its one reduce-scatter (`collective_matmul.share`).  Nothing reuses it:
+    XLA drops the copy and the zero it adds.
+
+    Raises:
+        ValueError: as `allgather_matmul`; and for ``method="xla"``, which has no gathered value to hand on.
+    """
+    lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
+    x_spec, w_spec, out_spec = _specs("allgather_matmul", lead, axis)
+    if _left_to_xla(config, grad_input, grad_weight):
+        raise ValueError("allgather_matmul_keep: method='xla' leaves the gather to XLA, which shares it itself")
+    kernel = partial(allgather_matmul_keep_shard, axis=axis, config=config, grad_input=grad_input,
+                     grad_weight=grad_weight)
+
+    def body(x, w):
+        y, gathered = kernel(x, w)
+        return y, gathered[None]
+
+    stack_spec = P(axis, *lead, None, None)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=(out_spec, stack_spec))
+    return fn(*placed(mesh, (x_spec, w_spec), x, w))
+
+
+def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
+                    ) -> jax.Array:
+    """``all_gather(x) @ w`` from the gathered ``x`` an `allgather_matmul_keep` returned: a local product on every
+    device, no collective.  Its input gradient goes back to that op (summed into its reduce-scatter); its weight
+    gradient is the local product of the gathered ``x`` with the output gradient, summed over ``batch_axis``.
+
+    Args:
+        stack: ``[P, ..., M, K]`` as `allgather_matmul_keep` returned it.
+        w: ``[K, N]``, N sharded over ``axis``.
+
+    Returns:
+        ``[..., M, N]`` with N sharded over ``axis``, as `allgather_matmul` lays it.
+    """
+    if stack.shape[0] != mesh.shape[axis] or stack.ndim < 3 or stack.shape[-1] != w.shape[0]:
+        raise ValueError(f"gathered_matmul: expected a stack [{mesh.shape[axis]}, ..., M, K] of "
+                         f"allgather_matmul_keep with K={w.shape[0]}, got {stack.shape}")
+    lead = _check(jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype), w, mesh, axis, batch_axis,
+                  sharded=(("N", -1, "w"),))
+    _, w_spec, out_spec = _specs("allgather_matmul", lead, axis)
+    stack_spec = P(axis, *lead, None, None)
+    fn = jax.shard_map(lambda s, w: jnp.matmul(s[0], w), mesh=mesh, in_specs=(stack_spec, w_spec),
+                       out_specs=out_spec)
+    return fn(*placed(mesh, (stack_spec, w_spec), stack, w))
 
 
 def matmul_reduce_scatter(

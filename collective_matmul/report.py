@@ -41,6 +41,7 @@ class CallSite:
     notes: list[str] = field(default_factory=list)
     hardware: Hardware | None = None  # the ring's (what its configs are keyed by)
     axis: str | None = None  # the mesh axis of the ring
+    gathered_by: str = ""  # the role whose gather this call reuses (collective_matmul.share); "" = its own
 
     @property
     def applied(self) -> bool:
@@ -64,6 +65,9 @@ class CallSite:
         slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source}"
                           + (f", measured on {f.software}" if f.match == "stale" and f.software else "") + ")"
                           for slot, f in self.found.items())
+        if self.gathered_by:
+            return (f"{where}: {forward.key}: reuses the gather of {self.gathered_by} (its product local, its input "
+                    f"gradient in {self.gathered_by}'s reduce-scatter, its weight gradient from the gathered copy)")
         notes = "".join(f"; {note}" for note in (*self.unmeasured, *self.notes))
         return f"{where}: {forward.key}: {slots}{notes}"
 
@@ -86,6 +90,25 @@ class Report(list):
     @property
     def fell_back(self) -> list[CallSite]:
         return [s for s in self if not s.applied]
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """The gathers shared (`collective_matmul.share`): the role of the call that gathered -> the roles of the
+        calls that reused its gathered activation, in trace order."""
+        groups: dict[str, list[str]] = {}
+        for site in self.applied:
+            if site.gathered_by and site.role not in groups.setdefault(site.gathered_by, []):
+                groups[site.gathered_by].append(site.role)
+        return groups
+
+    def groups_line(self) -> str:
+        """The shared gathers in one line (empty where none was shared)."""
+        if not self.groups:
+            return ""
+        listed = "; ".join(f"{first} gathers for {', '.join(rest)}" for first, rest in self.groups.items())
+        return (f"{len(self.groups)} gather(s) shared: {listed}: one ring (or all-gather) per activation and one "
+                "reduce-scatter of the summed input gradients, the memory of the step as written (the gathered "
+                "activation, once)")
 
     @property
     def stale(self) -> list[CallSite]:
@@ -132,6 +155,8 @@ class Report(list):
         if self.stale:
             head += f"; {len(self.stale)} run configs measured on another software stack (stale)"
         lines = [head, *(f"  {s.line()}" for s in self)]
+        if self.groups:
+            lines.append(self.groups_line())
         if self.unmatched:
             lines.append(self.unmatched_line())
         return "\n".join([*lines, *self.advice()])

@@ -89,6 +89,31 @@ def allgather_matmul_shard(
     return _allgather_matmul_vjp(x, w, plan)
 
 
+def allgather_matmul_keep_shard(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    axis: str,
+    config: Decomposition,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`allgather_matmul_shard` that also returns the gathered ``x``, for other products of it to reuse.
+
+    The gathered ``x`` is a by-product of the forward (the all-gather, or the blocks the ring moved); its
+    cotangent (the summed input gradients of every product that reused it, ``[..., M, K]``) is added to this
+    op's own partial input gradient before its one reduce-scatter (`collective_matmul.share`).
+
+    Returns:
+        ``(all_gather(x) @ w, all_gather(x))``: ``[..., M, N/P]`` and ``[..., M, K]``.
+
+    Raises:
+        ValueError: as `allgather_matmul_shard`.
+    """
+    plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
+    return _allgather_matmul_keep_vjp(x, w, plan)
+
+
 def matmul_reduce_scatter_shard(
     x: jax.Array,
     w: jax.Array,
@@ -245,6 +270,30 @@ _allgather_matmul_vjp.defvjp(_allgather_matmul_fwd, _allgather_matmul_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _allgather_matmul_keep_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> tuple[jax.Array, jax.Array]:
+    return _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
+
+
+def _allgather_matmul_keep_fwd(x, w, plan: _Plan):
+    out, gathered = _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
+    return (out, gathered), (gathered if plan.grad_weight.fuse else x, w)
+
+
+def _allgather_matmul_keep_bwd(plan: _Plan, residuals, cotangents):
+    dy, d_gathered = cotangents  # d_gathered: the other products' input gradients, summed by autodiff
+    saved, w = residuals
+    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input, addend=d_gathered.astype(dy.dtype))
+    if plan.grad_weight.fuse:
+        dw = _contract(saved, dy, _single_dtype(plan.grad_weight))
+    else:
+        dw = _allgather_grad_weight(saved, dy, plan.axis, plan.grad_weight)
+    return _cotangent(dx, saved), _cotangent(dw, w)
+
+
+_allgather_matmul_keep_vjp.defvjp(_allgather_matmul_keep_fwd, _allgather_matmul_keep_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
     return _matmul_reduce_scatter(x, w, plan.axis, plan.config)
 
@@ -334,10 +383,14 @@ def _contract(u: jax.Array, v: jax.Array, preferred=None) -> jax.Array:
     return jnp.tensordot(u, v, axes=(dims, dims), preferred_element_type=preferred)
 
 
-def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition) -> jax.Array:
-    """``psum_scatter(x @ w)`` over the M rows (checked by the caller)."""
+def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: jax.Array | None = None) -> jax.Array:
+    """``psum_scatter(x @ w + addend)`` over the M rows (checked by the caller; ``addend`` is ``[..., M, N]``, added
+    to this device's partial product before the sum: other products' partial input gradients)."""
     if config.method == "baseline":
-        return baseline_matmul_reduce_scatter_shard(x, w, axis=axis)
+        if addend is None:
+            return baseline_matmul_reduce_scatter_shard(x, w, axis=axis)
+        partial = jnp.matmul(x, w) + addend
+        return lax.psum_scatter(partial, axis, scatter_dimension=partial.ndim - 2, tiled=True)
     size = lax.axis_size(axis)
     rows = x.shape[-2] // size
     mode = resolved_accumulate(config, collective="matmul_reduce_scatter", dtype=jnp.dtype(x.dtype).name)
@@ -348,7 +401,7 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition) -> jax.Array:
     def part(offset) -> Pieces:
         """This device's partial products for the output block ``i + offset``."""
         start = ((ring.index + offset) % size) * rows
-        return tuple(
+        products = tuple(
             jnp.matmul(
                 lax.dynamic_slice(x, (*lead, start + row, 0), (*tiling.piece, x.shape[-1])),
                 w,
@@ -356,6 +409,10 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition) -> jax.Array:
             )
             for *lead, row in tiling.offsets
         )
+        if addend is None:
+            return products
+        return tuple(p + lax.dynamic_slice(addend, (*lead, start + row, 0), (*tiling.piece, w.shape[-1])).astype(
+            acc_dtype) for p, (*lead, row) in zip(products, tiling.offsets, strict=True))
 
     add = lambda a, b: tuple(u + v for u, v in zip(a, b, strict=True))  # noqa: E731
     if config.direction == "unidirectional":

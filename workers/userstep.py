@@ -181,18 +181,30 @@ class AsWritten:
     options: Mapping[str, object]
 
 
-def step_variants(tuned, platform: str | None = None) -> dict:
+def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -> dict:
     """The variants of a user's step that `cmtune verify --step` times: name -> config source (None: the step as
     written): ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline) and
     ``tuned`` (``tuned`` itself); on a ``platform`` whose XLA has a windowed einsum (TPU, GPU), the step as written
-    with it forced ``off`` and ``on`` too (`collective_matmul.xla_options`).  ``--decide`` searches beyond them
-    (`cmtune.steps.decide_user_step`)."""
+    with it forced ``off`` and ``on`` too (`collective_matmul.xla_options`); where ``tuned`` ``shared`` a gather,
+    ``tuned-no-share`` (its configs, every call gathering for itself: `unshared`).  ``--decide`` searches beyond
+    them (`cmtune.steps.decide_user_step`)."""
     from collective_matmul.xla_options import windowed_einsum
 
     einsum = {f"as-written-windowed-einsum-{s}": AsWritten(windowed_einsum(platform, s)) for s in ("off", "on")
               if platform and windowed_einsum(platform, s) is not None}
-    return {REFERENCE: None, **einsum, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()),
-            "tuned": tuned}
+    variants = {REFERENCE: None, **einsum, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()),
+                "tuned": tuned}
+    if shared and tuned.share:
+        variants["tuned-no-share"] = unshared(tuned)
+    return variants
+
+
+def unshared(tuned, name: str = "tuned-no-share"):
+    """A variant of ``tuned`` with its configs whose column calls each gather for themselves (no
+    `collective_matmul.share`): the step sharing saves time against."""
+    variant = tuned.variant(name, lambda role, configs: configs)
+    variant.share = False
+    return variant
 
 
 # ---- the session ----------------------------------------------------------------------------

@@ -67,3 +67,4 @@ class StepCalls(BaseModel):
     pins: dict[str, Pin]
     per_role: dict[str, list[OpConfigs]]
     axis: str | None = None
+    shared: bool = False  # some call reused another's gather (collective_matmul.share): time the step without too

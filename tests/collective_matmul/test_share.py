@@ -1,0 +1,213 @@
+"""One gather for every projection that reads it (`collective_matmul.share`): q/k/v and gate/up of one normed
+activation run one ring (or all-gather) and one reduce-scatter of their summed input gradients, with the values
+and gradients of the step as written; a projection of another value or another layout gathers for itself."""
+
+from __future__ import annotations
+
+import importlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from collective_matmul import Decomposition, OpConfigs, Tuned
+from collective_matmul import flax as cm_flax
+from collective_matmul.ops import allgather_matmul_keep, gathered_matmul
+
+D = Decomposition.from_id
+BATCH, SEQ, D_MODEL, HEADS, HEAD_DIM, D_FF = 4, 32, 32, 4, 8, 64
+COLUMN = OpConfigs(forward=D("ring-bi-c1-full-dus"), grad_input=D("ring-uni-c1-full-in"))
+ROW = OpConfigs(forward=D("ring-uni-c1-full-in"), grad_input=D("ring-bi-c1-full-dus"))
+
+
+def mesh_2d():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def rel_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+@pytest.mark.parametrize("configs", [OpConfigs(), COLUMN, OpConfigs(forward=D("ring-uni-c2-full-dus"),
+                                                                      grad_input=D("ring-bi-c2-full-in"),
+                                                                      grad_weight=D("baseline"))],
+                         ids=["baseline", "rings", "rings-chunked-unfused"])
+def test_three_products_of_one_gather_equal_float64(configs):
+    """The op pair: one gathering op and two local products of what it gathered; the value and every gradient
+    equal float64 numpy, and the backward holds one reduce-scatter (or one ring) for all three input gradients."""
+    mesh = mesh_2d()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, SEQ, D_MODEL))
+    ws = [rng.standard_normal((D_MODEL, n)) for n in (32, 16, 16)]
+    cots = [rng.standard_normal((BATCH, SEQ, w.shape[1])) for w in ws]
+
+    def loss(x, ws):
+        y, stack = allgather_matmul_keep(x, ws[0], mesh=mesh, axis="model", batch_axis="data", config=configs.forward,
+                                         grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+        ys = [y, *(gathered_matmul(stack, w, mesh=mesh, axis="model", batch_axis="data") for w in ws[1:])]
+        return sum(jnp.sum(y * c) for y, c in zip(ys, cots, strict=True))
+
+    put = lambda a, *spec: jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, P(*spec)))  # noqa: E731
+    args = put(x, "data", "model", None), [put(w, None, "model") for w in ws]
+    value, (dx, dws) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+    want = sum(float(np.sum(np.einsum("bmk,kn->bmn", x, w) * c)) for w, c in zip(ws, cots, strict=True))
+    assert abs(float(value) - want) <= 1e-5 * abs(want)
+    assert rel_error(dx, sum(np.einsum("bmn,kn->bmk", c, w) for w, c in zip(ws, cots, strict=True))) <= 1e-5
+    for dw, c in zip(dws, cots, strict=True):
+        assert rel_error(dw, np.einsum("bmk,bmn->kn", x, c)) <= 1e-5
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    if configs.grad_input.method == "baseline":  # the input gradients summed, then scattered once
+        assert text.count(" reduce-scatter(") == 1
+    else:  # one ring of P-1 hops (x chunks, x 2 streams) brings the summed input gradient
+        hops = 3 * configs.grad_input.chunks
+        forward = 3 * configs.forward.chunks  # the gathering ring (bidirectional: 2 + 1 hops; one way: 3)
+        regather = 0 if configs.grad_weight.fuse else 1  # the unfused weight gradient gathers x again
+        assert text.count("collective-permute(") == forward + hops and text.count(" all-gather(") == regather
+
+
+class Layer(nn.Module):
+    """A Llama-shaped layer: RMSNorm -> separate q/k/v (heads x head_dim), -> out; RMSNorm -> SwiGLU gate/up ->
+    down; and ``side``: a projection of the same normed value on another layout (no batch axis), which must
+    gather for itself."""
+
+    mesh: object
+    tuned: object = None
+
+    @nn.compact
+    def __call__(self, x, _):
+        def dense(features, kind, spec, name, *, axis=-1, batch_axis=cm_flax.AUTO):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), spec)
+            return nn.DenseGeneral(features, axis=axis, use_bias=False, kernel_init=init, name=name,
+                                   dot_general=cm_flax.dot_general(self.tuned, mesh=self.mesh, kind=kind,
+                                                                   batch_axis=batch_axis))
+
+        shard = lambda y, *spec: jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
+        h = nn.RMSNorm(name="attn_norm")(x)
+        q, k, v = (shard(dense((HEADS, HEAD_DIM), "column", (None, "model", None), name)(h), "data", None, "model",
+                         None) for name in ("query", "key", "value"))
+        side = dense(HEADS, "column", (None, "model"), "side", batch_axis=None)(h)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM) + side.transpose(0, 2, 1)[:, :, None, :]
+        o = shard(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v), "data", None, "model", None)
+        x = x + shard(dense(D_MODEL, "row", ("model", None, None), "out", axis=(-2, -1))(o), "data", "model", None)
+        h = nn.RMSNorm(name="mlp_norm")(x)
+        gate = shard(dense(D_FF, "column", (None, "model"), "gate")(h), "data", None, "model")
+        up = shard(dense(D_FF, "column", (None, "model"), "up")(h), "data", None, "model")
+        return x + shard(dense(D_MODEL, "row", ("model", None), "down")(nn.silu(gate) * up), "data", "model",
+                         None), None
+
+
+class Model(nn.Module):
+    mesh: object
+    tuned: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(nn.remat(Layer), variable_axes={"params": 0}, split_rngs={"params": True}, length=2,
+                         metadata_params={nn.PARTITION_NAME: None})
+        return layers(self.mesh, self.tuned, name="layers")(x, None)[0]
+
+
+def loss_and_grads(mesh, tuned, params, x):
+    model = Model(mesh, tuned)
+    return jax.jit(jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2)))(params)
+
+
+def counts(mesh, tuned, params, x) -> dict[str, int]:
+    text = jax.jit(lambda p: loss_and_grads(mesh, tuned, p, x)).lower(params).compile().as_text()
+    return {op: text.count(f" {op}(") for op in ("all-gather", "reduce-scatter", "collective-permute")}
+
+
+def rings(tuned: Tuned, *, share: bool = True) -> Tuned:
+    variant = tuned.variant("rings", lambda role, configs: ROW if role.endswith(("out", "down")) else COLUMN)
+    variant.share = share
+    return variant
+
+
+def test_a_llama_layer_shares_its_gathers_and_equals_float64():
+    mesh = mesh_2d()
+    model = Model(mesh)
+    x = jax.device_put(jnp.asarray(np.random.default_rng(1).standard_normal((BATCH, SEQ, D_MODEL)), jnp.float32),
+                       NamedSharding(mesh, P("data", "model", None)))
+    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), x))
+    params = jax.jit(lambda k: nn.unbox(model.init(k, x)),
+                     out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs))(jax.random.key(0))
+    tuned = rings(Tuned())
+    value, grads = loss_and_grads(mesh, tuned, params, x)
+    with jax.enable_x64(True):
+        as64 = lambda tree: jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), tree)  # noqa: E731
+        want_value, want_grads = loss_and_grads(mesh, None, as64(params), as64(x))
+    assert abs(float(value) - float(want_value)) <= 1e-5 * abs(float(want_value))
+    errors = jax.tree.leaves(jax.tree.map(rel_error, grads, want_grads))
+    assert len(errors) == 10 and max(errors) <= 1e-5, errors
+
+    report = tuned.report()
+    assert report.groups == {"layers/query": ["layers/key", "layers/value"], "layers/gate": ["layers/up"]}
+    side = next(s for s in report if s.role == "layers/side")  # the same value, another layout: its own gather
+    assert side.applied and not side.gathered_by
+    assert "layers/key" in str(report) and "reuses the gather of layers/query" in str(report)
+    assert "2 gather(s) shared: layers/query gathers for layers/key, layers/value" in str(report)
+
+    # the compiled step: key, value and up run no ring of their own; their input gradients join the gathering
+    # call's reduce-scatter ring (3 hops each on a ring of 4; the forward's permutes of one x XLA merges anyway)
+    shared, alone = counts(mesh, tuned, params, x), counts(mesh, rings(Tuned(), share=False), params, x)
+    assert alone["collective-permute"] - shared["collective-permute"] == 3 * 3, (shared, alone)
+    baseline = Tuned()
+    unshared = Tuned()
+    unshared.share = False
+    on, off = counts(mesh, baseline, params, x), counts(mesh, unshared, params, x)
+    assert off["reduce-scatter"] - on["reduce-scatter"] == 3 and on["all-gather"] == off["all-gather"], (on, off)
+    assert not unshared.report().groups and baseline.report().groups == report.groups
+
+
+def test_the_llama_example_moves_each_normed_activation_once():
+    """examples/flax_linen_llama.py on 8 devices (data=2, model=4), every call on rings: sharing takes the rings
+    of key, value and up out of the backward; the step trains as the step as written does."""
+    llama = importlib.import_module("examples.flax_linen_llama")
+    reference, args, _ = llama.tiny_llama_step(None)
+    want = reference(*args)
+    steps = {share: llama.tiny_llama_step(rings(Tuned(), share=share))[0] for share in (True, False)}
+    texts = {share: step.lower(*args).compile().as_text() for share, step in steps.items()}
+    permutes = {share: text.count("collective-permute(") for share, text in texts.items()}
+    assert permutes[False] - permutes[True] == 3 * 3, permutes
+    got = steps[True](*args)
+    errors = jax.tree.leaves(jax.tree.map(rel_error, got[:2], want[:2]))  # parameters and optimizer state
+    assert max(errors) <= 1e-5 and abs(float(got[2]) - float(want[2])) <= 1e-5 * abs(float(want[2]))
+
+
+def test_discovery_lists_the_projections_of_one_gather_as_a_group():
+    """The step as written gathers each normed activation once for its projections: discovery says which roles
+    read one gather (what `cmtune problems --step` prints as ``Llama/layers/{query,key,value}``)."""
+    from cmtune.steps import group_label
+    from collective_matmul.discovery import discover
+
+    llama = importlib.import_module("examples.flax_linen_llama")
+    step, args, mesh = llama.tiny_llama_step(None)
+    found = discover(step, args, mesh)
+    groups = sorted(sorted(group) for group in found.groups)
+    assert groups == [["Llama/layers/gate", "Llama/layers/up"],
+                      ["Llama/layers/key", "Llama/layers/query", "Llama/layers/value"]]
+    assert {p.role for p in found.problems} >= {"Llama/layers/key", "Llama/layers/up"}  # each still listed
+    assert group_label(groups[1]) == "Llama/layers/{key,query,value}"
+    assert group_label(["a/q", "b/k"]) == "a/q, b/k"
+
+
+def test_a_step_without_a_shared_activation_compiles_to_the_same_program():
+    """The NNX GPT example (one fused qkv projection, one up projection): nothing reuses a gather, and the
+    gathered copy each column call hands back (with the zero cotangent it adds) leaves no op in the program."""
+    import collections
+    import re
+
+    gpt = importlib.import_module("examples.flax_nnx_gpt")
+    programs = {}
+    for share in (True, False):
+        tuned = Tuned()
+        tuned.share = share
+        step, args, _ = gpt.tiny_gpt_step(tuned)
+        programs[share] = collections.Counter(re.findall(r"= \S+ (\w[\w-]*)\(", step.lower(*args).compile().as_text()))
+        assert not tuned.report().groups and tuned.report().applied
+    assert programs[True] == programs[False] and programs[True]["all-gather"] > 0
