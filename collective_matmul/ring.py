@@ -256,9 +256,10 @@ def _allgather_matmul_fwd(x, w, plan: _Plan):
     return _allgather_matmul(x, w, plan.axis, plan.config), (x, w)
 
 
-def _allgather_matmul_bwd(plan: _Plan, residuals, dy):
+def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None):
+    """``(dx, dW)``; ``addend``: what other products of the gathered x add to its input gradient (`keep`)."""
     saved, w = residuals  # saved: all_gather(x) when fused, else x
-    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input)
+    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input, addend=addend)
     if plan.grad_weight.fuse:
         dw = _contract(saved, dy, _single_dtype(plan.grad_weight))
     else:
@@ -281,13 +282,7 @@ def _allgather_matmul_keep_fwd(x, w, plan: _Plan):
 
 def _allgather_matmul_keep_bwd(plan: _Plan, residuals, cotangents):
     dy, d_gathered = cotangents  # d_gathered: the other products' input gradients, summed by autodiff
-    saved, w = residuals
-    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input, addend=d_gathered.astype(dy.dtype))
-    if plan.grad_weight.fuse:
-        dw = _contract(saved, dy, _single_dtype(plan.grad_weight))
-    else:
-        dw = _allgather_grad_weight(saved, dy, plan.axis, plan.grad_weight)
-    return _cotangent(dx, saved), _cotangent(dw, w)
+    return _allgather_matmul_bwd(plan, residuals, dy, addend=d_gathered.astype(dy.dtype))
 
 
 _allgather_matmul_keep_vjp.defvjp(_allgather_matmul_keep_fwd, _allgather_matmul_keep_bwd)
