@@ -363,16 +363,22 @@ class Session:
             baseline=Timing.of(base, calls))
 
 
-SAMPLE_OVER_OVERHEAD = 20  # a sample lasts at least this many times a barrier and a dispatch
+SAMPLE_OVER_OVERHEAD = 50  # a sample lasts at least this many times a barrier and a dispatch (bench/short_programs.py:
+# at 20, K of 4-7 left the spread of a pair's ratio over runs at 0.4-1.0 of one call's; at 50, K of 15-20, 0.35-0.43)
 ACCELERATOR_SAMPLE_S = 1e-3  # and on an accelerator at least this long
+# XLA's CPU client runs every virtual device's part of a collective program on one shared thread pool: a few dozen
+# collective programs queued back to back leave a rendezvous short of threads, which aborts the process after 40 s
+# (seen at 40 calls of an all-gather matmul on 8 devices of 2 cores).  On CPU a sample queues at most this many.
+MAX_CPU_CALLS = 20
 
 
 def calls_per_sample(run_s: float, overhead_s: float, platform: str) -> int:
     """K: how many calls of a program of ``run_s`` seconds one sample times back to back, so that a barrier and a
     dispatch (``overhead_s``) cannot decide it: the sample lasts at least `SAMPLE_OVER_OVERHEAD` times the
-    overhead, and `ACCELERATOR_SAMPLE_S` on an accelerator."""
+    overhead, and `ACCELERATOR_SAMPLE_S` on an accelerator; at most `MAX_CPU_CALLS` on CPU."""
     floor = max(SAMPLE_OVER_OVERHEAD * overhead_s, ACCELERATOR_SAMPLE_S if platform != "cpu" else 0.0)
-    return max(1, math.ceil(floor / max(run_s, 1e-9)))
+    calls = max(1, math.ceil(floor / max(run_s, 1e-9)))
+    return min(calls, MAX_CPU_CALLS) if platform == "cpu" else calls
 
 
 def overhead_s(mesh: Mesh | None = None, repeats: int = 20) -> float:

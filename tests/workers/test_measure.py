@@ -143,7 +143,9 @@ def test_a_weight_gradient_problem_is_measured_like_the_others():
 def test_calls_per_sample_keep_the_overhead_from_deciding_a_sample():
     from cmtune.workers.measure import calls_per_sample
 
-    assert calls_per_sample(100e-6, 20e-6, "cpu") == 4  # 20 x 20 µs of overhead over 100 µs calls
+    assert calls_per_sample(100e-6, 20e-6, "cpu") == 10  # 50 x 20 µs of overhead over 100 µs calls
+    assert calls_per_sample(10e-6, 100e-6, "cpu") == 20  # XLA's CPU rendezvous: at most 20 queued on CPU
+    assert calls_per_sample(10e-6, 100e-6, "gpu") == 500
     assert calls_per_sample(5e-3, 20e-6, "cpu") == 1  # a long program: one call is enough
     assert calls_per_sample(100e-6, 1e-6, "tpu") == 10  # an accelerator's sample lasts at least 1 ms
     assert calls_per_sample(2e-3, 1e-6, "gpu") == 1
