@@ -211,3 +211,31 @@ def test_a_step_without_a_shared_activation_compiles_to_the_same_program():
         programs[share] = collections.Counter(re.findall(r"= \S+ (\w[\w-]*)\(", step.lower(*args).compile().as_text()))
         assert not tuned.report().groups and tuned.report().applied
     assert programs[True] == programs[False] and programs[True]["all-gather"] > 0
+
+
+def test_a_cast_or_another_ring_of_the_same_activation_gathers_for_itself():
+    """Plain calls of the drop-in: two projections of ``h`` share; one of ``h`` cast to bfloat16 (another value)
+    and one over the data axis (another ring) each gather for themselves, and every value is right."""
+    mesh = mesh_2d()
+    rng = np.random.default_rng(2)
+    h = jax.device_put(jnp.asarray(rng.standard_normal((BATCH, SEQ, D_MODEL)), jnp.float32),
+                       NamedSharding(mesh, P("data", "model", None)))
+    ws = [jnp.asarray(rng.standard_normal((D_MODEL, 16)), jnp.float32) for _ in range(4)]
+    tuned = Tuned()  # every call at the baseline: a ring of 2 (the data axis) takes no bidirectional ring
+    numbers = (((2,), (0,)), ((), ()))
+    model_ring = cm_flax.dot_general(tuned, mesh=mesh, kind="column", role="a")
+    second = cm_flax.dot_general(tuned, mesh=mesh, kind="column", role="b")
+    cast = cm_flax.dot_general(tuned, mesh=mesh, kind="column", role="cast")
+    data_ring = cm_flax.dot_general(tuned, mesh=mesh, axis="data", kind="column", role="data", batch_axis=None)
+
+    def step(h, ws):
+        return (model_ring(h, ws[0], numbers), second(h, ws[1], numbers),
+                cast(h.astype(jnp.bfloat16), ws[2].astype(jnp.bfloat16), numbers), data_ring(h, ws[3], numbers))
+
+    outs = jax.jit(step)(h, ws)
+    want = [np.einsum("bmk,kn->bmn", np.asarray(h, np.float64), np.asarray(w, np.float64)) for w in ws]
+    for out, expected, tolerance in zip(outs, want, (1e-5, 1e-5, 2e-2, 1e-5), strict=True):
+        assert rel_error(out, expected) <= tolerance
+    report = tuned.report()
+    assert report.groups == {"a": ["b"]}
+    assert {s.role: s.gathered_by for s in report} == {"a": "", "b": "a", "cast": "", "data": ""}
