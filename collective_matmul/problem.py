@@ -342,6 +342,14 @@ class Software(BaseModel):
         return ", ".join(parts) or "an unnamed stack"
 
 
+def check_slice(device_count: int, slice_devices: int | None) -> None:
+    """Raise `ValueError` (what to fix) unless a ring of ``device_count`` devices can be part of a slice of
+    ``slice_devices`` (None: the ring is the whole machine)."""
+    if slice_devices is not None and slice_devices % device_count:
+        raise ValueError(f"a ring of device_count={device_count} is not part of a slice of slice_devices="
+                         f"{slice_devices}: slice_devices must be a multiple of device_count")
+
+
 class Hardware(BaseModel):
     """Where a decomposition runs: the key half that is not the problem.
 
@@ -376,9 +384,7 @@ class Hardware(BaseModel):
 
     @model_validator(mode="after")
     def _ring_of_the_slice(self) -> Hardware:
-        if self.slice_devices is not None and self.slice_devices % self.device_count:
-            raise ValueError(f"a ring of device_count={self.device_count} is not part of a slice of slice_devices="
-                             f"{self.slice_devices}: slice_devices must be a multiple of device_count")
+        check_slice(self.device_count, self.slice_devices)
         return self
 
     @property

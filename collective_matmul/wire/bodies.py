@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from collective_matmul.bundle import TunedConfig
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBlock
-from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Software
+from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Software, check_slice
 from collective_matmul.text import message
 from collective_matmul.wire.fields import MeshAxes, Name, PresetName, ProblemKey, ShortText, Source
 
@@ -31,6 +31,11 @@ class HardwareIn(BaseModel):
     process_count: int = Field(default=1, gt=0, le=1 << 16)
     slice_devices: int | None = Field(default=None, gt=0, le=1 << 20, description=(
         "where device_count is one ring of a larger slice: the slice's devices (`Hardware.slice_devices`)"))
+
+    @model_validator(mode="after")
+    def _ring_of_the_slice(self) -> HardwareIn:
+        check_slice(self.device_count, self.slice_devices)
+        return self
 
     def to_hardware(self) -> Hardware:
         return Hardware(**self.model_dump())

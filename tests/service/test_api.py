@@ -716,3 +716,14 @@ def test_a_model_on_part_of_the_slice_is_tuned_on_its_rings_by_the_slices_worker
     assert api.reader.get("/v1/configs", params={**problem, **where}).json()["match"] != "exact"  # a machine of 4
     overrides = api.reader.get("/v1/overrides", params={"model": "tiny", **where, "slice_devices": 8})
     assert overrides.status_code == 200, overrides.text
+
+
+def test_hardware_whose_ring_is_not_part_of_its_slice_is_refused_saying_why(api):
+    """A ring of 3 devices cannot be part of a slice of 8: a 422 that says what to fix, on registration and on
+    submission, and nothing is stored."""
+    hardware = {"platform": "cpu", "device_kind": "cpu", "device_count": 3, "slice_devices": 8}
+    registered = api.worker.post("/v1/workers", json={"hardware": hardware, "name": "w"})
+    submitted = api.admin.post("/v1/studies", json={"problem": "ag:256x64x128:float32:8", "hardware": hardware})
+    for answer in (registered, submitted):
+        assert answer.status_code == 422 and "slice_devices must be a multiple of device_count" in answer.text
+    assert api.reader.get("/v1/workers").json() == [] and api.reader.get("/v1/studies").json()["total"] == 0

@@ -67,8 +67,8 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
     # a deliberately wrong kernel: a reduce-scatter ring with chunks=4 is off by 0.1%
     kernel = ring._matmul_reduce_scatter
 
-    def wrong(x, w, axis, config):
-        out = kernel(x, w, axis, config)
+    def wrong(x, w, axis, config, **options):
+        out = kernel(x, w, axis, config, **options)
         return out * 1.001 if config.chunks == 4 else out
 
     monkeypatch.setattr(ring, "_matmul_reduce_scatter", wrong)

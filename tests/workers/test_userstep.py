@@ -59,8 +59,8 @@ def session(fn, repeats=2):
 def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(monkeypatch):
     kernel = ring._matmul_reduce_scatter
 
-    def wrong(x, w, axis, config):  # a reduce-scatter ring with chunks=2 is off by 0.1%
-        out = kernel(x, w, axis, config)
+    def wrong(x, w, axis, config, **options):  # a reduce-scatter ring with chunks=2 is off by 0.1%
+        out = kernel(x, w, axis, config, **options)
         return out * 1.001 if config.chunks == 2 else out
 
     monkeypatch.setattr(ring, "_matmul_reduce_scatter", wrong)
