@@ -89,6 +89,7 @@ def test_bench_times_the_bounds_after_the_candidates(tmp_path):
     assert bounds.ok and bounds.problem == Problem.parse("ag:64x8x16:float32:8")
 
 
+@pytest.mark.slow  # four tunes in a row (20 s); warm start's own tests are fast
 def test_tune_seeds_each_problem_from_the_bundle_and_the_problems_before_it(tmp_path):
     bundle_path = tmp_path / "tuned.json"
     common = ("--trials", "3", "--repeats", "2", "--out", str(bundle_path))

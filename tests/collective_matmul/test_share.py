@@ -164,6 +164,7 @@ def test_a_llama_layer_shares_its_gathers_and_equals_float64():
     assert not unshared.report().groups and baseline.report().groups == report.groups
 
 
+@pytest.mark.slow  # the example's two compiles and a step (12 s); the layer test above checks the same counts
 def test_the_llama_example_moves_each_normed_activation_once():
     """examples/flax_linen_llama.py on 8 devices (data=2, model=4), every call on rings: sharing takes the rings
     of key, value and up out of the backward; the step trains as the step as written does."""

@@ -177,6 +177,7 @@ def test_token_value_from_a_secret_is_idempotent(tmp_path):
     db.dispose()
 
 
+@pytest.mark.slow  # several server processes started (8 s)
 def test_a_revoked_token_stops_working_on_every_server_process(tmp_path):
     url = f"sqlite:///{tmp_path / 'revoke.sqlite'}"
     reader = create_tokens(url, ["reader"])["reader"]

@@ -81,6 +81,7 @@ def test_worker_tunes_a_problem_to_a_stored_config(tmp_path):
         assert api.get("/v1/workers").json() == []  # unregistered
 
 
+@pytest.mark.slow  # a worker killed and its lease waited out (8 s)
 def test_killed_worker_loses_no_trial(tmp_path):
     url = f"sqlite:///{tmp_path / 'k.sqlite'}"
     tok = tokens(url)
@@ -106,6 +107,7 @@ def test_killed_worker_loses_no_trial(tmp_path):
         assert len(search) == len(set(search)) == 4  # nothing timed or counted twice
 
 
+@pytest.mark.slow  # a server stopped and started under a running worker (9 s)
 def test_service_restart_mid_study(tmp_path):
     url = f"sqlite:///{tmp_path / 'r.sqlite'}"
     tok = tokens(url)

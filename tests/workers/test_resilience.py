@@ -34,6 +34,7 @@ def submit(api: httpx.Client, problem: dict, **extra) -> httpx.Response:
                                          "budget": {"trials": 3}, "confirm_top": 1} | extra)
 
 
+@pytest.mark.slow  # a worker forked into an out-of-memory trial (10 s)
 def test_a_trial_that_cannot_fit_is_a_result_and_the_worker_lives_on(tmp_path):
     url = f"sqlite:///{tmp_path / 'oom.sqlite'}"
     tok = create_tokens(url, ("admin", "worker"))
@@ -109,6 +110,7 @@ def test_cmtune_tune_ends_a_hung_group_and_names_the_candidate(tmp_path):
     assert "allgather_matmul:256x64x128:float32:8: trial 1 (baseline) hung" in message
 
 
+@pytest.mark.slow  # a planted hang on a 2-process group waits out its watchdog
 def test_a_follower_hung_in_a_trial_ends_the_group_with_its_own_watchdog(tmp_path):
     """Process 0 skips a trial's collectives (its record returns at once and it goes on): process 1 waits in the
     trial's first collective, and its own watchdog ends it, with status 75 and the trial named, within the

@@ -231,6 +231,7 @@ def test_verify_with_a_bundle_prints_the_step_table(files, tmp_path):
     assert all(len(v.timing.samples_s) == 2 for v in result.variants)
 
 
+@pytest.mark.slow  # a whole step search (13 s); the search's logic is tests/tuner/test_stepsearch.py
 def test_verify_decide_searches_the_block_and_writes_its_overrides(files, tmp_path):
     model, bundle = files
     out = tmp_path / "step.json"

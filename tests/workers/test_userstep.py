@@ -171,6 +171,7 @@ def test_tune_a_step_then_the_drop_in_finds_its_configs_exactly(tmp_path):
     assert {f.match for site in tuned.report() for f in site.found.values()} == {"exact"}
 
 
+@pytest.mark.slow  # a whole step search (11 s); its parts are tested on their own above
 def test_verify_a_step_and_decide(tmp_path):
     bundle = Bundle()
     rings = {"allgather_matmul": D("ring-uni-c1-full-dus"), "matmul_reduce_scatter": D("ring-uni-c1-full-in"),
