@@ -86,6 +86,7 @@ def test_linen_roles_are_module_paths_and_the_drop_in_agrees():
         assert discovered[match] == site.problems["forward"].key
 
 
+@pytest.mark.slow  # an NNX model discovered and traced through the drop-in (5 s)
 def test_nnx_roles_are_source_locations_and_the_drop_in_agrees():
     import flax_nnx_gpt
 

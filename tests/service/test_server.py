@@ -239,6 +239,7 @@ def test_status_shows_the_step_measured_against_the_estimate(tmp_path):
     assert says(run, "jax 0.11.0, jaxlib 0.11.0") and says(run, "software stacks online")
 
 
+@pytest.mark.slow  # discovery in a subprocess beside a server (6 s)
 def test_submit_a_users_step_discovered_here_to_a_real_server(tmp_path):
     url = f"sqlite:///{tmp_path / 'submit.sqlite'}"
     token = admin_token(url)

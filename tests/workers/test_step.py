@@ -63,6 +63,7 @@ def test_standard_variants():
     assert list(standard_variants({})) == ["as-written", "baseline", "tuned", "tuned-ring-fill"]
 
 
+@pytest.mark.slow  # nine step variants timed in rounds (15 s)
 def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
     # a deliberately wrong kernel: a reduce-scatter ring with chunks=4 is off by 0.1%
     kernel = ring._matmul_reduce_scatter
@@ -123,6 +124,7 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
     assert "(fresh rounds after the decision)" in step_decision(confirmed, tuned).summary
 
 
+@pytest.mark.slow  # two search rounds timed (9 s)
 def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the_session():
     """A round of the step search, as a worker runs it on 8 virtual CPU devices: the variants its task names, in
     order, with the configs it gives them, and no confirmation; the next round of the same step compiles only

@@ -133,7 +133,8 @@ def test_xlas_windowed_einsum_is_named_and_the_problem_still_listed():
 
 @pytest.mark.parametrize("spec, devices", [
     ("examples/flax_nnx_gpt.py:tiny_gpt_step", ("tpu:v5p:2x2x2", "virtual:8")),
-    ("examples/flax_linen_llama.py:tiny_bf16_llama_step", ("tpu:v5p:2x2x2", "virtual:8")),
+    pytest.param("examples/flax_linen_llama.py:tiny_bf16_llama_step", ("tpu:v5p:2x2x2", "virtual:8"),
+                 marks=pytest.mark.slow),  # a second model's two discoveries (12 s): in make test-slow
 ])
 def test_a_users_step_lists_the_same_problems_on_a_tpu_topology_as_on_cpu_devices(spec, devices):
     """`cmtune problems --step` on a TPU slice compiled ahead of time (an NNX model; a linen model with nn.scan

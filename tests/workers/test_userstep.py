@@ -81,6 +81,7 @@ def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(m
     assert result.model == "mlp_step" and result.reference == "as-written" and result.block is None
 
 
+@pytest.mark.slow  # an optimizer step timed in rounds (7 s)
 def test_an_adam_step_that_donates_its_state_is_checked_and_fed_back():
     import flax_nnx_gpt
 
