@@ -240,3 +240,25 @@ def test_problems_and_tune_a_linen_step_on_two_processes(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     # both processes tuned every model ring at once: the configs are for a ring within one process, of 8 devices
     assert {c.hardware.key for c in Bundle.load(out).configs} == {"cpu:cpu:4:1/8"}
+
+
+@pytest.mark.slow  # two verify runs of the Llama example (about 30 s)
+def test_verify_times_the_step_without_its_shared_gathers_and_no_share_turns_them_off(tmp_path):
+    """The Llama example's tuned step shares q/k/v's and gate/up's gathers: verify says so and times
+    ``tuned-no-share`` beside it, every variant checked against the step as written; ``--no-share`` runs the
+    tuned step with every call gathering for itself and times no such variant."""
+    spec = f"{ROOT / 'examples' / 'flax_linen_llama.py'}:tiny_llama_step"
+    runs = {}
+    for flag in ("--share", "--no-share"):
+        out = tmp_path / f"{flag}.json"
+        run = cmtune("verify", "--step", spec, "--devices", "virtual:8", "--repeats", "2", "--warmup", "1",
+                     flag, "--json", str(out), timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        runs[flag] = (flat(run.stdout), StepMeasurement.model_validate_json(out.read_text()))
+    text, shared = runs["--share"]
+    assert "2 gather(s) shared: layers/query gathers for layers/key, layers/value" in text
+    assert [v.name for v in shared.variants] == ["as-written", "baseline", "tuned", "tuned-no-share"]
+    assert {v.status for v in shared.variants} == {"ok"}
+    text, unshared = runs["--no-share"]
+    assert "gather(s) shared" not in text and "reuses the gather" not in text
+    assert [v.name for v in unshared.variants] == ["as-written", "baseline", "tuned"]
