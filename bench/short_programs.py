@@ -5,10 +5,11 @@
 
 A projection on an accelerator takes 50-500 µs, the same order as a dispatch and a barrier: timed one call per
 sample, host noise decides a ratio.  The measurement protocol times K calls back to back per sample, K chosen at
-warm-up so a sample lasts 20 times the overhead (`cmtune.workers.measure.calls_per_sample`).  This times one pair
-(the problem's baseline and a ring) in interleaved runs, each run both ways (one call, then K, then one, ...), and
-prints, per protocol, the median paired ratio of every run and their spread (max - min and IQR over runs), with the
-mean within-run IQR.  On CPU devices the same dispatch cost is there to see.
+warm-up so a sample lasts 50 times the overhead, at most 20 calls on CPU (`cmtune.workers.measure.
+calls_per_sample`).  This times one pair (the problem's baseline and a ring) in interleaved runs, each run both
+ways (one call, then K, then one, ...), and prints, per protocol, the median paired ratio of every run and their
+spread (max - min and IQR over runs), with the mean within-run IQR.  On CPU devices the same dispatch cost is there
+to see.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
-    from cmtune.workers.measure import Session, overhead_s
+    from cmtune.workers.measure import Session
     from collective_matmul import Decomposition, Problem
     from collective_matmul.wire import Protocol
 
@@ -48,7 +49,7 @@ def main() -> None:
         for name in order:
             protocol = Protocol(repeats=args.repeats, warmup=3, calls=1 if name == "one call" else None)
             runs[name].append(session.measure(ring, protocol))
-    overhead = overhead_s(session.mesh)
+    overhead = session.overhead_s
     print(f"{time.strftime('%Y-%m-%d')}, {problem.key}: {args.ring} against the baseline on 8 virtual CPU devices, "
           f"{args.runs} runs of {args.repeats} paired samples each protocol, interleaved "
           f"({time.monotonic() - started:.0f} s); a barrier and a dispatch cost {overhead * 1e6:.0f} µs here\n")

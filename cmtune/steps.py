@@ -177,9 +177,8 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     verdict.  Nothing runs."""
     import jax
 
-    from cmtune.report import compiled_steps_table, sites_table
+    from cmtune.report import compiled_steps_table
     from cmtune.workers.userstep import Built, step_variants, unshared
-    from collective_matmul.schedule import overlap
     from collective_matmul.xla_options import windowed_einsum
 
     spec = prepare(devices)
@@ -192,7 +191,6 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     topology = spec.tpu_devices() if spec.kind == "tpu" else None
     tuned = verified_client(server, token, bundle, name or ref.name)
     tuned.share = share
-    rows = []
     with spec_errors():
         reference = Built.of(fn, None, spec=str(ref), devices=topology)
         platform = reference.mesh.devices.flat[0].platform
@@ -202,30 +200,44 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
                      reference, options) for s, options in settings]
         variants += [(label, Built.of(fn, source, spec=str(ref), devices=topology), {})
                      for label, source in step_variants(tuned).items() if source is not None]
-        variants[-1][1].step.trace(*variants[-1][1].args)  # the tuned step, traced: did it share a gather?
-        if tuned.report().groups:
-            variants.append(("tuned-no-share", Built.of(fn, unshared(tuned), spec=str(ref), devices=topology), {}))
-    for label, built, options in variants:
-        started = time.monotonic()
-        try:
-            compiled = built.step.lower(*built.args).compile(compiler_options=options or None)
-        except Exception as exc:  # noqa: BLE001 - a step that does not compile is a row with the reason
-            rows.append((label, None, None, {}, None, f"{type(exc).__name__}: {exc}"[:300]))
-            continue
-        text = compiled.as_text()
-        counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in
-                  ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")}
-        rows.append((label, time.monotonic() - started, _memory(compiled), counts, overlap(text), ""))
-    sites = tuned.report()
+    rows = [_compiled_row(*variant) for variant in variants]
+    sites = tuned.report()  # the tuned step was traced by its compile: did it share a gather?
+    if sites.groups:
+        with spec_errors():
+            unshared_step = Built.of(fn, unshared(tuned), spec=str(ref), devices=topology)
+        rows.append(_compiled_row("tuned-no-share", unshared_step, {}))
+    show_sites(ref, sites)
+    where = f"tpu:{spec.topology}" if spec.kind == "tpu" else platform
+    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
+    console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
+
+
+def _compiled_row(label: str, built, options: dict) -> tuple:
+    """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
+    that does not compile is a row with the reason."""
+    from collective_matmul.schedule import overlap
+
+    started = time.monotonic()
+    try:
+        compiled = built.step.lower(*built.args).compile(compiler_options=options or None)
+    except Exception as exc:  # noqa: BLE001 - a row with the reason
+        return label, None, None, {}, None, f"{type(exc).__name__}: {exc}"[:300]
+    text = compiled.as_text()
+    counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in
+              ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")}
+    return label, time.monotonic() - started, _memory(compiled), counts, overlap(text), ""
+
+
+def show_sites(ref: SpecRef, sites) -> None:
+    """The call sites a `Tuned` client traced (`Tuned.report`), the gathers they shared, and what to fix."""
+    from cmtune.report import sites_table
+
     console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} applied, "
                                            f"{len(sites.fell_back)} fell back)"))
     if sites.groups:
         console.print(sites.groups_line())
     for line in filter(None, (sites.unmatched_line(), *sites.advice())):
         console.print(f"[yellow]{line}[/yellow]")
-    where = f"tpu:{spec.topology}" if spec.kind == "tpu" else platform
-    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
-    console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
 
 
 def _memory(compiled) -> int | None:
@@ -239,7 +251,6 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
            json_out: Path | None, search_rounds: int = 3, round_variants: int = 3, share: bool = True) -> None:
     """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
     with ``decide``, the step search on it (`decide_user_step`)."""
-    from cmtune.report import sites_table
     from cmtune.workers.cluster import Group
     from cmtune.workers.userstep import AsWritten, Built, UserStepSession, step_variants
     from collective_matmul.client import Tuned
@@ -270,12 +281,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
         sites = tuned.report()
         message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
                             axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
-        console.print(sites_table(sites, title=f"call sites of {ref} through the drop-in ({len(sites.applied)} "
-                                               f"applied, {len(sites.fell_back)} fell back)"))
-        if sites.groups:
-            console.print(sites.groups_line())
-        for line in filter(None, (sites.unmatched_line(), *sites.advice())):
-            console.print(f"[yellow]{line}[/yellow]")
+        show_sites(ref, sites)
     message = group.share(message, StepCalls)
     if not group.leader:
         tuned.pin(message.pins)

@@ -19,8 +19,6 @@ from collective_matmul.bounds import OverlapVerdict
 from collective_matmul.discovery import is_product
 from collective_matmul.hlo import Module, parse_module
 
-Verdict = OverlapVerdict
-
 
 @dataclass(frozen=True)
 class PermuteWindow:
@@ -44,7 +42,7 @@ class Overlap:
     synchronous: int  # permutes run in place (no start and done): nothing overlaps them
 
     @property
-    def verdict(self) -> Verdict:
+    def verdict(self) -> OverlapVerdict:
         """``overlaps`` (every asynchronous permute brackets a product), ``partly``, ``serialised`` (none does),
         ``synchronous`` (the backend runs its permutes in place) or ``no permutes``."""
         if not self.windows:

@@ -54,12 +54,9 @@ class Gathers:
     def find(self, lhs, *, mesh: Mesh, axis: str, batch_axis) -> tuple[jax.Array, str] | None:
         """``(stack, role)``: what an earlier call (``role``) gathered of ``lhs`` on this ring, or None.  Only a
         tracer of the running trace is shared (a concrete array, or a tracer of another trace, never is)."""
-        kept = self._kept.get(id(lhs))
-        if kept is None or kept.lhs() is not lhs or not isinstance(lhs, jax.core.Tracer):
-            return None
-        if kept.trace != get_opaque_trace_state(convention="cmtune"):
-            return None
-        if (kept.mesh, kept.axis, kept.batch_axis) != (mesh, axis, batch_axis):
+        kept = self._kept.get(id(lhs))  # only tracers are kept: `kept.lhs() is lhs` makes this one a tracer
+        if (kept is None or kept.lhs() is not lhs or kept.trace != get_opaque_trace_state(convention="cmtune")
+                or (kept.mesh, kept.axis, kept.batch_axis) != (mesh, axis, batch_axis)):
             return None
         return kept.stack, kept.role
 

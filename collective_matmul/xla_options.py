@@ -46,11 +46,7 @@ OVERLAP_FLAGS: dict[str, tuple[str, ...]] = {
 def with_overlap_flags(xla_flags: str, platform: str) -> str:
     """``xla_flags`` (an ``XLA_FLAGS`` value) with the overlap flags of ``platform`` a flag of the same name does not
     set already (a user's own value wins)."""
-    flags = xla_flags.split()
-    names = {f.split("=", 1)[0] for f in flags}
-    flags += [f for f in OVERLAP_FLAGS.get(PLATFORM_ALIASES.get(platform, platform), ())
-              if f.split("=", 1)[0] not in names]
-    return " ".join(flags)
+    return " ".join([*xla_flags.split(), *missing_overlap_flags(xla_flags, platform)])
 
 
 def missing_overlap_flags(xla_flags: str, platform: str) -> list[str]:

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cmtune.workers.measure import compiled_memory, default_program, error_message, operand_shapes, xla_options
+from cmtune.workers.measure import (
+    classify_failure,
+    compiled_memory,
+    default_program,
+    error_message,
+    operand_shapes,
+    xla_options,
+)
 from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import ring_hardware
 from collective_matmul.ops import input_shardings
@@ -68,7 +75,7 @@ class CompileSession:
         try:
             compiled = jax.jit(program).lower(*self.args).compile(compiler_options=options or None)
         except Exception as exc:  # noqa: BLE001 - any compile failure is a result
-            oom = "RESOURCE_EXHAUSTED" in str(exc) or "out of memory" in str(exc).lower()
+            oom = classify_failure(exc) == "oom"
             return CompiledCandidate(**record, status="oom" if oom else "compile_error",
                                      message=as_message(error_message(exc), 2000), xla_options=options)
         seconds = time.perf_counter() - started

@@ -322,8 +322,14 @@ class Session:
     def _time_pair(self, compiled, started: float, protocol: Protocol
                    ) -> tuple[list[float], list[float], bool, int]:
         (cand, base), timed_out, calls = _time_rounds([lambda: compiled(self.x, self.w), self._run_baseline],
-                                                      started, protocol, self.mesh)
+                                                      started, protocol, self.mesh, lambda: self.overhead_s)
         return cand, base, timed_out, calls
+
+    @functools.cached_property
+    def overhead_s(self) -> float:
+        """A barrier and a dispatch on this session's mesh (`overhead_s`), measured once: every candidate's K is
+        chosen against it (every process reads it at the same call, the first trial's warm-up)."""
+        return overhead_s(self.mesh)
 
     def _run_baseline(self) -> jax.Array:
         return self._baseline_program(self.x, self.w)
@@ -351,8 +357,8 @@ class Session:
             return BoundsMeasurement(**record, status="oom" if status == "oom" else "compile_error",
                                      message=error_message(exc))
         try:
-            (compute, communication, base), timed_out, calls = _time_rounds([*runs, self._run_baseline], started,
-                                                                            protocol, self.mesh)
+            (compute, communication, base), timed_out, calls = _time_rounds(
+                [*runs, self._run_baseline], started, protocol, self.mesh, lambda: self.overhead_s)
         except Exception as exc:  # noqa: BLE001
             return BoundsMeasurement(**record, status=classify_failure(exc), message=error_message(exc))
         return BoundsMeasurement(
@@ -403,12 +409,13 @@ def _trivial(mesh: Mesh):
     return jax.jit(lambda: jnp.zeros((mesh.size,), jnp.float32), out_shardings=NamedSharding(mesh, P(axes)))
 
 
-def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: Protocol, mesh: Mesh | None = None,
-                 ) -> tuple[list[list[float]], bool, int]:
+def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: Protocol, mesh: Mesh,
+                 overhead: Callable[[], float]) -> tuple[list[list[float]], bool, int]:
     """Warm up, then each of ``runs`` in turn per round (a barrier before each sample, `block_until_ready` after
     its last call); the per-call samples of each (the slowest process's), whether the timeout stopped the rounds
     early, and K, the calls per sample (``protocol.calls``, or chosen at warm-up by `calls_per_sample` from the
-    slowest run's single call, agreed by every process: one K for every run of the round, so they pair)."""
+    slowest run's single call and ``overhead()`` on ``mesh``, agreed by every process: one K for every run of the
+    round, so they pair)."""
     warm: list[float] = []
     for i in range(protocol.warmup):
         for run in runs:
@@ -419,8 +426,7 @@ def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: 
     calls = protocol.calls
     if calls is None:
         single = max(slowest_process(warm)) if warm else 0.0
-        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        calls = calls_per_sample(single, overhead_s(mesh), platform) if single else 1
+        calls = calls_per_sample(single, overhead(), mesh.devices.flat[0].platform) if single else 1
     samples: list[list[float]] = [[] for _ in runs]
     timed_out = False
     for _ in range(protocol.repeats):

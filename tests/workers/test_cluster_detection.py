@@ -45,15 +45,14 @@ def open_mpi(process_id: int, port: int) -> dict[str, str]:
             "OMPI_COMM_WORLD_RANK": str(process_id), "OMPI_COMM_WORLD_LOCAL_RANK": str(process_id)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("environment", [slurm, open_mpi], ids=["slurm", "open-mpi"])
-def test_two_processes_join_by_detection_alone_and_tune_a_problem(environment, tmp_path):
-    port = free_port() if environment is open_mpi else free_slurm_port()
+def tune_pair(tmp_path: Path, options, environment=lambda pid: {}) -> None:
+    """Run ``cmtune tune OPTIONS(pid) --repeats 2 --out tuned{pid}.json`` as processes 0 and 1 at once, each with
+    ``environment(pid)`` over a clean one (no SLURM, Open MPI or cmtune variables); both must succeed."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "CMTUNE_"))}
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "cmtune", "tune", "--problem", "ag:256x64x128:float32:8", "--trials", "3",
-         "--repeats", "2", "--devices", "auto", "--out", str(tmp_path / f"tuned{pid}.json")],
-        cwd=ROOT, env=base | {"JAX_PLATFORMS": "cpu"} | environment(pid, port), stdout=subprocess.PIPE,
+        [sys.executable, "-m", "cmtune", "tune", *options(pid), "--repeats", "2", "--out",
+         str(tmp_path / f"tuned{pid}.json")],
+        cwd=ROOT, env=base | {"JAX_PLATFORMS": "cpu"} | environment(pid), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
     try:
         outputs = [p.communicate(timeout=300)[0] for p in processes]
@@ -62,6 +61,14 @@ def test_two_processes_join_by_detection_alone_and_tune_a_problem(environment, t
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("environment", [slurm, open_mpi], ids=["slurm", "open-mpi"])
+def test_two_processes_join_by_detection_alone_and_tune_a_problem(environment, tmp_path):
+    port = free_port() if environment is open_mpi else free_slurm_port()
+    tune_pair(tmp_path, lambda pid: ["--problem", "ag:256x64x128:float32:8", "--trials", "3", "--devices", "auto"],
+              lambda pid: environment(pid, port))
     (config,) = Bundle.load(tmp_path / "tuned0.json").configs  # process 0 writes, the other followed
     assert config.hardware.process_count == 2 and config.hardware.device_count == 8
     assert not (tmp_path / "tuned1.json").exists()
@@ -71,19 +78,7 @@ def test_two_processes_join_by_detection_alone_and_tune_a_problem(environment, t
 def test_explicit_flags_join_a_cluster_on_every_jax_command(tmp_path):
     """--coordinator, --num-processes and --process-id on `cmtune tune` (every JAX command takes them)."""
     port = free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "CMTUNE_"))}
-    processes = [subprocess.Popen(
-        [sys.executable, "-m", "cmtune", "tune", "--problem", "rs:64x128x32:float32:8", "--trials", "2",
-         "--repeats", "2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
-         "--out", str(tmp_path / f"tuned{pid}.json")],
-        cwd=ROOT, env=base | {"JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for pid in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    tune_pair(tmp_path, lambda pid: ["--problem", "rs:64x128x32:float32:8", "--trials", "2", "--coordinator",
+                                     f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)])
     (config,) = Bundle.load(tmp_path / "tuned0.json").configs
     assert config.hardware.process_count == 2 and config.hardware.device_count == 8
