@@ -463,6 +463,10 @@ def main() -> None:
     backends = [("sqlite", f"sqlite:///{args.sqlite}")]
     if os.environ.get("CMTUNE_TEST_DATABASE_URL"):
         backends.append(("postgresql", os.environ["CMTUNE_TEST_DATABASE_URL"]))
+    elif args.backends == ["postgresql"]:
+        raise SystemExit("--backends postgresql needs CMTUNE_TEST_DATABASE_URL (postgresql+psycopg://user:pw@host/db)")
+    elif "postgresql" in args.backends:
+        print("CMTUNE_TEST_DATABASE_URL is not set: PostgreSQL is left out\n", file=sys.stderr)
     backends = [(name, url) for name, url in backends if name in args.backends]
     results = [run_backend(name, url, args.seconds, workers, args.only, args.lease_workers, not args.separate_leases)
                for name, url in backends
