@@ -128,6 +128,7 @@ def rings(tuned: Tuned, *, share: bool = True) -> Tuned:
     return variant
 
 
+@pytest.mark.slow  # a Llama layer's float64 gradients and four compiles (12 s); the op-level float64 test above is fast
 def test_a_llama_layer_shares_its_gathers_and_equals_float64():
     mesh = mesh_2d()
     model = Model(mesh)

@@ -60,6 +60,7 @@ def create_study(api: httpx.Client, *, processes: int = 1, trials: int = 3) -> i
     return response.json()["studies"][0]["id"]
 
 
+@pytest.mark.slow  # a worker daemon against a real server to a stored config (10 s)
 def test_worker_tunes_a_problem_to_a_stored_config(tmp_path):
     url = f"sqlite:///{tmp_path / 'w.sqlite'}"
     tok = tokens(url)

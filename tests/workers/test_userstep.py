@@ -158,6 +158,7 @@ def test_problems_of_a_step_and_the_errors_of_bad_specs():
         assert run.returncode != 0 and says(run, message), run.stdout + run.stderr
 
 
+@pytest.mark.slow  # a step discovered and tuned in a subprocess (9 s)
 def test_tune_a_step_then_the_drop_in_finds_its_configs_exactly(tmp_path):
     out = tmp_path / "tuned.json"
     run = cmtune("tune", "--step", "tests.steps.gspmd_mlp:abstract_mlp_step", "--trials", "2", "--repeats", "2",
