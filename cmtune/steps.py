@@ -88,23 +88,16 @@ def _leader() -> bool:
 
 def show_discovery(ref: SpecRef, built, discovery) -> None:
     from cmtune.report import discovery_tables
+    from collective_matmul.roles import group_label
 
     mesh = ",".join(f"{n}={s}" for n, s in built.mesh.shape.items())
     for table in discovery_tables(discovery, title=f"collective matmuls of {ref} on {mesh}"):
         console.print(table)
     for group in discovery.groups:
-        console.print(f"one gather, {len(group)} projections: {group_label(group)} (the drop-in shares it: "
-                      "collective_matmul.share)")
+        console.print(f"one gather, {len(group)} projections: {group_label(group)} (the drop-in shares it, and runs "
+                      "their summed input gradient as one problem, listed under this label: collective_matmul.share)")
     for warning in discovery.warnings:
         console.print(f"[yellow]{warning}[/yellow]")
-
-
-def group_label(roles: list[str]) -> str:
-    """``Llama/layers/{query,key,value}``: roles of one prefix written once (else joined by commas)."""
-    prefix = roles[0].rpartition("/")[0]
-    if prefix and all(r.rpartition("/")[0] == prefix for r in roles):
-        return f"{prefix}/{{{','.join(r.rpartition('/')[2] for r in roles)}}}"
-    return ", ".join(roles)
 
 
 def no_problems(ref: SpecRef, discovery) -> None:

@@ -21,7 +21,7 @@ set back, ...), and `Tuned.pinned` replays what process 0 resolved on the other 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -172,7 +172,8 @@ class Tuned:
         return drop_in.dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op", gathered_by: str = "") -> OpConfigs:
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op", gathered_by: str = "",
+                members: Sequence[str] = ()) -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`): the problems
         of the forward's shapes (`call_problems`), answered by the model's override of ``role``, then `lookup`.
 
@@ -181,6 +182,8 @@ class Tuned:
             collective, x, w, mesh, axis, batch_axis: as for the op (arrays, tracers or shape structs).
             source, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
             gathered_by: the role of the call whose gather this one reuses (`collective_matmul.share`), for `report`.
+            members: the roles of a group of calls of one gathered activation whose summed input gradient this is
+                (``w``: their weights side by side): its ``grad_input`` is what runs, and what `report` shows.
 
         Raises:
             ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
@@ -190,7 +193,8 @@ class Tuned:
         if role is not None and not source:
             source = roles.call_site()[1]
         site = CallSite(role=role or "", source=source, via=via, collective=collective, problems=problems,
-                        hardware=hardware.identity(), axis=axis, gathered_by=gathered_by)
+                        hardware=hardware.identity(), axis=axis, gathered_by=gathered_by, members=list(members))
+
         call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
         found = self._answers.answers(role, call, hardware, problems, site.notes, self._record)
         site.found = _edited(self.name, self._edit, role, problems, found) if self._edit is not None else found

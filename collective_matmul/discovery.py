@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.hlo import EIGHT_BIT, Instruction, Module, parse_module
 from collective_matmul.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
-from collective_matmul.roles import label, source_of
+from collective_matmul.roles import group_label, label, source_of
 from collective_matmul.wire import StepProblem
 
 # Ops a value passes through unchanged on its way between a collective and a dot.
@@ -161,8 +161,32 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
     skipped = [SkippedCollective(role=role, what=what, reason=reason, count=count)
                for (role, what, reason), count in tally.skipped.items()]
     groups = [roles for roles in tally.gathers.values() if len(roles) > 1]
+    problems += [p for p in (_summed_input_gradient(roles, tally) for roles in groups) if p is not None]
     return Discovery(problems=problems, skipped=skipped, decomposed=decomposed, warnings=warnings,
                      mesh=dict(mesh or {}), groups=groups)
+
+
+def _summed_input_gradient(roles: list[Role], tally: _Tally) -> StepProblem | None:
+    """The input gradient of a group (the products of one gathered activation) as the drop-in runs it when it
+    shares the gather (`collective_matmul.share`): one reduce-scatter ring of the summed product, N the sum of
+    the group's, listed under the group's label.  None where a member's backward or shapes do not allow it."""
+    forwards = []
+    for role in roles:
+        found = [(slots, count, axis, source) for (r, _), (slots, count, axis, source) in tally.problems.items()
+                 if r == role]
+        if len(found) != 1 or "grad_input" not in tally.backward.get(role, ()):
+            return None
+        forwards.append(found[0])
+    first, count, axis, source = forwards[0]
+    first = first["forward"]
+    if any((s["forward"].m, s["forward"].k, s["forward"].dtype, s["forward"].axis_size, a) !=
+           (first.m, first.k, first.dtype, first.axis_size, axis) for s, _, a, _ in forwards):
+        return None
+    n = sum(s["forward"].n for s, *_ in forwards)
+    problem = slot_problems(COLUMN, m=first.m, k=first.k, n=n, dtype=first.dtype,
+                            axis_size=first.axis_size)["grad_input"]
+    return StepProblem(role=group_label(roles), slot="grad_input", problem=problem, count=count, axis=axis,
+                       source=source)
 
 
 def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _Tally, *, backward: bool) -> None:

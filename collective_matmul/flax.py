@@ -40,9 +40,10 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from collective_matmul.decomposition import Decomposition
 from collective_matmul.ops import OPS, allgather_matmul_keep, check_call, gathered_matmul, is_explicit
-from collective_matmul.roles import call_site
-from collective_matmul.share import GATHERS
+from collective_matmul.roles import call_site, group_label
+from collective_matmul.share import GATHERS, Group
 
 if TYPE_CHECKING:
     from collective_matmul.block import ConfigSource
@@ -95,17 +96,26 @@ class DotGeneral:
         where_to = dict(mesh=self.mesh, axis=self.axis, batch_axis=batch_axis)
         found = GATHERS.find(lhs, **where_to) if share else None
         if found is not None and found[0].shape[1:] == x.shape:  # the same activation, folded alike
-            stack, first = found
+            stack, group = found
+            group.join(role)
             self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general",
-                                gathered_by=first)
-            return gathered_matmul(stack, w, **where_to)
+                                gathered_by=group.first)
+            return gathered_matmul(stack, w, **where_to, group=group)
         # a served config that does not fit is skipped inside `configs`; a step variant whose edit does
         # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
         configs = self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general")
         if share and configs.forward.method != "xla":
+            group = Group(role)
+
+            def summed(n: int) -> Decomposition:  # at the backward's trace, once every reader has joined
+                group_w = jax.ShapeDtypeStruct((w.shape[0], n), w.dtype)
+                return self.source.configs(group_label(group.roles), collective, x, group_w, **where_to, source=where,
+                                           via="dot_general", members=group.roles).grad_input
+
+            group.grad_input = summed
             y, stack = allgather_matmul_keep(x, w, **where_to, config=configs.forward, grad_input=configs.grad_input,
-                                             grad_weight=configs.grad_weight)
-            GATHERS.keep(lhs, stack, **where_to, role=role)
+                                             grad_weight=configs.grad_weight, group=group)
+            GATHERS.keep(lhs, stack, **where_to, group=group)
             return y
         return OPS[collective](x, w, **where_to, config=configs.forward, grad_input=configs.grad_input,
                                grad_weight=configs.grad_weight)

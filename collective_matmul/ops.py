@@ -7,6 +7,7 @@ Each op's backward runs its own configs (``grad_input``, ``grad_weight``): see
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -20,10 +21,12 @@ from collective_matmul.problem import Problem
 from collective_matmul.reference import baseline_allgather_matmul_shard, baseline_matmul_reduce_scatter_shard
 from collective_matmul.ring import (
     allgather_grad_weight_shard,
+    allgather_matmul_keep_grads_shard,
     allgather_matmul_keep_shard,
     allgather_matmul_shard,
     matmul_reduce_scatter_shard,
 )
+from collective_matmul.share import Group
 
 BatchAxis = str | tuple[str, ...] | None
 
@@ -81,43 +84,98 @@ def allgather_matmul_keep(
     batch_axis: BatchAxis = None,
     grad_input: Decomposition | None = None,
     grad_weight: Decomposition | None = None,
+    group: Group | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`allgather_matmul` that also returns what it gathered, for `gathered_matmul` to reuse.
 
     The gathered ``x`` comes back as ``[P, ..., M, K]``, sharded over ``axis`` on its first dimension: row ``i``
     is device ``i``'s copy of ``all_gather(x)`` (the one the ring or the all-gather left there), so a later
-    product of the same activation needs no collective.  The input gradients of those products flow back
-    into this op's backward and join its one reduce-scatter (`collective_matmul.share`).  Nothing reuses it:
-    XLA drops the copy and the zero it adds.
+    product of the same activation needs no collective.  With a ``group``, the input gradients of the
+    `gathered_matmul` calls of that group join this op's ONE reduce-scatter ring as one product of the summed N
+    (its config ``group.grad_input(N)`` where given); any other cotangent of the gathered ``x`` is added to it
+    (`collective_matmul.share`).  Nothing reuses it: XLA drops the copy and the zero it adds.
 
     Raises:
         ValueError: as `allgather_matmul`; and for ``method="xla"``, which has no gathered value to hand on.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
-    x_spec, w_spec, out_spec = _specs("allgather_matmul", lead, axis)
     if _left_to_xla(config, grad_input, grad_weight):
         raise ValueError("allgather_matmul_keep: method='xla' leaves the gather to XLA, which shares it itself")
-    kernel = partial(allgather_matmul_keep_shard, axis=axis, config=config, grad_input=grad_input,
-                     grad_weight=grad_weight)
+    call = _Keep(mesh, axis, _specs("allgather_matmul", lead, axis), P(axis, *lead, None, None), config, grad_input,
+                 grad_weight, group)
+    return _keep(*placed(mesh, call.specs[:2], x, w), call)
+
+
+@dataclass(frozen=True, eq=False)
+class _Keep:
+    """The static half of one `allgather_matmul_keep` call (hashed by identity)."""
+
+    mesh: Mesh
+    axis: str
+    specs: tuple[P, P, P]  # x, w, out
+    stack_spec: P
+    config: Decomposition
+    grad_input: Decomposition | None
+    grad_weight: Decomposition | None
+    group: Group | None
+
+    def configs(self, grad_input: Decomposition | None = None) -> dict:
+        return dict(axis=self.axis, config=self.config, grad_input=grad_input or self.grad_input,
+                    grad_weight=self.grad_weight)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _keep(x: jax.Array, w: jax.Array, call: _Keep) -> tuple[jax.Array, jax.Array]:
+    return _keep_fwd(x, w, call)[0]
+
+
+def _keep_fwd(x, w, call: _Keep):
+    x_spec, w_spec, out_spec = call.specs
 
     def body(x, w):
-        y, gathered = kernel(x, w)
+        y, gathered = allgather_matmul_keep_shard(x, w, **call.configs())
         return y, gathered[None]
 
-    stack_spec = P(axis, *lead, None, None)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=(out_spec, stack_spec))
-    return fn(*placed(mesh, (x_spec, w_spec), x, w))
+    y, stack = jax.shard_map(body, mesh=call.mesh, in_specs=(x_spec, w_spec), out_specs=(out_spec, call.stack_spec))(
+        x, w)
+    return (y, stack), (x, w, stack)
 
 
-def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
-                    ) -> jax.Array:
+def _keep_bwd(call: _Keep, residuals, cotangents):
+    x, w, stack = residuals
+    dy, d_stack = cotangents
+    others = call.group.take() if call.group is not None else []
+    grad_input = None
+    if others and call.group.grad_input is not None:  # the group's summed problem
+        grad_input = call.group.grad_input(w.shape[-1] + sum(v.shape[-1] for _, v in others))
+    x_spec, w_spec, out_spec = call.specs
+
+    def body(x, w, stack, dy, d_stack, dys, ws):
+        return allgather_matmul_keep_grads_shard(x, w, stack[0], dy, d_stack[0], tuple(zip(dys, ws, strict=True)),
+                                                 **call.configs(grad_input))
+
+    n = len(others)
+    in_specs = (x_spec, w_spec, call.stack_spec, out_spec, call.stack_spec, (out_spec,) * n, (w_spec,) * n)
+    fn = jax.shard_map(body, mesh=call.mesh, in_specs=in_specs, out_specs=(x_spec, w_spec))
+    dys, ws = tuple(d for d, _ in others), tuple(v for _, v in others)
+    return fn(x, w, stack, *placed(call.mesh, (out_spec, call.stack_spec), dy, d_stack), dys, ws)
+
+
+_keep.defvjp(_keep_fwd, _keep_bwd)
+
+
+def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
+                    group: Group | None = None) -> jax.Array:
     """``all_gather(x) @ w`` from the gathered ``x`` an `allgather_matmul_keep` returned: a local product on every
-    device, no collective.  Its input gradient goes back to that op (summed into its reduce-scatter); its weight
-    gradient is the local product of the gathered ``x`` with the output gradient, summed over ``batch_axis``.
+    device, no collective.  Its weight gradient is the local product of the gathered ``x`` with the output
+    gradient, summed over ``batch_axis``.  Its input gradient: with the ``group`` of that op, its output gradient
+    and ``w`` go to the op's one reduce-scatter ring (`Group.hand_over`); without, it is the local product,
+    which autodiff sums into the stack's cotangent, which the op adds before its ring.
 
     Args:
         stack: ``[P, ..., M, K]`` as `allgather_matmul_keep` returned it.
         w: ``[K, N]``, N sharded over ``axis``.
+        group: the `Group` that op was given.
 
     Returns:
         ``[..., M, N]`` with N sharded over ``axis``, as `allgather_matmul` lays it.
@@ -129,9 +187,39 @@ def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, ba
                   sharded=(("N", -1, "w"),))
     _, w_spec, out_spec = _specs("allgather_matmul", lead, axis)
     stack_spec = P(axis, *lead, None, None)
-    fn = jax.shard_map(lambda s, w: jnp.matmul(s[0], w), mesh=mesh, in_specs=(stack_spec, w_spec),
-                       out_specs=out_spec)
-    return fn(*placed(mesh, (stack_spec, w_spec), stack, w))
+    product = jax.shard_map(lambda s, w: jnp.matmul(s[0], w), mesh=mesh, in_specs=(stack_spec, w_spec),
+                            out_specs=out_spec)
+    stack, w = placed(mesh, (stack_spec, w_spec), stack, w)
+    if group is None:
+        return product(stack, w)
+    return _reuse(stack, w, _Reuse(product, group))
+
+
+@dataclass(frozen=True, eq=False)
+class _Reuse:
+    """The static half of one `gathered_matmul` call of a group (hashed by identity)."""
+
+    product: object  # the local product, a shard_map of (stack, w)
+    group: Group
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _reuse(stack: jax.Array, w: jax.Array, call: _Reuse) -> jax.Array:
+    return call.product(stack, w)
+
+
+def _reuse_fwd(stack, w, call: _Reuse):
+    return call.product(stack, w), (stack, w)
+
+
+def _reuse_bwd(call: _Reuse, residuals, dy):
+    stack, w = residuals
+    call.group.hand_over(dy, w)  # its input gradient: a chunk of every step of the group's one ring
+    _, weight_vjp = jax.vjp(lambda w: call.product(stack, w), w)
+    return jnp.zeros_like(stack), weight_vjp(dy)[0]
+
+
+_reuse.defvjp(_reuse_fwd, _reuse_bwd)
 
 
 def matmul_reduce_scatter(

@@ -42,6 +42,7 @@ class CallSite:
     hardware: Hardware | None = None  # the ring's (what its configs are keyed by)
     axis: str | None = None  # the mesh axis of the ring
     gathered_by: str = ""  # the role whose gather this call reuses (collective_matmul.share); "" = its own
+    members: list[str] = field(default_factory=list)  # a group's summed input gradient: the roles of its calls
 
     @property
     def applied(self) -> bool:
@@ -52,15 +53,25 @@ class CallSite:
         return OpConfigs(**{slot: f.decomposition for slot, f in self.found.items()}) if self.applied else None
 
     @property
+    def runs(self) -> dict[str, Lookup]:
+        """The answers that run: a group's summed input gradient runs its ``grad_input`` alone."""
+        return {"grad_input": self.found["grad_input"]} if self.members else self.found
+
+    @property
     def unmeasured(self) -> list[str]:
         """Why slots were answered by nothing measured on this hardware (`collective_matmul.lookup.untuned`)."""
-        return list(dict.fromkeys(f.note for f in self.found.values() if f.match in ("model", "baseline") and f.note))
+        return list(dict.fromkeys(f.note for f in self.runs.values() if f.match in ("model", "baseline") and f.note))
 
     def line(self) -> str:
         """One line: the role, where, and what ran (or why not)."""
         where = f"{self.role} ({self.source})" if self.source and self.source != self.role else self.role
         if not self.applied:
             return f"{where}: fell back to lax.dot_general: {self.reason}"
+        if self.members:
+            found, problem = self.found["grad_input"], self.problems["grad_input"]
+            return (f"{where}: the input gradients of {', '.join(self.members)} in one reduce-scatter ring, "
+                    f"{problem.key}: grad_input {found.decomposition.id} ({found.match} from {found.source})"
+                    + "".join(f"; {note}" for note in self.unmeasured))
         forward = self.problems["forward"]
         slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source}"
                           + (f", measured on {f.software}" if f.match == "stale" and f.software else "") + ")"
@@ -113,12 +124,12 @@ class Report(list):
     @property
     def stale(self) -> list[CallSite]:
         """The applied call sites that run a config measured on another software stack."""
-        return [s for s in self.applied if any(f.match == "stale" for f in s.found.values())]
+        return [s for s in self.applied if any(f.match == "stale" for f in s.runs.values())]
 
     @property
     def left_to_xla(self) -> list[CallSite]:
         """The applied call sites whose configs leave the product to XLA's own decomposition (method ``xla``)."""
-        return [s for s in self.applied if any(f.decomposition.method == "xla" for f in s.found.values())]
+        return [s for s in self.applied if any(f.decomposition.method == "xla" for f in s.runs.values())]
 
     def compiler_options(self) -> dict[str, object]:
         """The compile options the training step needs for what its call sites run: XLA's windowed einsum on at

@@ -114,6 +114,34 @@ def allgather_matmul_keep_shard(
     return _allgather_matmul_keep_vjp(x, w, plan)
 
 
+def allgather_matmul_keep_grads_shard(
+    x: jax.Array,
+    w: jax.Array,
+    gathered: jax.Array,
+    dy: jax.Array,
+    d_gathered: jax.Array,
+    others: tuple[tuple[jax.Array, jax.Array], ...] = (),
+    *,
+    axis: str,
+    config: Decomposition,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The backward of `allgather_matmul_keep_shard` for a group of products of one gathered ``x``:
+    ``(dx, dW)`` of this op, where ``dx`` also holds the input gradients of the products that reused the gathered
+    ``x`` (``others``: their ``(dy_i, w_i)``, local blocks ``[..., M, N_i/P]`` and ``[K, N_i/P]``) and
+    ``d_gathered`` (any other cotangent of the gathered ``x``, ``[..., M, K]``).  One reduce-scatter ring
+    (``grad_input``, a config of the summed problem: N the sum of the group's) computes every product's chunk at
+    every step, so the whole group's transfer hides behind the whole group's product.
+
+    Raises:
+        ValueError: as `allgather_matmul_shard`.
+    """
+    plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
+    saved = gathered if plan.grad_weight.fuse else x
+    return _allgather_matmul_bwd(plan, (saved, w), dy, addend=d_gathered.astype(dy.dtype), others=others)
+
+
 def matmul_reduce_scatter_shard(
     x: jax.Array,
     w: jax.Array,
@@ -256,10 +284,14 @@ def _allgather_matmul_fwd(x, w, plan: _Plan):
     return _allgather_matmul(x, w, plan.axis, plan.config), (x, w)
 
 
-def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None):
-    """``(dx, dW)``; ``addend``: what other products of the gathered x add to its input gradient (`keep`)."""
+def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None, others: tuple = ()):
+    """``(dx, dW)``.  ``addend``: what other products of the gathered x add to its input gradient; ``others``:
+    ``(dy_i, w_i)`` of the products that reused it (`keep`), whose input gradients the one reduce-scatter ring
+    computes with this op's, as one product of the concatenated output gradients and weights."""
     saved, w = residuals  # saved: all_gather(x) when fused, else x
-    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input, addend=addend)
+    dy_all = jnp.concatenate([dy, *(d.astype(dy.dtype) for d, _ in others)], axis=-1) if others else dy
+    w_all = jnp.concatenate([w, *(v.astype(w.dtype) for _, v in others)], axis=-1) if others else w
+    dx = _matmul_reduce_scatter(dy_all, w_all.T, plan.axis, plan.grad_input, addend=addend)
     if plan.grad_weight.fuse:
         dw = _contract(saved, dy, _single_dtype(plan.grad_weight))
     else:

@@ -161,3 +161,15 @@ def _frames(limit: int = 64) -> list[tuple[str, int]]:
         out.append((frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
     return out
+
+
+def group_label(roles: Sequence[str]) -> str:
+    """``Llama/layers/{key,query,value}``: the roles of the calls of one gathered activation (`collective_matmul.
+    share`) in sorted order (a trace and a compiled module order them differently), a common prefix written once
+    (else joined by commas).  The role their summed input gradient is listed (`collective_matmul.discovery`) and
+    looked up under."""
+    roles = sorted(roles)
+    prefix = roles[0].rpartition("/")[0]
+    if len(roles) > 1 and prefix and all(r.rpartition("/")[0] == prefix for r in roles):
+        return f"{prefix}/{{{','.join(r.rpartition('/')[2] for r in roles)}}}"
+    return ", ".join(roles)

@@ -9,10 +9,19 @@ Within one traced step, the first column call (all-gather → matmul) of an acti
 `collective_matmul.ops.allgather_matmul_keep`: its ring (or all-gather) also hands back the gathered
 activation, one copy per device, which `Gathers` keeps for the traced value.  A later column call of the same
 value — the same tracer, in the same trace, on the same mesh, axis, batch axis, shape and dtype — runs
-`collective_matmul.ops.gathered_matmul`: its product on the kept copy, with no collective.  Autodiff sums the
-later products' input gradients into the gathered value's cotangent, which the first op adds to its own
-partial before its one reduce-scatter; every weight gradient is a product with the one gathered activation.
-The memory is what the step as written keeps: the gathered activation, once.
+`collective_matmul.ops.gathered_matmul`: its product on the kept copy, with no collective.  The calls of one
+gathered activation are a `Group`.  In the backward each later call computes its weight gradient from the
+gathered copy and hands its output gradient and weight over to the group (the later calls' backwards run
+before the first's); the first op's backward then runs ONE reduce-scatter ring of the concatenated output
+gradients and weights, which computes every call's chunk of the summed input gradient at every step: the
+group's whole transfer hides behind the group's whole product.  That ring is the group's summed problem (N the
+sum of the calls' N): the drop-in looks its config up as such (``Group.grad_input``) under the group's label
+(`collective_matmul.roles.group_label`: ``Llama/layers/{key,query,value}``), as discovery lists it.  The memory
+is what the step as written keeps: the gathered activation, once.
+
+The forward is the first call's op with its own weight: a call cannot see the weights of the calls after it,
+so one ring of the concatenated forward weights is what a user with fused weights (one qkv projection) runs,
+an ordinary op of the summed N.
 
 A call whose forward is left to XLA (``method="xla"``) neither keeps nor reuses: XLA shares its own gathers.
 """
@@ -21,19 +30,60 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import jax
 from jax.extend.core import get_opaque_trace_state
 from jax.sharding import Mesh
 
+from collective_matmul.decomposition import Decomposition
+
 MAX_KEPT = 64  # gathered activations kept per process (those of the layer being traced are what matter)
+
+
+def _trace() -> object:
+    return get_opaque_trace_state(convention="cmtune")
+
+
+@dataclass(eq=False)
+class Group:
+    """The calls of one gathered activation: the call that gathered it (``first``) and those that reused it
+    (``readers``), in trace order.  ``grad_input``: the config of the first op's input-gradient ring given the
+    group's summed N (None: the first call's own ``grad_input``).  Hashable by identity: a static argument of
+    the ops' VJPs."""
+
+    first: str
+    readers: list[str] = field(default_factory=list)
+    grad_input: Callable[[int], Decomposition] | None = None
+    _handed: list = field(default_factory=list)  # (trace, dy, w) of the readers' backwards
+
+    @property
+    def roles(self) -> list[str]:
+        return [self.first, *self.readers]
+
+    def join(self, role: str) -> None:
+        if role != self.first and role not in self.readers:
+            self.readers.append(role)
+
+    def hand_over(self, dy: jax.Array, w: jax.Array) -> None:
+        """A reader's backward: its output gradient and weight, for the first op's one ring (the same trace)."""
+        now = _trace()
+        self._handed[:] = [h for h in self._handed if h[0] == now]  # a discarded trace's values never count
+        self._handed.append((now, dy, w))
+
+    def take(self) -> list[tuple[jax.Array, jax.Array]]:
+        """The first op's backward: every ``(dy, w)`` handed over in this trace, in the readers' order."""
+        now = _trace()
+        mine = [(dy, w) for trace, dy, w in reversed(self._handed) if trace == now]
+        self._handed.clear()
+        return mine
 
 
 @dataclass(frozen=True)
 class Kept:
     """A gathered activation: the traced value it gathers (held weakly: the entry goes when the value does, at the
-    end of its trace), where, the gathered copy, and the role of the call that gathered it."""
+    end of its trace), where, the gathered copy, and the group of the calls that read it."""
 
     lhs: weakref.ref
     trace: object
@@ -41,7 +91,7 @@ class Kept:
     axis: str
     batch_axis: object
     stack: jax.Array
-    role: str
+    group: Group
 
 
 class Gathers:
@@ -51,16 +101,16 @@ class Gathers:
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._size = size
 
-    def find(self, lhs, *, mesh: Mesh, axis: str, batch_axis) -> tuple[jax.Array, str] | None:
-        """``(stack, role)``: what an earlier call (``role``) gathered of ``lhs`` on this ring, or None.  Only a
+    def find(self, lhs, *, mesh: Mesh, axis: str, batch_axis) -> tuple[jax.Array, Group] | None:
+        """``(stack, group)``: what an earlier call (``group.first``) gathered of ``lhs`` on this ring, or None.  Only a
         tracer of the running trace is shared (a concrete array, or a tracer of another trace, never is)."""
         kept = self._kept.get(id(lhs))  # only tracers are kept: `kept.lhs() is lhs` makes this one a tracer
-        if (kept is None or kept.lhs() is not lhs or kept.trace != get_opaque_trace_state(convention="cmtune")
+        if (kept is None or kept.lhs() is not lhs or kept.trace != _trace()
                 or (kept.mesh, kept.axis, kept.batch_axis) != (mesh, axis, batch_axis)):
             return None
-        return kept.stack, kept.role
+        return kept.stack, kept.group
 
-    def keep(self, lhs, stack, *, mesh: Mesh, axis: str, batch_axis, role: str) -> None:
+    def keep(self, lhs, stack, *, mesh: Mesh, axis: str, batch_axis, group: Group) -> None:
         """Remember that ``stack`` is ``lhs`` gathered over ``axis`` (a tracer only: nothing else is shared)."""
         if not isinstance(lhs, jax.core.Tracer):
             return
@@ -70,8 +120,7 @@ class Gathers:
             if (entry := kept.get(key)) is not None and entry.lhs is ref:
                 del kept[key]
 
-        self._kept[key] = Kept(weakref.ref(lhs, gone), get_opaque_trace_state(convention="cmtune"), mesh, axis,
-                               batch_axis, stack, role)
+        self._kept[key] = Kept(weakref.ref(lhs, gone), _trace(), mesh, axis, batch_axis, stack, group)
         self._kept.move_to_end(key)
         while len(self._kept) > self._size:
             self._kept.popitem(last=False)

@@ -5,6 +5,8 @@ and gradients of the step as written; a projection of another value or another l
 from __future__ import annotations
 
 import importlib
+import re
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -17,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul import Decomposition, OpConfigs, Tuned
 from collective_matmul import flax as cm_flax
 from collective_matmul.ops import allgather_matmul_keep, gathered_matmul
+from collective_matmul.roles import group_label
+from collective_matmul.share import Group
 
 D = Decomposition.from_id
 BATCH, SEQ, D_MODEL, HEADS, HEAD_DIM, D_FF = 4, 32, 32, 4, 8, 64
@@ -37,19 +41,24 @@ def rel_error(actual, expected) -> float:
                                                                       grad_input=D("ring-bi-c2-full-in"),
                                                                       grad_weight=D("baseline"))],
                          ids=["baseline", "rings", "rings-chunked-unfused"])
-def test_three_products_of_one_gather_equal_float64(configs):
+@pytest.mark.parametrize("grouped", [True, False], ids=["group", "no-group"])
+def test_three_products_of_one_gather_equal_float64(configs, grouped):
     """The op pair: one gathering op and two local products of what it gathered; the value and every gradient
-    equal float64 numpy, and the backward holds one reduce-scatter (or one ring) for all three input gradients."""
+    equal float64 numpy, and the backward holds one reduce-scatter (or one ring) for all three input gradients.
+    With their `Group` (what the drop-in passes) the readers' input-gradient products run inside that one ring,
+    as one product of the concatenated output gradients and weights (N = 32 + 16 + 16): two products fewer."""
     mesh = mesh_2d()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, SEQ, D_MODEL))
     ws = [rng.standard_normal((D_MODEL, n)) for n in (32, 16, 16)]
     cots = [rng.standard_normal((BATCH, SEQ, w.shape[1])) for w in ws]
 
-    def loss(x, ws):
+    def loss(x, ws, grouped=grouped):
+        group = Group("q") if grouped else None
         y, stack = allgather_matmul_keep(x, ws[0], mesh=mesh, axis="model", batch_axis="data", config=configs.forward,
-                                         grad_input=configs.grad_input, grad_weight=configs.grad_weight)
-        ys = [y, *(gathered_matmul(stack, w, mesh=mesh, axis="model", batch_axis="data") for w in ws[1:])]
+                                         grad_input=configs.grad_input, grad_weight=configs.grad_weight, group=group)
+        ys = [y, *(gathered_matmul(stack, w, mesh=mesh, axis="model", batch_axis="data", group=group)
+                   for w in ws[1:])]
         return sum(jnp.sum(y * c) for y, c in zip(ys, cots, strict=True))
 
     put = lambda a, *spec: jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, P(*spec)))  # noqa: E731
@@ -61,6 +70,11 @@ def test_three_products_of_one_gather_equal_float64(configs):
     for dw, c in zip(dws, cots, strict=True):
         assert rel_error(dw, np.einsum("bmk,bmn->kn", x, c)) <= 1e-5
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    if grouped:  # the readers' input-gradient products went into the ring's (or the one product before the scatter)
+        alone = jax.jit(jax.grad(partial(loss, grouped=False), argnums=(0, 1))).lower(*args).compile().as_text()
+        assert products(alone) - products(text) == 2, (products(alone), products(text))
+        sum_n = sum(w.shape[1] for w in ws) // mesh.shape["model"]
+        assert re.search(rf"f32\[[\d,]*{sum_n}\]\S* concatenate\(", text)  # the output gradients side by side
     if configs.grad_input.method == "baseline":  # the input gradients summed, then scattered once
         assert text.count(" reduce-scatter(") == 1
     else:  # one ring of P-1 hops (x chunks, x 2 streams) brings the summed input gradient
@@ -68,6 +82,11 @@ def test_three_products_of_one_gather_equal_float64(configs):
         forward = 3 * configs.forward.chunks  # the gathering ring (bidirectional: 2 + 1 hops; one way: 3)
         regather = 0 if configs.grad_weight.fuse else 1  # the unfused weight gradient gathers x again
         assert text.count("collective-permute(") == forward + hops and text.count(" all-gather(") == regather
+
+
+def products(text: str) -> int:
+    """The matrix products of a compiled module (the CPU backend writes them as dots)."""
+    return len(re.findall(r" dot\(", text))
 
 
 class Layer(nn.Module):
@@ -117,9 +136,12 @@ def loss_and_grads(mesh, tuned, params, x):
     return jax.jit(jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2)))(params)
 
 
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+
 def counts(mesh, tuned, params, x) -> dict[str, int]:
     text = jax.jit(lambda p: loss_and_grads(mesh, tuned, p, x)).lower(params).compile().as_text()
-    return {op: text.count(f" {op}(") for op in ("all-gather", "reduce-scatter", "collective-permute")}
+    return {op: text.count(f" {op}(") for op in COLLECTIVES}
 
 
 def rings(tuned: Tuned, *, share: bool = True) -> Tuned:
@@ -152,6 +174,12 @@ def test_a_llama_layer_shares_its_gathers_and_equals_float64():
     assert side.applied and not side.gathered_by
     assert "layers/key" in str(report) and "reuses the gather of layers/query" in str(report)
     assert "2 gather(s) shared: layers/query gathers for layers/key, layers/value" in str(report)
+    summed = {s.role: s for s in report if s.members}  # each group's summed input gradient, found as one problem
+    assert sorted(summed) == ["layers/{gate,up}", "layers/{key,query,value}"]
+    assert summed["layers/{key,query,value}"].problems["grad_input"].key == "matmul_reduce_scatter:64x96x32:float32:4"
+    assert summed["layers/{gate,up}"].runs["grad_input"].decomposition == COLUMN.grad_input
+    assert ("layers/{key,query,value} (" in str(report) and "the input gradients of layers/query, layers/key, "
+            "layers/value in one reduce-scatter ring" in str(report))
 
     # the compiled step: key, value and up run no ring of their own; their input gradients join the gathering
     # call's reduce-scatter ring (3 hops each on a ring of 4; the forward's permutes of one x XLA merges anyway)
@@ -165,12 +193,26 @@ def test_a_llama_layer_shares_its_gathers_and_equals_float64():
     assert not unshared.report().groups and baseline.report().groups == report.groups
 
 
-@pytest.mark.slow  # the example's two compiles and a step (12 s); the layer test above checks the same counts
+def step_counts(llama, tuned, args) -> dict[str, int]:
+    text = llama.tiny_llama_step(tuned)[0].lower(*args).compile().as_text()
+    return {op: text.count(f" {op}(") for op in COLLECTIVES}
+
+
+@pytest.mark.slow  # the example's five compiles and a step (20 s); the layer test above checks the same counts
 def test_the_llama_example_moves_each_normed_activation_once():
-    """examples/flax_linen_llama.py on 8 devices (data=2, model=4), every call on rings: sharing takes the rings
-    of key, value and up out of the backward; the step trains as the step as written does."""
+    """examples/flax_linen_llama.py on 8 devices (data=2, model=4), against the step as written: at the baseline
+    the drop-in runs the collectives it runs (its all-gathers, and one reduce-scatter per group: the CPU backend
+    writes the step as written's as all-reduces); every call on rings, sharing takes the rings of key, value and
+    up out of the backward; the step trains as the step as written does."""
     llama = importlib.import_module("examples.flax_linen_llama")
     reference, args, _ = llama.tiny_llama_step(None)
+    as_written = step_counts(llama, None, args)
+    at_baseline = {share: step_counts(llama, rings(Tuned(), share=share).variant(
+        "baseline", lambda role, configs: OpConfigs()), args) for share in (True, False)}
+    scattered = {share: c["reduce-scatter"] + c["all-reduce"] for share, c in at_baseline.items()}
+    assert at_baseline[True]["all-gather"] == as_written["all-gather"] == at_baseline[False]["all-gather"]
+    assert scattered[True] == as_written["all-reduce"] + as_written["reduce-scatter"], (at_baseline, as_written)
+    assert scattered[False] - scattered[True] == 3  # key, value, up: each scattered its own without sharing
     want = reference(*args)
     steps = {share: llama.tiny_llama_step(rings(Tuned(), share=share))[0] for share in (True, False)}
     texts = {share: step.lower(*args).compile().as_text() for share, step in steps.items()}
@@ -183,8 +225,7 @@ def test_the_llama_example_moves_each_normed_activation_once():
 
 def test_discovery_lists_the_projections_of_one_gather_as_a_group():
     """The step as written gathers each normed activation once for its projections: discovery says which roles
-    read one gather (what `cmtune problems --step` prints as ``Llama/layers/{query,key,value}``)."""
-    from cmtune.steps import group_label
+    read one gather (what `cmtune problems --step` prints as ``Llama/layers/{key,query,value}``)."""
     from collective_matmul.discovery import discover
 
     llama = importlib.import_module("examples.flax_linen_llama")
@@ -194,8 +235,40 @@ def test_discovery_lists_the_projections_of_one_gather_as_a_group():
     assert groups == [["Llama/layers/gate", "Llama/layers/up"],
                       ["Llama/layers/key", "Llama/layers/query", "Llama/layers/value"]]
     assert {p.role for p in found.problems} >= {"Llama/layers/key", "Llama/layers/up"}  # each still listed
+    summed = {p.role: p.problem.key for p in found.problems if "{" in p.role}  # and each group's input gradient
+    assert summed == {"Llama/layers/{key,query,value}": "matmul_reduce_scatter:128x192x64:float32:4",
+                      "Llama/layers/{gate,up}": "matmul_reduce_scatter:128x256x64:float32:4"}
+    assert all(p.slot == "grad_input" and p.count == 2 for p in found.problems if "{" in p.role)
     assert group_label(groups[1]) == "Llama/layers/{key,query,value}"
     assert group_label(["a/q", "b/k"]) == "a/q, b/k"
+
+
+def test_a_groups_summed_input_gradient_is_looked_up_as_its_own_problem(tmp_path):
+    """A bundle that tunes only the groups' summed problems (the rest at the baseline): the drop-in finds them
+    exactly, the tiny Llama's compiled step runs those two rings and no other, and without sharing none."""
+    from collective_matmul import Bundle, Problem, TunedConfig
+    from collective_matmul.models import ring_hardware
+
+    llama = importlib.import_module("examples.flax_linen_llama")
+    _, args, mesh = llama.tiny_llama_step(None)
+    ring = ring_hardware(mesh, "model")
+    rs = lambda n, k: Problem(collective="matmul_reduce_scatter", m=128, k=k, n=n, dtype="float32",  # noqa: E731
+                              axis_size=4)
+    entries = {rs(64, 64): D("baseline"), rs(64, 128): D("baseline"), rs(64, 192): D("ring-uni-c1-full-in"),
+               rs(64, 256): D("ring-bi-c2-full-in")}
+    Bundle(configs=[TunedConfig(problem=p, hardware=ring.identity(), decomposition=d, time_s=1.0, baseline_s=1.0,
+                                speedup=1.0, software=ring.software)
+                    for p, d in entries.items()]).save(tmp_path / "b.json")
+    tuned = Tuned(bundle=tmp_path / "b.json")
+    assert step_counts(llama, tuned, args)["collective-permute"] == 3 + 2 * 3  # one way, 3 hops; both ways, 2 chunks
+    summed = {s.role: s.runs["grad_input"] for s in tuned.report() if s.members}
+    assert {role: (f.decomposition.id, f.match) for role, f in summed.items()} == {
+        "layers/{key,query,value}": ("ring-uni-c1-full-in", "exact"),
+        "layers/{gate,up}": ("ring-bi-c2-full-in", "exact")}
+    unshared = Tuned(bundle=tmp_path / "b.json")
+    unshared.share = False
+    assert step_counts(llama, unshared, args)["collective-permute"] == 0
+    assert not any(s.members for s in unshared.report())
 
 
 def test_a_step_without_a_shared_activation_compiles_to_the_same_program():
