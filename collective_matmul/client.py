@@ -194,7 +194,6 @@ class Tuned:
             source = roles.call_site()[1]
         site = CallSite(role=role or "", source=source, via=via, collective=collective, problems=problems,
                         hardware=hardware.identity(), axis=axis, gathered_by=gathered_by, members=list(members))
-
         call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
         found = self._answers.answers(role, call, hardware, problems, site.notes, self._record)
         site.found = _edited(self.name, self._edit, role, problems, found) if self._edit is not None else found

@@ -13,10 +13,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.problem import Problem
 from collective_matmul.reference import baseline_allgather_matmul_shard, baseline_matmul_reduce_scatter_shard
 from collective_matmul.ring import (
@@ -123,45 +124,60 @@ class _Keep:
         return dict(axis=self.axis, config=self.config, grad_input=grad_input or self.grad_input,
                     grad_weight=self.grad_weight)
 
+    @property
+    def fuse(self) -> bool:
+        """Whether the weight gradient is a product with the gathered ``x`` the forward kept (else x is gathered
+        again): what the backward keeps, the gathered copy or the local ``x``."""
+        return (DEFAULT_GRAD_WEIGHT if self.grad_weight is None else self.grad_weight).fuse
+
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _keep(x: jax.Array, w: jax.Array, call: _Keep) -> tuple[jax.Array, jax.Array]:
-    return _keep_fwd(x, w, call)[0]
+    return _gather_keeping(x, w, call)
 
 
-def _keep_fwd(x, w, call: _Keep):
+def _gather_keeping(x: jax.Array, w: jax.Array, call: _Keep) -> tuple[jax.Array, jax.Array]:
     x_spec, w_spec, out_spec = call.specs
 
     def body(x, w):
         y, gathered = allgather_matmul_keep_shard(x, w, **call.configs())
         return y, gathered[None]
 
-    y, stack = jax.shard_map(body, mesh=call.mesh, in_specs=(x_spec, w_spec), out_specs=(out_spec, call.stack_spec))(
-        x, w)
-    return (y, stack), (x, w, stack)
+    return jax.shard_map(body, mesh=call.mesh, in_specs=(x_spec, w_spec), out_specs=(out_spec, call.stack_spec))(x, w)
+
+
+def _keep_fwd(x, w, call: _Keep):
+    x, w = x.value, w.value  # `CustomVJPPrimal`s: the VJP takes symbolic zeros (see `_keep_bwd`)
+    y, stack = _gather_keeping(x, w, call)
+    return (y, stack), (stack if call.fuse else x, w)
 
 
 def _keep_bwd(call: _Keep, residuals, cotangents):
-    x, w, stack = residuals
-    dy, d_stack = cotangents
+    saved, w = residuals
+    dy, d_stack = cotangents  # d_stack: a symbolic zero where only the group's readers read the gathered x
+    dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
     others = call.group.take() if call.group is not None else []
     grad_input = None
     if others and call.group.grad_input is not None:  # the group's summed problem
         grad_input = call.group.grad_input(w.shape[-1] + sum(v.shape[-1] for _, v in others))
     x_spec, w_spec, out_spec = call.specs
 
-    def body(x, w, stack, dy, d_stack, dys, ws):
-        return allgather_matmul_keep_grads_shard(x, w, stack[0], dy, d_stack[0], tuple(zip(dys, ws, strict=True)),
-                                                 **call.configs(grad_input))
+    def body(saved, w, dy, d_stack, dys, ws):
+        return allgather_matmul_keep_grads_shard(saved[0] if call.fuse else saved, w, dy,
+                                                 None if d_stack is None else d_stack[0],
+                                                 tuple(zip(dys, ws, strict=True)), **call.configs(grad_input))
 
     n = len(others)
-    in_specs = (x_spec, w_spec, call.stack_spec, out_spec, call.stack_spec, (out_spec,) * n, (w_spec,) * n)
+    d_stack = None if isinstance(d_stack, SymbolicZero) else placed(call.mesh, (call.stack_spec,), d_stack)[0]
+    in_specs = (call.stack_spec if call.fuse else x_spec, w_spec, out_spec,
+                None if d_stack is None else call.stack_spec, (out_spec,) * n, (w_spec,) * n)
     fn = jax.shard_map(body, mesh=call.mesh, in_specs=in_specs, out_specs=(x_spec, w_spec))
-    dys, ws = tuple(d for d, _ in others), tuple(v for _, v in others)
-    return fn(x, w, stack, *placed(call.mesh, (out_spec, call.stack_spec), dy, d_stack), dys, ws)
+    dys = placed(call.mesh, (out_spec,) * n, *(d for d, _ in others))
+    ws = placed(call.mesh, (w_spec,) * n, *(v for _, v in others))
+    return fn(saved, w, placed(call.mesh, (out_spec,), dy)[0], d_stack, dys, ws)
 
 
-_keep.defvjp(_keep_fwd, _keep_bwd)
+_keep.defvjp(_keep_fwd, _keep_bwd, symbolic_zeros=True)
 
 
 def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
@@ -216,7 +232,7 @@ def _reuse_bwd(call: _Reuse, residuals, dy):
     stack, w = residuals
     call.group.hand_over(dy, w)  # its input gradient: a chunk of every step of the group's one ring
     _, weight_vjp = jax.vjp(lambda w: call.product(stack, w), w)
-    return jnp.zeros_like(stack), weight_vjp(dy)[0]
+    return None, weight_vjp(dy)[0]  # None: a symbolic zero, which adds nothing to the gathering op's backward
 
 
 _reuse.defvjp(_reuse_fwd, _reuse_bwd)

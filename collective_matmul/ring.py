@@ -115,11 +115,10 @@ def allgather_matmul_keep_shard(
 
 
 def allgather_matmul_keep_grads_shard(
-    x: jax.Array,
+    saved: jax.Array,
     w: jax.Array,
-    gathered: jax.Array,
     dy: jax.Array,
-    d_gathered: jax.Array,
+    d_gathered: jax.Array | None,
     others: tuple[tuple[jax.Array, jax.Array], ...] = (),
     *,
     axis: str,
@@ -130,16 +129,22 @@ def allgather_matmul_keep_grads_shard(
     """The backward of `allgather_matmul_keep_shard` for a group of products of one gathered ``x``:
     ``(dx, dW)`` of this op, where ``dx`` also holds the input gradients of the products that reused the gathered
     ``x`` (``others``: their ``(dy_i, w_i)``, local blocks ``[..., M, N_i/P]`` and ``[K, N_i/P]``) and
-    ``d_gathered`` (any other cotangent of the gathered ``x``, ``[..., M, K]``).  One reduce-scatter ring
+    ``d_gathered`` (any other cotangent of the gathered ``x``, ``[..., M, K]``; None: none).  One reduce-scatter ring
     (``grad_input``, a config of the summed problem: N the sum of the group's) computes every product's chunk at
     every step, so the whole group's transfer hides behind the whole group's product.
+
+    Args:
+        saved: what the forward kept: ``all_gather(x)`` where ``grad_weight`` fuses, else the local ``x`` (gathered
+            again for dW).
 
     Raises:
         ValueError: as `allgather_matmul_shard`.
     """
-    plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
-    saved = gathered if plan.grad_weight.fuse else x
-    return _allgather_matmul_bwd(plan, (saved, w), dy, addend=d_gathered.astype(dy.dtype), others=others)
+    fuse = (DEFAULT_GRAD_WEIGHT if grad_weight is None else grad_weight).fuse
+    rows = math.prod(saved.shape[:-1]) // (lax.axis_size(axis) if fuse else 1)
+    plan = _plan("allgather_matmul", saved, axis, config, grad_input, grad_weight, block_rows=rows)
+    addend = None if d_gathered is None else d_gathered.astype(dy.dtype)
+    return _allgather_matmul_bwd(plan, (saved, w), dy, addend=addend, others=others)
 
 
 def matmul_reduce_scatter_shard(
@@ -287,11 +292,10 @@ def _allgather_matmul_fwd(x, w, plan: _Plan):
 def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None, others: tuple = ()):
     """``(dx, dW)``.  ``addend``: what other products of the gathered x add to its input gradient; ``others``:
     ``(dy_i, w_i)`` of the products that reused it (`keep`), whose input gradients the one reduce-scatter ring
-    computes with this op's, as one product of the concatenated output gradients and weights."""
+    computes with this op's, chunk by chunk."""
     saved, w = residuals  # saved: all_gather(x) when fused, else x
-    dy_all = jnp.concatenate([dy, *(d.astype(dy.dtype) for d, _ in others)], axis=-1) if others else dy
-    w_all = jnp.concatenate([w, *(v.astype(w.dtype) for _, v in others)], axis=-1) if others else w
-    dx = _matmul_reduce_scatter(dy_all, w_all.T, plan.axis, plan.grad_input, addend=addend)
+    dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input, addend=addend,
+                                others=tuple((d.astype(dy.dtype), v.T.astype(w.dtype)) for d, v in others))
     if plan.grad_weight.fuse:
         dw = _contract(saved, dy, _single_dtype(plan.grad_weight))
     else:
@@ -410,13 +414,17 @@ def _contract(u: jax.Array, v: jax.Array, preferred=None) -> jax.Array:
     return jnp.tensordot(u, v, axes=(dims, dims), preferred_element_type=preferred)
 
 
-def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: jax.Array | None = None) -> jax.Array:
-    """``psum_scatter(x @ w + addend)`` over the M rows (checked by the caller; ``addend`` is ``[..., M, N]``, added
-    to this device's partial product before the sum: other products' partial input gradients)."""
+def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: jax.Array | None = None,
+                           others: tuple[tuple[jax.Array, jax.Array], ...] = ()) -> jax.Array:
+    """``psum_scatter(x @ w + Σ x_i @ w_i + addend)`` over the M rows (checked by the caller).  ``others``: more
+    products ``(x_i, w_i)`` of the same rows and N (a group's input gradients, `collective_matmul.share`), computed
+    piece by piece with ``x @ w`` at every step of the ring: no concatenated copy of their operands; ``addend``
+    (``[..., M, N]``) is added to this device's partial product before the sum."""
+    pairs = ((x, w), *others)
     if config.method == "baseline":
-        if addend is None:
+        if addend is None and not others:
             return baseline_matmul_reduce_scatter_shard(x, w, axis=axis)
-        partial = jnp.matmul(x, w) + addend
+        partial = sum(jnp.matmul(u, v) for u, v in pairs) + (0 if addend is None else addend)
         return lax.psum_scatter(partial, axis, scatter_dimension=partial.ndim - 2, tiled=True)
     size = lax.axis_size(axis)
     rows = x.shape[-2] // size
@@ -429,11 +437,8 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: ja
         """This device's partial products for the output block ``i + offset``."""
         start = ((ring.index + offset) % size) * rows
         products = tuple(
-            jnp.matmul(
-                lax.dynamic_slice(x, (*lead, start + row, 0), (*tiling.piece, x.shape[-1])),
-                w,
-                preferred_element_type=acc_dtype,
-            )
+            sum(jnp.matmul(lax.dynamic_slice(u, (*lead, start + row, 0), (*tiling.piece, u.shape[-1])), v,
+                           preferred_element_type=acc_dtype) for u, v in pairs)
             for *lead, row in tiling.offsets
         )
         if addend is None:

@@ -12,12 +12,13 @@ value — the same tracer, in the same trace, on the same mesh, axis, batch axis
 `collective_matmul.ops.gathered_matmul`: its product on the kept copy, with no collective.  The calls of one
 gathered activation are a `Group`.  In the backward each later call computes its weight gradient from the
 gathered copy and hands its output gradient and weight over to the group (the later calls' backwards run
-before the first's); the first op's backward then runs ONE reduce-scatter ring of the concatenated output
-gradients and weights, which computes every call's chunk of the summed input gradient at every step: the
-group's whole transfer hides behind the group's whole product.  That ring is the group's summed problem (N the
-sum of the calls' N): the drop-in looks its config up as such (``Group.grad_input``) under the group's label
-(`collective_matmul.roles.group_label`: ``Llama/layers/{key,query,value}``), as discovery lists it.  The memory
-is what the step as written keeps: the gathered activation, once.
+before the first's); the first op's backward then runs ONE reduce-scatter ring which computes, at every step,
+every call's piece of the summed input gradient (each a product of its output gradient's rows and its weight,
+no concatenated copy): the group's whole transfer hides behind the group's whole product.  That ring is the
+group's summed problem (N the sum of the calls' N): the drop-in looks its config up as such
+(``Group.grad_input``) under the group's label (`collective_matmul.roles.group_label`:
+``Llama/layers/{key,query,value}``), as discovery lists it.  The memory is what the step as written keeps: the
+gathered activation, once.
 
 The forward is the first call's op with its own weight: a call cannot see the weights of the calls after it,
 so one ring of the concatenated forward weights is what a user with fused weights (one qkv projection) runs,
@@ -67,7 +68,10 @@ class Group:
             self.readers.append(role)
 
     def hand_over(self, dy: jax.Array, w: jax.Array) -> None:
-        """A reader's backward: its output gradient and weight, for the first op's one ring (the same trace)."""
+        """A reader's backward: its output gradient and weight, for the first op's one ring (the same trace).
+
+        It runs before the first op's backward, by data: that backward takes the gathered copy's cotangent, a sum
+        in which every reader's backward writes (a zero, as an array, not autodiff's symbolic zero)."""
         now = _trace()
         self._handed[:] = [h for h in self._handed if h[0] == now]  # a discarded trace's values never count
         self._handed.append((now, dy, w))

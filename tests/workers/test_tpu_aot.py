@@ -192,3 +192,28 @@ def test_a_role_left_to_xla_says_which_compile_option_the_training_step_needs(tm
     decomposed = lowered.compile(compiler_options=report.compiler_options()).as_text()
     assert "all-gather" in plain and "collective-permute" not in plain
     assert "collective-permute" in decomposed and " all-gather(" not in decomposed
+
+
+def test_shared_gathers_compile_for_a_tpu_slice_in_the_memory_of_the_step_without_sharing():
+    """The tiny Llama compiled for v5p:2x2x2 (data=2, model=4), every call on rings: sharing takes key's,
+    value's and up's rings out of the backward (the groups' input gradients run in their first call's ring,
+    piece by piece) and needs the bytes per device of the step without it."""
+    import importlib
+
+    from cmtune.workers.measure import compiled_memory
+    from collective_matmul import OpConfigs, Tuned
+
+    llama = importlib.import_module("examples.flax_linen_llama")
+    slice_devices = tpu_devices("v5p:2x2x2")
+    column = OpConfigs(forward=D("ring-bi-c1-full-dus"), grad_input=D("ring-uni-c1-full-in"))
+    row = OpConfigs(forward=D("ring-uni-c1-full-in"), grad_input=D("ring-bi-c1-full-dus"))
+    compiled = {}
+    for share in (True, False):
+        tuned = Tuned().variant("rings", lambda role, configs: row if role.endswith(("out", "down")) else column)
+        tuned.share = share
+        step, args, _ = llama.tiny_llama_step(tuned, devices=slice_devices)
+        compiled[share] = step.lower(*args).compile()
+        assert bool(tuned.report().groups) == share
+    permutes = {share: c.as_text().count("collective-permute-start(") for share, c in compiled.items()}
+    assert permutes[False] - permutes[True] == 3 * 3, permutes
+    assert compiled_memory(compiled[True]) <= compiled_memory(compiled[False])
