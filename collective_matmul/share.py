@@ -70,8 +70,9 @@ class Group:
     def hand_over(self, dy: jax.Array, w: jax.Array) -> None:
         """A reader's backward: its output gradient and weight, for the first op's one ring (the same trace).
 
-        It runs before the first op's backward, by data: that backward takes the gathered copy's cotangent, a sum
-        in which every reader's backward writes (a zero, as an array, not autodiff's symbolic zero)."""
+        It runs before the first op's backward: autodiff transposes a program's equations last to first, and a
+        reader's comes after the op whose gathered copy it reads (`tests/collective_matmul/test_share.py` holds
+        JAX to it, with the outputs of the group partly unused)."""
         now = _trace()
         self._handed[:] = [h for h in self._handed if h[0] == now]  # a discarded trace's values never count
         self._handed.append((now, dy, w))
