@@ -35,6 +35,9 @@ class HardwareIn(BaseModel):
     @model_validator(mode="after")
     def _ring_of_the_slice(self) -> HardwareIn:
         check_slice(self.device_count, self.slice_devices)
+        if self.process_count > self.device_count:
+            raise ValueError(f"process_count={self.process_count} is more than device_count={self.device_count}: "
+                             "every process holds at least one device of the machine (or ring)")
         return self
 
     def to_hardware(self) -> Hardware:

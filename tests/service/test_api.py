@@ -718,12 +718,16 @@ def test_a_model_on_part_of_the_slice_is_tuned_on_its_rings_by_the_slices_worker
     assert overrides.status_code == 200, overrides.text
 
 
-def test_hardware_whose_ring_is_not_part_of_its_slice_is_refused_saying_why(api):
-    """A ring of 3 devices cannot be part of a slice of 8: a 422 that says what to fix, on registration and on
-    submission, and nothing is stored."""
-    hardware = {"platform": "cpu", "device_kind": "cpu", "device_count": 3, "slice_devices": 8}
+@pytest.mark.parametrize("hardware, why", [
+    ({"device_count": 3, "slice_devices": 8}, "slice_devices must be a multiple of device_count"),
+    ({"device_count": 2, "process_count": 4}, "every process holds at least one device"),
+], ids=["ring-not-of-its-slice", "more-processes-than-devices"])
+def test_hardware_that_cannot_be_is_refused_saying_why(api, hardware, why):
+    """A ring of 3 devices cannot be part of a slice of 8, nor 4 processes hold 2 devices: a 422 that says what to
+    fix, on registration and on submission, and nothing is stored."""
+    hardware = {"platform": "cpu", "device_kind": "cpu", **hardware}
     registered = api.worker.post("/v1/workers", json={"hardware": hardware, "name": "w"})
     submitted = api.admin.post("/v1/studies", json={"problem": "ag:256x64x128:float32:8", "hardware": hardware})
     for answer in (registered, submitted):
-        assert answer.status_code == 422 and "slice_devices must be a multiple of device_count" in answer.text
+        assert answer.status_code == 422 and why in answer.text
     assert api.reader.get("/v1/workers").json() == [] and api.reader.get("/v1/studies").json()["total"] == 0
