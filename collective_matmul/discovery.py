@@ -306,7 +306,9 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
     else:
         tally.problems[key] = [slots, times, axis, source]
     if collective == COLUMN:  # the products one gathered activation feeds: one group
-        readers = tally.gathers.setdefault((dot.computation, gathered_lhs.collective.name), [])
+        gather = gathered_lhs.collective  # one all-gather, or (before XLA merges them) several of one value
+        readers = tally.gathers.setdefault((dot.computation, gather.operands, gather.ints("dimensions"),
+                                            tuple(gather.replica_groups(module.num_partitions) or ())), [])
         if role not in readers:
             readers.append(role)
 
