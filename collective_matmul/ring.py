@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Callable
-from functools import partial
+from functools import partial, reduce
 from typing import Any, NamedTuple
 
 import jax
@@ -424,7 +425,8 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: ja
     if config.method == "baseline":
         if addend is None and not others:
             return baseline_matmul_reduce_scatter_shard(x, w, axis=axis)
-        partial = sum(jnp.matmul(u, v) for u, v in pairs) + (0 if addend is None else addend)
+        partial = reduce(operator.add, (jnp.matmul(u, v) for u, v in pairs))
+        partial = partial if addend is None else partial + addend
         return lax.psum_scatter(partial, axis, scatter_dimension=partial.ndim - 2, tiled=True)
     size = lax.axis_size(axis)
     rows = x.shape[-2] // size
@@ -437,8 +439,9 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: ja
         """This device's partial products for the output block ``i + offset``."""
         start = ((ring.index + offset) % size) * rows
         products = tuple(
-            sum(jnp.matmul(lax.dynamic_slice(u, (*lead, start + row, 0), (*tiling.piece, u.shape[-1])), v,
-                           preferred_element_type=acc_dtype) for u, v in pairs)
+            reduce(operator.add, (
+                jnp.matmul(lax.dynamic_slice(u, (*lead, start + row, 0), (*tiling.piece, u.shape[-1])), v,
+                           preferred_element_type=acc_dtype) for u, v in pairs))
             for *lead, row in tiling.offsets
         )
         if addend is None:
