@@ -99,11 +99,10 @@ def allgather_matmul_keep_shard(
     grad_input: Decomposition | None = None,
     grad_weight: Decomposition | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`allgather_matmul_shard` that also returns the gathered ``x``, for other products of it to reuse.
-
-    The gathered ``x`` is a by-product of the forward (the all-gather, or the blocks the ring moved); its
-    cotangent (the summed input gradients of every product that reused it, ``[..., M, K]``) is added to this
-    op's own partial input gradient before its one reduce-scatter (`collective_matmul.share`).
+    """The forward of `allgather_matmul_shard` that also returns the gathered ``x``, for other products of it to
+    reuse.  The gathered ``x`` is a by-product (the all-gather, or the blocks the ring moved).  Its backward is
+    `allgather_matmul_keep_grads_shard` (the group's one reduce-scatter; `collective_matmul.ops` pairs the two
+    in a custom VJP over the global arrays, where the group's calls meet: `collective_matmul.share`).
 
     Returns:
         ``(all_gather(x) @ w, all_gather(x))``: ``[..., M, N/P]`` and ``[..., M, K]``.
@@ -112,7 +111,7 @@ def allgather_matmul_keep_shard(
         ValueError: as `allgather_matmul_shard`.
     """
     plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
-    return _allgather_matmul_keep_vjp(x, w, plan)
+    return _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
 
 
 def allgather_matmul_keep_grads_shard(
@@ -292,8 +291,8 @@ def _allgather_matmul_fwd(x, w, plan: _Plan):
 
 def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None, others: tuple = ()):
     """``(dx, dW)``.  ``addend``: what other products of the gathered x add to its input gradient; ``others``:
-    ``(dy_i, w_i)`` of the products that reused it (`keep`), whose input gradients the one reduce-scatter ring
-    computes with this op's, chunk by chunk."""
+    ``(dy_i, w_i)`` of the products that reused it (`allgather_matmul_keep_grads_shard`), whose input gradients
+    the one reduce-scatter ring computes with this op's, chunk by chunk."""
     saved, w = residuals  # saved: all_gather(x) when fused, else x
     dx = _matmul_reduce_scatter(dy, w.T, plan.axis, plan.grad_input, addend=addend,
                                 others=tuple((d.astype(dy.dtype), v.T.astype(w.dtype)) for d, v in others))
@@ -305,24 +304,6 @@ def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None, others: tuple
 
 
 _allgather_matmul_vjp.defvjp(_allgather_matmul_fwd, _allgather_matmul_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _allgather_matmul_keep_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> tuple[jax.Array, jax.Array]:
-    return _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
-
-
-def _allgather_matmul_keep_fwd(x, w, plan: _Plan):
-    out, gathered = _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
-    return (out, gathered), (gathered if plan.grad_weight.fuse else x, w)
-
-
-def _allgather_matmul_keep_bwd(plan: _Plan, residuals, cotangents):
-    dy, d_gathered = cotangents  # d_gathered: the other products' input gradients, summed by autodiff
-    return _allgather_matmul_bwd(plan, residuals, dy, addend=d_gathered.astype(dy.dtype))
-
-
-_allgather_matmul_keep_vjp.defvjp(_allgather_matmul_keep_fwd, _allgather_matmul_keep_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
