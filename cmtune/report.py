@@ -179,6 +179,16 @@ def discovery_tables(discovery, *, title: str) -> list[Table]:
     return tables
 
 
+def seen_line(discovery) -> str:
+    """What the module discovery read held (``Discovery.seen``), in words."""
+    seen = dict(discovery.seen)
+    products = seen.pop("products", 0)
+    collectives = ", ".join(f"{count} {op}" for op, count in sorted(seen.items())) or "no collective"
+    return (f"the compiled step runs {products} matrix product(s) and {collectives} per step"
+            + ("" if seen else ": nothing to overlap (is the step's mesh more than one device, and its arguments "
+                                "sharded?)"))
+
+
 def sites_table(sites, *, title: str) -> Table:
     """Every call site a `Tuned` client traced: what it solved and ran there, or why it fell back (the caption: why
     any answer came from nothing measured)."""

@@ -101,9 +101,12 @@ def show_discovery(ref: SpecRef, built, discovery) -> None:
 
 
 def no_problems(ref: SpecRef, discovery) -> None:
+    from cmtune.report import seen_line
+
     console.print(f"[red]{ref}: the step has no collective matmul cmtune decomposes"
                   + (f" ({len(discovery.skipped)} collective(s) skipped above)" if discovery.skipped else "")
                   + ": nothing to tune[/red]")
+    console.print(seen_line(discovery))
     raise typer.Exit(1)
 
 

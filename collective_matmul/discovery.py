@@ -30,7 +30,9 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest import mock
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -80,6 +82,9 @@ class Discovery(BaseModel):
     groups: list[list[Role]] = Field(default_factory=list, description="the roles whose products read one gathered "
                                      "activation (q/k/v, gate/up), each group in the module's order: XLA gathers "
                                      "once for them, and so does the drop-in (collective_matmul.share)")
+    seen: dict[str, int] = Field(default_factory=dict, description="what the module read holds, per step: its matrix "
+                                 "products ('products') and its collectives by opcode, so that an empty answer says "
+                                 "what was looked at")
 
 
 # ---- the scan (module text in, problems out: no JAX) ---------------------------------------
@@ -131,6 +136,7 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
         for dot, times in dots:
             if ("transpose(" in dot.op_name) == backward:
                 _classify(module, dot, times, axes, tally, backward=backward)
+    _gathered_convolutions(module, tally)
     decomposed = []
     for loop in loops:
         decomposed.append(XlaDecomposed(role=loop.role, what=loop.what, problem=loop.problem.key if loop.problem else
@@ -163,7 +169,46 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
     groups = [roles for roles in tally.gathers.values() if len(roles) > 1]
     problems += [p for p in (_summed_input_gradient(roles, tally) for roles in groups) if p is not None]
     return Discovery(problems=problems, skipped=skipped, decomposed=decomposed, warnings=warnings,
-                     mesh=dict(mesh or {}), groups=groups)
+                     mesh=dict(mesh or {}), groups=groups, seen=_seen(module, dots))
+
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def _seen(module: Module, dots: list[tuple[Instruction, int]]) -> dict[str, int]:
+    """The products and the collectives (by opcode, an async pair once) the module runs per step."""
+    seen = {"products": sum(times for _, times in dots)}
+    for name, (times, _exact) in module.executions.items():
+        for inst in module.computations[name].instructions.values():
+            opcode = inst.opcode.removesuffix("-start")  # an async wrapper's collective is its computation's root
+            if opcode in _COLLECTIVES and times > 0:
+                seen[opcode] = seen.get(opcode, 0) + times
+    return seen
+
+
+def _gathered_convolutions(module: Module, tally: _Tally) -> None:
+    """Skip, with the reason, every gathered operand of a convolution that is not a matmul (spatial windows,
+    dilations, groups): XLA's collective feeds it, and no silence hides that."""
+    for name, (times, _exact) in module.executions.items():
+        comp = module.computations[name]
+        if times <= 0:
+            continue
+        for conv in comp.instructions.values():
+            if conv.opcode != "convolution" or _convolution_as_dot(conv) is not None:
+                continue
+            for operand in conv.operands[:2]:
+                inst = comp.instructions.get(operand)
+                gathered = _gathered(module, comp, inst) if inst is not None else None
+                if gathered is None:
+                    continue
+                frames = [(f.file, f.line) for f in module.stack(conv.stack_frame_id)]
+                window = re.search(r"window=\{([^}]*)\}", conv.attributes)
+                key = (label(conv.op_name.rpartition("/")[0], frames),
+                       f"{gathered.collective.opcode} {gathered.collective.name} -> {conv.name}",
+                       "a convolution that is not a matrix product"
+                       + (f" (window {{{window.group(1)}}})" if window else " (feature or batch groups)")
+                       + ": not a collective matmul cmtune decomposes")
+                tally.skipped[key] = tally.skipped.get(key, 0) + times
 
 
 def _summed_input_gradient(roles: list[Role], tally: _Tally) -> StepProblem | None:
@@ -783,7 +828,7 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None,
 
     jitted = step if hasattr(step, "lower") else jax.jit(step)
     lowered = jitted.lower(*args, **(kwargs or {}))
-    with tempfile.TemporaryDirectory(prefix="cmtune-discover-") as directory:
+    with tempfile.TemporaryDirectory(prefix="cmtune-discover-") as directory, past_persistent_cache():
         compiled = lowered.compile(compiler_options={"xla_dump_to": directory,
                                                      "xla_dump_hlo_pass_re": "spmd-partitioning", **(options or {})})
         dumps = sorted(f for f in os.listdir(directory)
@@ -791,10 +836,30 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None,
         if dumps:
             with open(os.path.join(directory, dumps[-1])) as handle:
                 return handle.read(), None
-    # no partitioned module was written: one device (nothing to partition), or a compile served from JAX's
-    # persistent cache; the optimized module holds the same collectives, fused
-    return compiled.as_text(), ("XLA wrote no partitioned module (one device, or a compile from the persistent "
-                                "compilation cache): the optimized module was read instead")
+    # no partitioned module was written (one device: nothing to partition); the optimized module holds the same
+    # collectives, fused
+    return compiled.as_text(), ("XLA wrote no partitioned module (one device: nothing to partition): the optimized "
+                                "module was read instead")
+
+
+@contextmanager
+def past_persistent_cache():
+    """Compile for real inside: JAX's persistent compilation cache (MaxText turns it on) neither read nor written.
+
+    A compile served from the cache runs none of XLA's passes, so it writes no partitioned module to read.  JAX
+    decides once per process whether the cache is used (`jax._src.compilation_cache.is_cache_used`, asked by every
+    compile), so turning the option off after a first compile changes nothing: that question is answered "no"
+    for the compiles inside.  A JAX without it has no cache to go past.
+    """
+    try:
+        from jax._src import compilation_cache
+    except ImportError:  # pragma: no cover
+        compilation_cache = None
+    if compilation_cache is None or not hasattr(compilation_cache, "is_cache_used"):
+        yield
+        return
+    with mock.patch.object(compilation_cache, "is_cache_used", lambda backend: False):
+        yield
 
 
 def discover(step, args: Sequence, mesh=None, *, kwargs: Mapping | None = None) -> Discovery:

@@ -250,6 +250,8 @@ def parse_module(text: str) -> Module:
                 current.instructions[inst.name] = inst
     if not computations:
         raise ValueError("not an HLO module: no computation found")
+    for comp in computations.values():
+        _tuple_elements(comp)
     if not any(c.is_entry for c in computations.values()):  # a module of one computation, or ENTRY not marked
         last = list(computations.values())[-1]
         last.is_entry = True
@@ -320,6 +322,22 @@ def _instruction(line: str, computation: str) -> Instruction | None:
                                                        if part.strip())
     return Instruction(name, opcode, Shape.parse(shape_text), operands, rest[end + 1 :].lstrip(", "), computation,
                        root, inside)
+
+
+def _tuple_elements(comp: Computation) -> None:
+    """Newer XLA writes an element of a tuple operand in place (``compare(%param.1#0, ...)``, no
+    ``get-tuple-element``): each such operand becomes the get-tuple-element it stands for, named as written."""
+    for inst in list(comp.instructions.values()):
+        for operand in inst.operands:
+            match = re.fullmatch(r"(.+)#(\d+)", operand)
+            if match is None or operand in comp.instructions:
+                continue
+            source, index = match.group(1), int(match.group(2))
+            whole = comp.instructions.get(source)
+            elements = whole.shape.elements if whole is not None else ()
+            shape = elements[index] if index < len(elements) else Shape("unknown")
+            comp.instructions[operand] = Instruction(operand, "get-tuple-element", shape, (source,), f"index={index}",
+                                                     comp.name, args=source)
 
 
 def _operand_name(part: str) -> str:

@@ -33,7 +33,7 @@ from collective_matmul.text import as_label
 STRUCTURAL = frozenset({
     "while", "body", "cond", "closed_call", "core_call", "checkpoint", "rematted_computation", "remat", "remat2",
     "scan", "shard_map", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "pjit", "xla_call",
-    "named_call", "branch", "cond_branch", "fori_loop", "map", "dot_general", "",
+    "named_call", "branch", "cond_branch", "fori_loop", "map", "dot_general", "eval_jaxpr", "",
 })
 # Transforms whose parentheses hold a function's name, not scopes.
 _NAMED_FUNCTIONS = frozenset({"jit", "pjit", "xla_pmap", "pmap"})

@@ -1,6 +1,7 @@
 """A user's own training step: the step spec, and the step measured as written against the drop-in.
 
-The user writes one function, the *step spec*, ``NAME(tuned=None) -> (step, args, mesh)``:
+The user writes one function, the *step spec*, ``NAME(tuned=None) -> (step, args, mesh)``, or
+``(step, args, mesh, context)``:
 
 - with ``tuned=None`` it builds the training step as written (what the user has without cmtune);
 - given a config source (a `collective_matmul.Tuned` client, or one of the variants built here,
@@ -8,7 +9,10 @@ The user writes one function, the *step spec*, ``NAME(tuned=None) -> (step, args
   code, ``dot_general`` and `collective_matmul.flax` for Flax layers) it builds the same step
   through the drop-in;
 - ``step`` is the step, jitted or not; ``args`` its arguments (arrays, or
-  `jax.ShapeDtypeStruct`s with shardings for discovery and tuning); ``mesh`` the mesh.
+  `jax.ShapeDtypeStruct`s with shardings for discovery and tuning); ``mesh`` the mesh;
+- ``context``, where the step must be traced under one (MaxText's ``jax.set_mesh(mesh)`` and
+  logical axis rules, a user's ``with mesh:``): a function of no arguments that returns a new
+  context manager each time.  Every command lowers, traces and runs the step inside it.
 
 NAME must be deterministic, touch no device at import, and build its mesh from
 ``jax.devices()``: cmtune sets the devices up first, then imports the spec and calls NAME.  In a
@@ -104,9 +108,29 @@ class SpecRef:
         return fn
 
 
+class InContext:
+    """A jitted step whose tracing (``lower``, ``trace``, a call) runs inside a spec's context."""
+
+    def __init__(self, jitted, context: Callable[[], object]):
+        self.jitted, self.context = jitted, context
+
+    def lower(self, *args, **kwargs):
+        with self.context():
+            return self.jitted.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with self.context():
+            return self.jitted.trace(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        with self.context():
+            return self.jitted(*args, **kwargs)
+
+
 @dataclass
 class Built:
-    """What NAME returned: the step (jitted), its arguments and the mesh."""
+    """What NAME returned: the step (jitted, and wrapped in `InContext` where NAME gave a context), its
+    arguments and the mesh."""
 
     step: Callable
     args: tuple
@@ -135,16 +159,24 @@ class Built:
         except Exception as exc:
             kind = "None" if tuned is None else type(tuned).__name__
             raise SpecError(f"{spec}(tuned={kind}) raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(out, tuple | list) or len(out) != 3:
-            raise SpecError(f"{spec} must return (step, args, mesh), got {type(out).__name__}")
-        step, args, mesh = out
+        if not isinstance(out, tuple | list) or len(out) not in (3, 4):
+            raise SpecError(f"{spec} must return (step, args, mesh) or (step, args, mesh, context), got "
+                            + (f"{len(out)} values" if isinstance(out, tuple | list) else type(out).__name__))
+        step, args, mesh, context = (*out, None) if len(out) == 3 else out
         if not callable(step):
             raise SpecError(f"{spec} returned a step that is not callable: {type(step).__name__}")
         if not isinstance(args, tuple | list):
             raise SpecError(f"{spec} must return the step's arguments as a tuple, got {type(args).__name__}")
         if not isinstance(mesh, Mesh):
             raise SpecError(f"{spec} must return its jax.sharding.Mesh third, got {type(mesh).__name__}")
-        return cls(step if hasattr(step, "lower") else jax.jit(step), tuple(args), mesh)
+        jitted = step if hasattr(step, "lower") else jax.jit(step)
+        if context is None:
+            return cls(jitted, tuple(args), mesh)
+        if not callable(context) or hasattr(context, "__enter__"):
+            raise SpecError(f"{spec} returned a context {type(context).__name__}: give a function of no arguments "
+                            "that returns a new context manager each time it is called (e.g. lambda: "
+                            "jax.set_mesh(mesh)): cmtune enters it for every lowering and run")
+        return cls(InContext(jitted, context), tuple(args), mesh)
 
 
 def signature(tree) -> tuple:

@@ -140,3 +140,30 @@ def test_async_wrapped_collectives_and_a_cublaslt_gemm_are_collective_matmuls():
     keys = {p.role: (p.problem.key, p.axis) for p in found.problems if p.slot == "forward"}
     assert keys == {"down": ("matmul_reduce_scatter:1024x1024x512:bfloat16:4", "model"),
                     "up": ("allgather_matmul:1024x512x512:bfloat16:4", "model")}
+
+
+# Two asynchronous all-gathers feeding a convolution with a real window, in the form XLA's latency-hiding
+# scheduler tests use (a strided, dilated window: no matrix product); written here, not copied.
+GATHERED_CONVOLUTION = """HloModule gathered_convolution, num_partitions=2
+
+ENTRY main {
+  p0 = f32[8,64,256]{2,1,0} parameter(0)
+  p1 = f32[8,64,256]{2,1,0} parameter(1)
+  ag0 = (f32[8,64,256]{2,1,0}, f32[16,64,256]{2,1,0}) all-gather-start(p0), replica_groups={{0,1}}, dimensions={0}, metadata={op_type="AllGather" op_name="jit(step)/conv/all_gather"}
+  ag1 = (f32[8,64,256]{2,1,0}, f32[16,64,256]{2,1,0}) all-gather-start(p1), replica_groups={{0,1}}, dimensions={0}, metadata={op_type="AllGather" op_name="jit(step)/conv/all_gather"}
+  d0 = f32[16,64,256]{2,1,0} all-gather-done(ag0)
+  d1 = f32[16,64,256]{2,1,0} all-gather-done(ag1)
+  ROOT c0 = f32[16,256,256]{2,1,0} convolution(d0, d1), window={size=16 stride=15 lhs_dilate=16}, dim_labels=0fb_0io->0fb, metadata={op_type="conv_general_dilated" op_name="jit(step)/conv/conv_general_dilated"}
+}
+"""
+
+
+def test_gathered_operands_of_a_convolution_that_is_no_matmul_are_skipped_with_the_reason():
+    module = parse_module(GATHERED_CONVOLUTION)
+    assert products(module) == []  # not a product
+    found = scan(module)
+    assert not found.problems
+    assert {s.what for s in found.skipped} == {"all-gather-start ag0 -> c0", "all-gather-start ag1 -> c0"}
+    assert all("convolution that is not a matrix product (window {size=16 stride=15 lhs_dilate=16})" in s.reason
+               and s.role == "conv" for s in found.skipped)
+    assert found.seen == {"products": 0, "all-gather": 2}  # what an empty answer says it looked at

@@ -7,6 +7,7 @@ which collectives the backward runs.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -126,10 +127,15 @@ def test_lowered_backward_runs_the_backward_configs(collective, forward, grad_in
 
 
 def data_axis_reductions(text: str, mesh) -> int:
-    """All-reduces whose replica groups are exactly the data axis's (devices differing in 'data')."""
+    """All-reduces of a lowered module whose replica groups are exactly the data axis's (devices differing in
+    'data'), in either form JAX writes them: listed devices (GSPMD) or the mesh axis by name (Shardy)."""
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     groups = ", ".join("[" + ", ".join(map(str, column)) + "]" for column in ids.T)
-    return text.count(f"replica_groups = dense<[{groups}]>")
+    listed = f"replica_groups = dense<[{groups}]>"
+    named = re.compile(r'replica_groups = #stablehlo\.replica_group_mesh_axes<mesh = @\w+, axes = '
+                       r'\[#stablehlo\.axis_ref<name = "data">\]>')
+    return sum(1 for line in text.splitlines()
+               if "stablehlo.all_reduce" in line and (listed in line or named.search(line)))
 
 
 @pytest.mark.parametrize(

@@ -139,3 +139,36 @@ ENTRY %main (x: f32[8,64,32], w: f32[32,64], v: f32[16,32]) -> f32[8,64,32] {
 def test_text_that_is_not_a_module_is_refused():
     with pytest.raises(ValueError, match="no computation"):
         parse_module("this is not HLO")
+
+
+def test_a_tuple_element_written_in_place_is_read_as_its_get_tuple_element():
+    """XLA 0.12's partitioned modules write ``%param.1#0`` for element 0 of a tuple operand: a scan's loop
+    condition in that form still gives its trip count."""
+    text = """HloModule loop, num_partitions=1
+
+cond (param.1: (s32[], f32[4])) -> pred[] {
+  %param.1 = (s32[], f32[4]{0}) parameter(0)
+  %limit = s32[] constant(3)
+  ROOT %lt = pred[] compare(%param.1#0, %limit), direction=LT
+}
+
+body (param.2: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %param.2 = (s32[], f32[4]{0}) parameter(0)
+  %one = s32[] constant(1)
+  %next = s32[] add(%param.2#0, %one)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%next, %param.2#1)
+}
+
+ENTRY main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+    module = parse_module(text)
+    element = module.computations["cond"].instructions["param.1#0"]
+    assert (element.opcode, element.operands, element.attribute("index")) == ("get-tuple-element", ("param.1",), "0")
+    assert element.shape.dtype == "s32" and module.computations["body"].instructions["param.2#1"].shape.dims == (4,)
+    assert module.trip_count(module.entry.instructions["loop"]) == 3
+    assert module.executions["body"] == (3, True)

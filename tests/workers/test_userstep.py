@@ -263,3 +263,30 @@ def test_verify_times_the_step_without_its_shared_gathers_and_no_share_turns_the
     text, unshared = runs["--no-share"]
     assert "gather(s) shared" not in text and "reuses the gather" not in text
     assert [v.name for v in unshared.variants] == ["as-written", "baseline", "tuned"]
+
+
+def test_a_spec_may_bring_the_context_its_step_is_traced_under():
+    """``(step, args, mesh, context)``: every lowering, trace and run of the step enters a fresh context (MaxText's
+    ``jax.set_mesh`` and axis rules); a context manager object instead of a function is refused with the fix."""
+    import contextlib
+
+    import jax
+
+    entered = []
+
+    @contextlib.contextmanager
+    def under():
+        entered.append("in")
+        with jax.set_mesh(mesh):  # raises inside jax.jit: the step itself could not enter it
+            yield
+
+    step, args, mesh = gspmd_mlp.mlp_step(None)
+    built = Built.of(lambda tuned=None: (step, args, mesh, under), None)
+    assert built.step.lower(*built.args).compile() is not None and entered == ["in"]
+    built.step.trace(*built.args)
+    jax.block_until_ready(built.step(*built.args))
+    assert entered == ["in"] * 3
+    with pytest.raises(SpecError, match="give a function of no arguments"):
+        Built.of(lambda tuned=None: (step, args, mesh, mesh), None)
+    with pytest.raises(SpecError, match="got 5 values"):
+        Built.of(lambda tuned=None: (step, args, mesh, under, None), None)
