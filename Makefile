@@ -42,7 +42,7 @@ test-slow: $(STAMP)
 .venv-oldest/.installed: pyproject.toml
 	$(PYTHON_OLDEST) -m venv .venv-oldest
 	.venv-oldest/bin/pip install --quiet --upgrade pip
-	PYTHONWARNINGS='ignore:Editable installation' .venv-oldest/bin/pip install --quiet -e '.[jax,flax,dev,tpu]' \
+	PYTHONWARNINGS='ignore:Editable installation' .venv-oldest/bin/pip install --quiet -e '.[all,dev,tpu]' \
 		'jax[tpu]==$(OLDEST_JAX)' 'jaxlib==$(OLDEST_JAX)'
 	touch $@
 
