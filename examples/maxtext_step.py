@@ -13,5 +13,6 @@ TINY = ["base_emb_dim=256", "base_mlp_dim=512", "base_num_query_heads=8", "base_
         "ici_tensor_sequence_parallelism=8"]
 
 
-def tiny_maxtext_step(tuned=None):
-    return cm_maxtext.step_spec(TINY, tuned=tuned)
+def tiny_maxtext_step(tuned=None, devices=None):
+    """The tiny decoder: initialised on CPU devices (``verify --step``), abstract for a TPU topology."""
+    return cm_maxtext.step_spec(TINY, tuned=tuned, devices=devices)

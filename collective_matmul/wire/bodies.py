@@ -12,7 +12,7 @@ from collective_matmul.decomposition import Decomposition
 from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBlock
 from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Software, check_slice
 from collective_matmul.text import message
-from collective_matmul.wire.fields import MeshAxes, Name, PresetName, ProblemKey, ShortText, Source
+from collective_matmul.wire.fields import MAX_MESH_AXES, MeshAxes, Name, PresetName, ProblemKey, ShortText, Source
 
 EXAMPLE_PROBLEM = {"collective": "allgather_matmul", "m": 1024, "k": 256, "n": 1024, "dtype": "float32",
                    "axis_size": 8}
@@ -78,7 +78,7 @@ class Budget(BaseModel):
 class MeshIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    axes: MeshAxes = Field(min_length=1, max_length=8, description="mesh axis names and sizes, in order")
+    axes: MeshAxes = Field(min_length=1, max_length=MAX_MESH_AXES, description="mesh axis names and sizes, in order")
     tensor_axis: ShortText = "model"
 
 
@@ -128,7 +128,7 @@ class DiscoveredStep(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: ModelName = Field(description="the name the step is verified under (its overrides' model)")
-    mesh: MeshAxes = Field(min_length=1, max_length=8)
+    mesh: MeshAxes = Field(min_length=1, max_length=MAX_MESH_AXES)
     problems: list[StepProblem] = Field(min_length=1, max_length=3 * MAX_ROLES)
 
 

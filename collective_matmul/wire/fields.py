@@ -22,6 +22,8 @@ Source = label(400, min_length=0)  # file:line
 PresetName = label(MODEL_NAME_LENGTH, min_length=0)  # (an empty one is an unknown model, as any other)
 ProblemKey = label(200)  # problems.key
 MeshAxes = dict[ShortText, Annotated[int, Field(ge=1, le=1 << 20)]]
+# The axes a mesh may name: MaxText's meshes name 12 (data, stage, fsdp, ..., tensor_sequence, expert, autoregressive).
+MAX_MESH_AXES = 16
 
 # Times and ratios a worker reports: finite, and times above zero (a result that is neither is refused)
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]

@@ -13,7 +13,7 @@ from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import TransformerBlock
 from collective_matmul.problem import Hardware, Problem, Software
 from collective_matmul.wire.bodies import EXAMPLE_HARDWARE, HardwareIn
-from collective_matmul.wire.fields import LeaseId, MeshAxes, Name, ShortText
+from collective_matmul.wire.fields import MAX_MESH_AXES, LeaseId, MeshAxes, Name, ShortText
 from collective_matmul.wire.records import (
     MAX_STEP_VARIANTS,
     BoundsMeasurement,
@@ -77,7 +77,7 @@ class StepTask(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     block: TransformerBlock
-    mesh: MeshAxes = Field(max_length=8, description="the submitted mesh")
+    mesh: MeshAxes = Field(max_length=MAX_MESH_AXES, description="the submitted mesh")
     tensor_axis: ShortText = "model"
     configs: dict[str, OpConfigs] = Field(description="per role, the tuned forward / grad_input / grad_weight")
     ablation: bool = Field(default=True, description="also time each role set back to the baseline, and each "

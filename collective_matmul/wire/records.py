@@ -11,7 +11,7 @@ from collective_matmul.bounds import OverlapVerdict, StepBound
 from collective_matmul.decomposition import Decomposition, OpConfigs
 from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBlock
 from collective_matmul.problem import Hardware, Problem
-from collective_matmul.wire.fields import MAX_SAMPLES, MeshAxes, Message, Seconds, ShortText, VariantName
+from collective_matmul.wire.fields import MAX_MESH_AXES, MAX_SAMPLES, MeshAxes, Message, Seconds, ShortText, VariantName
 from collective_matmul.wire.states import Status
 from collective_matmul.wire.stats import Quartiles, agrees, check_ratio, check_rounds, quartiles
 
@@ -241,7 +241,7 @@ class StepMeasurement(BaseModel):
                                                                      "(global_batch: the batch measured)")
     model: ModelName | None = Field(default=None,
                                    description="a user's step: the name it was verified under (no block)")
-    mesh: MeshAxes = Field(max_length=8, description="mesh axes as measured, in order")
+    mesh: MeshAxes = Field(max_length=MAX_MESH_AXES, description="mesh axes as measured, in order")
     tensor_axis: ShortText
     batch_axes: list[ShortText] = Field(default_factory=list, max_length=8,
                                         description="the mesh axes sharding the batch")

@@ -121,3 +121,13 @@ def test_a_result_of_another_kind_is_told_the_field_to_send():
     assert what_to_send(TrialKind.SEARCH, ConfirmResult(measurements=[measured(RING)])) == "send 'measurement'"
     assert what_to_send(TrialKind.SEARCH, RESULTS["confirm"][0]) == ("send 'measurement' (bounds come with a "
                                                                       "confirmation only)")
+
+
+def test_a_step_travels_with_maxtexts_twelve_mesh_axes_and_a_mesh_of_too_many_is_refused():
+    axes = ["diloco", "data", "stage", "fsdp", "fsdp_transpose", "context", "context_usp_ulysses",
+            "context_autoregressive", "tensor", "tensor_sequence", "expert", "autoregressive"]
+    mesh = {name: 8 if name == "tensor_sequence" else 1 for name in axes}
+    measured = step().model_copy(update={"mesh": mesh, "tensor_axis": "tensor_sequence"})
+    assert StepMeasurement.model_validate_json(measured.model_dump_json()).mesh == mesh
+    with pytest.raises(ValidationError, match="at most 16 items"):
+        StepMeasurement.model_validate({**measured.model_dump(), "mesh": {f"a{i}": 1 for i in range(17)}})
