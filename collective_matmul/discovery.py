@@ -113,6 +113,11 @@ class _Tally:
     weights: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # role -> forward weight shapes
     gathers: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (computation, all-gather) -> roles
 
+    def skip(self, role: str, what: str, reason: str, times: int) -> None:
+        """Count a collective not decomposed, ``times`` per step, under its role and reason."""
+        key = (role, what, reason)
+        self.skipped[key] = self.skipped.get(key, 0) + times
+
 
 def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discovery:
     """The collective matmuls of a partitioned module (see the module docstring).
@@ -203,12 +208,11 @@ def _gathered_convolutions(module: Module, tally: _Tally) -> None:
                     continue
                 frames = [(f.file, f.line) for f in module.stack(conv.stack_frame_id)]
                 window = re.search(r"window=\{([^}]*)\}", conv.attributes)
-                key = (label(conv.op_name.rpartition("/")[0], frames),
-                       f"{gathered.collective.opcode} {gathered.collective.name} -> {conv.name}",
-                       "a convolution that is not a matrix product"
-                       + (f" (window {{{window.group(1)}}})" if window else " (feature or batch groups)")
-                       + ": not a collective matmul cmtune decomposes")
-                tally.skipped[key] = tally.skipped.get(key, 0) + times
+                tally.skip(label(conv.op_name.rpartition("/")[0], frames),
+                           f"{gathered.collective.opcode} {gathered.collective.name} -> {conv.name}",
+                           "a convolution that is not a matrix product"
+                           + (f" (window {{{window.group(1)}}})" if window else " (feature or batch groups)")
+                           + ": not a collective matmul cmtune decomposes", times)
 
 
 def _summed_input_gradient(roles: list[Role], tally: _Tally) -> StepProblem | None:
@@ -258,8 +262,7 @@ def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _
     scattered = _scattered(module, comp, dot)
 
     def skip(what: str, reason: str) -> None:
-        key = (role, what, reason)
-        tally.skipped[key] = tally.skipped.get(key, 0) + times
+        tally.skip(role, what, reason, times)
 
     def axis_of(inst: Instruction) -> str | None:
         groups = inst.replica_groups(module.num_partitions)
