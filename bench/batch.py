@@ -37,7 +37,7 @@ def prepare(url: str) -> str:
     from cmtune.service.models import Role
     from cmtune.service.store import SqlStore
     from collective_matmul import Decomposition, Hardware, Problem
-    from collective_matmul.bundle import TunedConfig
+    from collective_matmul.wire.bundle import TunedConfig
 
     db = Database(url)
     migrate.upgrade(db.engine)

@@ -46,8 +46,8 @@ def main() -> None:
     from cmtune.tuner.search import Searcher, SearchSettings
     from cmtune.workers.measure import Session, ring_mesh
     from collective_matmul import Decomposition, Problem
-    from collective_matmul.costmodel import profile_for
-    from collective_matmul.problem import Hardware
+    from collective_matmul.planning.costmodel import profile_for
+    from collective_matmul.planning.problem import Hardware
     from collective_matmul.wire import Protocol
 
     console = Console()

@@ -8,7 +8,7 @@ Per problem: every valid decomposition is timed against the baseline with the tu
 (warm-up, then candidate and baseline alternately, ``--repeats`` runs each; the speedup is the
 median of the paired baseline/candidate ratios, with its interquartile range), then the problem's
 bounds (the local matmul alone, the collective alone and the baseline, in turn each round;
-`collective_matmul.bounds`).  Writes every measurement and the bounds as JSON lines under
+`collective_matmul.wire.bounds`).  Writes every measurement and the bounds as JSON lines under
 bench/results/ and prints a Markdown summary: the best candidate, and the compute, communication,
 bound and hidden fraction it reached, with the reason in words.
 """
@@ -74,8 +74,8 @@ def run_mode(args) -> None:
 def summarize(path: Path, mode: str) -> str:
     from cmtune.report import bounds_of
     from cmtune.workers.measure import Measurement
-    from collective_matmul.bounds import verdict
     from collective_matmul.wire import BoundsMeasurement
+    from collective_matmul.wire.bounds import verdict
 
     rows: list[Measurement] = []
     bounds: dict[str, BoundsMeasurement] = {}
@@ -123,7 +123,7 @@ def summarize(path: Path, mode: str) -> str:
 
 def _fraction(bounds, best) -> str:
     """The best ring's hidden fraction, 0 where no ring beat the baseline ("-": nothing to hide, or no bounds)."""
-    from collective_matmul.bounds import hidden_fraction
+    from collective_matmul.wire.bounds import hidden_fraction
 
     ring = best.ratio < 1
     fraction = hidden_fraction(bounds, best.ratio if ring else 1.0, ring=ring)

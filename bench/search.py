@@ -108,7 +108,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def demo_problems(model: str):
-    from collective_matmul.models import PRESETS, MeshSpec, model_problems
+    from collective_matmul.planning.models import PRESETS, MeshSpec, model_problems
 
     return [mp.problem for mp in model_problems(PRESETS[model], MeshSpec(axes={"data": 1, "model": 8}))]
 
@@ -170,7 +170,7 @@ def main() -> None:
     from cmtune.tuner.searching import profile_name_for, study_settings
     from cmtune.tuner.warm import seeds
     from collective_matmul import Problem
-    from collective_matmul.costmodel import PROFILES, estimate, no_figures, profile_for
+    from collective_matmul.planning.costmodel import PROFILES, estimate, no_figures, profile_for
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     problems = [Problem.parse(spec) for spec in args.problems]

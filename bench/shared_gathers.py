@@ -7,7 +7,7 @@ Takes `examples/flax_linen_llama.py` (separate q/k/v, SwiGLU gate/up/down, ``nn.
 ``kernel_axes``, AdamW; ``data=2, model=4``) through the commands a user runs: ``cmtune tune --step``, then
 ``--runs`` fresh ``cmtune verify --step`` runs, each interleaving, round by round, the step as written (GSPMD,
 the reference), the drop-in at the baseline, the drop-in with the tuned configs (sharing each normed activation's
-gather: `collective_matmul.share`) and ``tuned-no-share`` (the same configs, every projection gathering for
+gather: `collective_matmul.ops.share`) and ``tuned-no-share`` (the same configs, every projection gathering for
 itself).  One row per run: the step as written's median, each variant's speedup over it and sharing's over
 not sharing (medians of the per-round paired ratios, IQR in brackets).
 """

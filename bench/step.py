@@ -107,7 +107,7 @@ def block_session(block, repeats: int):
     import jax
 
     from cmtune.workers.step import StepSession, step_layout
-    from collective_matmul.models import MeshSpec
+    from collective_matmul.planning.models import MeshSpec
     from collective_matmul.wire import Protocol
 
     layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
@@ -133,8 +133,10 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
     from cmtune.tuner.stepsearch import SearchSpace, StepSearch
     from cmtune.tuner.variants import cost_model_configs, ring_everywhere, ring_fill
     from cmtune.workers.step import fixed_sources, search_step
-    from collective_matmul import Bundle, OpConfigs, Tuned, configs_per_role, ring_hardware
-    from collective_matmul.models import MeshSpec, TransformerBlock, role_problems
+    from collective_matmul import Bundle, OpConfigs, Tuned
+    from collective_matmul.block import configs_per_role
+    from collective_matmul.client.tuned import ring_hardware
+    from collective_matmul.planning.models import MeshSpec, TransformerBlock, role_problems
     from collective_matmul.wire import StepRound
 
     block = TransformerBlock.model_validate_json(Path(block_path).read_text())
@@ -178,8 +180,8 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
 
 def estimate_saved(block: Path, bundle: Path) -> float:
     """Time saved per layer by the tuned configs, by the ops' confirmation rounds (baseline - tuned)."""
-    from collective_matmul.bundle import Bundle
-    from collective_matmul.models import MeshSpec, TransformerBlock, role_problems
+    from collective_matmul.planning.models import MeshSpec, TransformerBlock, role_problems
+    from collective_matmul.wire.bundle import Bundle
 
     configs = Bundle.load(bundle)
     saved = 0.0

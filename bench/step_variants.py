@@ -7,7 +7,7 @@
 
 A variant is a name the record's rounds timed (``always-ring``, ``r4-mlp_up-tuned``, ...), then any
 number of edits ``+<role>.<slot>=<what>``: ``<role>.<slot>`` a role's slot as
-`collective_matmul.models.slot_label` names it (``mlp_up`` or ``mlp_up.forward`` the forward,
+`collective_matmul.planning.models.slot_label` names it (``mlp_up`` or ``mlp_up.forward`` the forward,
 ``mlp_up.grad_input``, ``mlp_up.grad_weight``), ``<role>`` one of the block's roles or ``*`` (every
 role), ``<what>`` ``baseline`` (the fused baseline for a weight gradient), ``ring`` (the fixed ring)
 or another recorded variant's name (that slot as it runs it).  The step as written is the
@@ -52,8 +52,8 @@ def parse_variant(spec: str, named: dict) -> dict:
         SystemExit: naming a variant, role, slot or value the record does not have, with what it has.
     """
     from cmtune.tuner.variants import FIXED_RING
-    from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-    from collective_matmul.models import SLOTS, parse_slot_label
+    from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+    from collective_matmul.planning.models import SLOTS, parse_slot_label
 
     base, *edits = spec.split("+")
     if base not in named:
@@ -90,7 +90,7 @@ def worker(args) -> None:
 
     from cmtune.tuner.rounds import faster, ratio_quartiles
     from cmtune.workers.step import fixed_sources
-    from collective_matmul.models import TransformerBlock
+    from collective_matmul.planning.models import TransformerBlock
 
     record = json.loads(Path(args.record).read_text())
     named = recorded(record)

@@ -6,7 +6,7 @@
 
 Per topology and problem, a table row: how long a ring candidate took to compile (median, min-max), how many
 ring candidates' schedules overlap every permute with a product, part of them, or none
-(`collective_matmul.schedule`), the memory per device (min-max), and what the product as written compiles to:
+(`collective_matmul.programs.schedule`), the memory per device (min-max), and what the product as written compiles to:
 XLA's windowed einsum at its default (a loop of permutes, or the plain collective) and its verdict.  These are
 compiles, not timings.
 """
@@ -31,8 +31,9 @@ TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1"]
 def row(topology: str, key: str) -> str:
     from cmtune.workers.aot import compile_all
     from cmtune.workers.measure import ring_mesh_of
-    from collective_matmul import Problem, candidates
-    from collective_matmul.topology import tpu_devices
+    from collective_matmul import Problem
+    from collective_matmul.planning.space import candidates
+    from collective_matmul.programs.topology import tpu_devices
 
     problem = Problem.parse(key)
     devices = tpu_devices(topology)

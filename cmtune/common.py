@@ -88,7 +88,7 @@ def devices_option(text: str) -> DeviceSpec:
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--devices") from None
     if spec.kind == "tpu":  # before anything starts JAX's backends
-        from collective_matmul.topology import quiet_libtpu
+        from collective_matmul.programs.topology import quiet_libtpu
 
         quiet_libtpu(spec.topology)
     return spec
@@ -96,7 +96,8 @@ def devices_option(text: str) -> DeviceSpec:
 
 def problems_from_options(problem: list[str] | None, model: str | None, mesh: str | None, tensor_axis: str | None):
     """The problems named by ``--problem`` (repeatable) or ``--model`` with ``--mesh``."""
-    from collective_matmul import MeshSpec, Problem, TransformerBlock, model_problems
+    from collective_matmul import Problem
+    from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
 
     if bool(problem) == bool(model):
         raise typer.BadParameter("give either --problem (one or more) or --model with --mesh")

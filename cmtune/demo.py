@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cmtune.launcher import running_server, stop
-from collective_matmul.api import ApiClient
+from collective_matmul.client.rest import ApiClient
 from collective_matmul.wire import Budget, HardwareIn, MeshIn, StepOptions, StudyCreate, SubmissionPublic
 
 DEVICES, PROCESSES = 8, 2
@@ -150,7 +150,7 @@ def _follow(api: ApiClient, worker: subprocess.Popen, console: Console) -> None:
 
 def _ops_table(sub: SubmissionPublic) -> Table:
     """Per problem: what its roles picked and by how much, its bounds (compute, communication, the bound, the
-    hidden fraction) and, in the caption, why (collective_matmul.bounds)."""
+    hidden fraction) and, in the caption, why (collective_matmul.wire.bounds)."""
     table = Table(title=f"tuned collective matmuls of {sub.name} on {sub.hardware_key} "
                         "(speedup = baseline / tuned, median of paired runs ± half IQR)", caption_justify="left")
     for col, justify in [("roles", "left"), ("problem", "left"), ("tuned decomposition", "left"),

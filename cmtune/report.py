@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from collective_matmul.bounds import Bounds, hidden_fraction
-from collective_matmul.models import slot_label
+from collective_matmul.planning.models import slot_label
 from collective_matmul.wire import BoundsMeasurement, Measurement
+from collective_matmul.wire.bounds import Bounds, hidden_fraction
 
 
 def fmt_seconds(seconds: float | None) -> str:
@@ -51,7 +51,7 @@ def speedup_text(m: Measurement) -> str:
 
 def sweep_table(results: list[Measurement], *, title: str, bounds: BoundsMeasurement | None = None) -> Table:
     """Every candidate timed against the baseline; with the problem's ``bounds``, each ring's hidden fraction
-    (`collective_matmul.bounds`) and the bounds in the caption."""
+    (`collective_matmul.wire.bounds`) and the bounds in the caption."""
     table = Table(title=title, caption=bounds_caption(bounds), caption_justify="left")
     for name, justify in [
         ("decomposition", "left"), ("status", "left"), ("median", "right"), ("IQR", "right"),

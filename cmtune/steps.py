@@ -19,7 +19,7 @@ from cmtune.workers.cluster import DeviceSpec
 from cmtune.workers.userstep import SpecError, SpecRef
 
 if TYPE_CHECKING:
-    from collective_matmul.client import Tuned
+    from collective_matmul.client.tuned import Tuned
 
 DEFAULT_DEVICES = "virtual:8"
 
@@ -31,7 +31,7 @@ def prepare(devices: str) -> DeviceSpec | None:
         typer.BadParameter: for ``processes:N`` without D, or ``auto``.
     """
     from cmtune.workers.cluster import configure
-    from collective_matmul.topology import TopologyError
+    from collective_matmul.programs.topology import TopologyError
 
     spec = devices_option(devices)
     if spec.kind == "auto":
@@ -72,7 +72,7 @@ def discover_step(ref: SpecRef, fn, spec: DeviceSpec | None = None):
     """NAME's step as written, and its collective matmuls: ``(Built, Discovery)`` (on a TPU topology's devices
     where ``spec`` names one: compiled, never run)."""
     from cmtune.workers.userstep import Built
-    from collective_matmul.discovery import discover
+    from collective_matmul.programs.discovery import discover
 
     devices = spec.tpu_devices() if spec is not None and spec.kind == "tpu" else None
     with spec_errors():
@@ -88,14 +88,15 @@ def _leader() -> bool:
 
 def show_discovery(ref: SpecRef, built, discovery) -> None:
     from cmtune.report import discovery_tables
-    from collective_matmul.roles import group_label
+    from collective_matmul.programs.roles import group_label
 
     mesh = ",".join(f"{n}={s}" for n, s in built.mesh.shape.items())
     for table in discovery_tables(discovery, title=f"collective matmuls of {ref} on {mesh}"):
         console.print(table)
     for group in discovery.groups:
         console.print(f"one gather, {len(group)} projections: {group_label(group)} (the drop-in shares it, and runs "
-                      "their summed input gradient as one problem, listed under this label: collective_matmul.share)")
+                      "their summed input gradient as one problem, listed under this label: "
+                      "collective_matmul.ops.share)")
     for warning in discovery.warnings:
         console.print(f"[yellow]{warning}[/yellow]")
 
@@ -130,7 +131,7 @@ def problems(step: str, devices: str, as_json: bool) -> None:
 def tune(step: str, devices: str, tune_problems) -> None:
     """`cmtune tune --step`: discover, then tune each unique problem on the rings of its axis in the step's own
     mesh, all at once, as the step runs them (its configs keyed as the drop-in looks them up:
-    `collective_matmul.models.ring_hardware`).
+    `collective_matmul.planning.models.ring_hardware`).
 
     ``tune_problems(problems, mesh, axis)`` runs the tuner (`cmtune.tuning._tune`).
     """
@@ -159,7 +160,7 @@ def tune(step: str, devices: str, tune_problems) -> None:
 def verified_client(server: str | None, token: str | None, bundle: Path | None, model: str) -> Tuned:
     """The `Tuned` client verify builds its tuned step with: the configs of a bundle or a server (a problem they
     have not measured runs the baseline, as in training), or with neither the cost model's choices."""
-    from collective_matmul.client import Tuned
+    from collective_matmul.client.tuned import Tuned
 
     return Tuned(server, token=token, bundle=bundle, model=model,
                  unmeasured="costmodel" if server is None and bundle is None else "baseline")
@@ -175,7 +176,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
 
     from cmtune.report import compiled_steps_table
     from cmtune.workers.userstep import Built, step_variants, unshared
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul.planning.xla_options import windowed_einsum
 
     spec = prepare(devices)
     if spec is None:
@@ -211,7 +212,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
 def _compiled_row(label: str, built, options: dict) -> tuple:
     """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
     that does not compile is a row with the reason."""
-    from collective_matmul.schedule import overlap
+    from collective_matmul.programs.schedule import overlap
 
     started = time.monotonic()
     try:
@@ -249,7 +250,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     with ``decide``, the step search on it (`decide_user_step`)."""
     from cmtune.workers.cluster import Group
     from cmtune.workers.userstep import AsWritten, Built, UserStepSession, step_variants
-    from collective_matmul.client import Tuned
+    from collective_matmul.client.tuned import Tuned
     from collective_matmul.wire import Protocol, StepCalls
 
     if decide and bundle is None:
@@ -284,7 +285,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     per_role = message.per_role
     if not per_role:
         say(f"[red]{ref}: no call of the step went through the drop-in: give the Flax layers "
-            "collective_matmul.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
+            "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
             "tuned.matmul_reduce_scatter) when NAME gets a tuned client[/red]")
         raise typer.Exit(1)
     mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
@@ -332,9 +333,9 @@ def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, 
     grading rounds as its confirmation."""
     from cmtune.tuner.stepsearch import SearchSpace, StepSearch
     from collective_matmul.block import AS_WRITTEN, FixedConfigs
-    from collective_matmul.bundle import Bundle
-    from collective_matmul.client import ring_hardware
-    from collective_matmul.models import role_problems
+    from collective_matmul.client.tuned import ring_hardware
+    from collective_matmul.planning.models import role_problems
+    from collective_matmul.wire.bundle import Bundle
 
     hardware = ring_hardware(layout.mesh, layout.axis).identity()
     search = None
@@ -358,8 +359,8 @@ def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, 
 
 def _tuned_here(history, problem, hardware):
     """``problem``'s tuned config on ``hardware`` in a bundle's entries (the one of this process's stack, else the
-    newest of any: `collective_matmul.lookup.from_tuned`'s exact-or-stale), None if it has none."""
-    from collective_matmul.lookup import by_problem, from_tuned
+    newest of any: `collective_matmul.wire.lookup.from_tuned`'s exact-or-stale), None if it has none."""
+    from collective_matmul.wire.lookup import by_problem, from_tuned
 
     here = [c for c in history if c.hardware.key == hardware.identity().key and c.problem == problem]
     found = from_tuned(problem, by_problem(here), hardware.software) if here else None
@@ -453,7 +454,7 @@ def _write_decision(decision, model: str, hardware, bundle: Path, say, overrides
 def save_overrides(path: Path, model: str, hardware, overrides) -> None:
     """Replace ``model``'s overrides on ``hardware`` in the bundle at ``path`` by ``overrides`` (a new
     decision replaces the last one: a role it leaves alone runs its tuned configs again)."""
-    from collective_matmul.bundle import Bundle
+    from collective_matmul.wire.bundle import Bundle
 
     saved = Bundle.load(path) if path.exists() else Bundle()
     saved.overrides = [o for o in saved.overrides if not (o.model == model and o.hardware.key == hardware.key)]
@@ -465,7 +466,7 @@ def save_overrides(path: Path, model: str, hardware, overrides) -> None:
 def discovered_body(step: str, name: str | None):
     """For `cmtune submit --step`: the spec's problems as a `DiscoveredStep`, and the ring's hardware
     (None on the processes other than 0)."""
-    from collective_matmul.client import ring_hardware
+    from collective_matmul.client.tuned import ring_hardware
     from collective_matmul.wire import DiscoveredStep
 
     ref, fn = load(step)

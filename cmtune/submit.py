@@ -12,7 +12,7 @@ import typer
 from cmtune.common import SERVER, TOKEN_FILE, console, problems_from_options, read_token_file
 
 if TYPE_CHECKING:
-    from collective_matmul.api import ApiClient
+    from collective_matmul.client.rest import ApiClient
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -20,7 +20,7 @@ app = typer.Typer(no_args_is_help=True)
 @contextmanager
 def _api(server: str, token: str | None, token_file: Path | None = None) -> Iterator[ApiClient]:
     """The service's API; an error it answers is printed in one line (what to fix) and the command exits 1."""
-    from collective_matmul.api import ApiClient, ApiError
+    from collective_matmul.client.rest import ApiClient, ApiError
 
     with ApiClient(server, token or read_token_file(token_file), timeout=30) as api:
         try:
@@ -64,7 +64,7 @@ def submit(
     devices: Annotated[str, typer.Option(help="with --step: virtual:N or processes:PxD (default virtual:8)")] = "auto",
 ) -> None:
     """Submit problems, a model + mesh, or your own step's problems, to a running service."""
-    from collective_matmul import MeshSpec, TransformerBlock
+    from collective_matmul.planning.models import MeshSpec, TransformerBlock
     from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate
 
     if step is not None:
@@ -145,7 +145,7 @@ def _post(server: str, token: str | None, token_file: Path | None, bodies) -> No
 
 
 def _presets() -> set[str]:
-    from collective_matmul import PRESETS
+    from collective_matmul.planning.models import PRESETS
 
     return set(PRESETS)
 

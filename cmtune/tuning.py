@@ -57,7 +57,7 @@ def bench(
     if spec.needs_group:
         return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count, platform=spec.platform)
     from cmtune.workers.cluster import configure
-    from collective_matmul.topology import TopologyError
+    from collective_matmul.programs.topology import TopologyError
 
     try:
         configure(spec, auto_virtual=parsed.axis_size)
@@ -82,7 +82,7 @@ def _compile_sweep(problems, spec, devices=None) -> list:
     from cmtune.report import compiled_table
     from cmtune.workers.aot import compile_all
     from cmtune.workers.measure import ring_mesh_of
-    from collective_matmul import candidates
+    from collective_matmul.planning.space import candidates
 
     devices = list(devices) if devices is not None else spec.tpu_devices() if spec.kind == "tpu" else jax.devices()
     where = f"tpu:{spec.topology}" if spec.kind == "tpu" else devices[0].platform
@@ -113,7 +113,7 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
     from cmtune.report import sweep_table
     from cmtune.workers.measure import Session
     from cmtune.workers.sweep import sweep
-    from collective_matmul import candidates
+    from collective_matmul.planning.space import candidates
     from collective_matmul.wire import Protocol
 
     leader = jax.process_index() == 0
@@ -174,7 +174,7 @@ def tune(
         raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
     bundled = []
     if warm_start and out is not None and out.exists():  # read before any device is touched: a bad file says so
-        from collective_matmul.bundle import Bundle
+        from collective_matmul.wire.bundle import Bundle
 
         try:
             bundled = Bundle.load(out).configs
@@ -207,7 +207,7 @@ def tune(
             raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
         return relaunch_as_group(spec.count, local_devices=spec.local or ring // spec.count, platform=spec.platform)
     from cmtune.workers.cluster import configure
-    from collective_matmul.topology import TopologyError
+    from collective_matmul.programs.topology import TopologyError
 
     try:
         configure(spec, auto_virtual=ring)
@@ -223,7 +223,8 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
           bundled=(), mesh=None, axis=None) -> None:
     """Tune ``problems`` on rings of ``ring`` devices, all at once: every ring of that size the devices split into
     (`cmtune.workers.measure.ring_mesh`), or those of ``mesh`` along ``axis`` (a user's step's); configs are keyed
-    by the first ring's hardware, part of a slice of the mesh's devices (`collective_matmul.models.ring_hardware`).
+    by the first ring's hardware, part of a slice of the mesh's devices
+    (`collective_matmul.client.tuned.ring_hardware`).
 
     With ``warm_start``, each study is seeded (`cmtune.tuner.warm.seeds`) from the studies of this run
     before it and from the configs of ``bundled`` (the --out bundle's).
@@ -238,9 +239,9 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     from cmtune.workers.local import LocalTuner
     from cmtune.workers.measure import ring_mesh
     from cmtune.workers.runner import LocalRunner, follow
-    from collective_matmul.bundle import Bundle
-    from collective_matmul.models import ring_hardware
+    from collective_matmul.planning.models import ring_hardware
     from collective_matmul.wire import Protocol
+    from collective_matmul.wire.bundle import Bundle
 
     if mesh is None and jax.device_count() % ring:
         raise typer.BadParameter(
@@ -287,7 +288,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
 
 
 def candidates_of(problem):
-    from collective_matmul import candidates
+    from collective_matmul.planning.space import candidates
 
     return candidates(problem)
 
@@ -309,7 +310,7 @@ def problems(
     """List the collective-matmul problems of one training step: a model on a mesh, or your own step."""
     from rich.table import Table
 
-    from collective_matmul import MeshSpec, TransformerBlock, model_problems
+    from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
 
     join_options(coordinator, num_processes, process_id)
 
@@ -373,7 +374,7 @@ def verify(
              "nothing (what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")] = False,
     share: Annotated[bool, typer.Option(
         help="with --step: column calls of one activation share one gather (q/k/v, gate/up: "
-             "collective_matmul.share), and the step is also timed without (tuned-no-share); --no-share: every "
+             "collective_matmul.ops.share), and the step is also timed without (tuned-no-share); --no-share: every "
              "call gathers for itself")] = True,
     coordinator: Annotated[str | None, COORDINATOR] = None,
     num_processes: Annotated[int | None, NUM_PROCESSES] = None,
@@ -381,8 +382,9 @@ def verify(
 ) -> None:
     """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
     join_options(coordinator, num_processes, process_id)
-    from collective_matmul import Bundle, MeshSpec, TransformerBlock, model_problems
+    from collective_matmul import Bundle
     from collective_matmul.block import check_block
+    from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
 
     given = (bundle is not None) + (server is not None)  # a step may take neither: the cost model's choices
     if given > 1 or (step is None and given == 0):
@@ -452,7 +454,7 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     from cmtune.workers.cluster import Group
     from cmtune.workers.step import StepSession, standard_variants, step_layout
     from collective_matmul.block import configs_per_role
-    from collective_matmul.client import Tuned
+    from collective_matmul.client.tuned import Tuned
     from collective_matmul.wire import BlockConfigs, Protocol, Resolved
 
     started = time.monotonic()

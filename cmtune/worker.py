@@ -61,7 +61,7 @@ def worker(
     join_options(coordinator, num_processes, process_id)
     spec = devices_option(devices)
     if spec.platform == "gpu" or _gpu_host():  # before JAX starts: the flags a ring needs to overlap on a GPU
-        from collective_matmul.xla_options import with_overlap_flags
+        from collective_matmul.planning.xla_options import with_overlap_flags
 
         os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""), "gpu")
     if restart and "CMTUNE_SUPERVISED" not in os.environ:

@@ -1,8 +1,24 @@
 """Collective matmul: decomposed all-gather/reduce-scatter matmuls in JAX, and their keys.
 
+``import collective_matmul`` is the training API: the ops and their per-shard forms, their
+configs (`Decomposition`, `OpConfigs`), the tuned-config client `Tuned` (with `Bundle`, the file it
+reads), the keys it looks them up by (`Problem`, `Hardware`) and `discover` for a step's problems.
+The rest lives in sub-packages, split by who imports them (tests/test_layers.py holds the map):
+
+- `collective_matmul.planning` — keys and planning: decompositions, problems and hardware, model
+  shapes, the candidate space, the cost model, XLA's options (no JAX).
+- `collective_matmul.wire` — the service's contract, with bundles, bounds and the look-up order
+  (no JAX).
+- `collective_matmul.programs` — reading compiled programs: discovery, the HLO reader, schedules,
+  topologies, roles (no JAX at import).
+- `collective_matmul.ops` — the ops in JAX: rings, baselines, shared gathers.
+- `collective_matmul.client` — the `Tuned` client, its sources, report and overrides, the REST
+  client, and the drop-ins for Flax and MaxText.
+- `collective_matmul.block` — the reference transformer block, an example of a step.
+
 Importing this package touches no device, does no I/O and imports no JAX: names are resolved on
-first use (PEP 562), so the keys (`Problem`, `Hardware`, `Decomposition`) and the wire contract
-(`collective_matmul.wire`) serve processes that never run an op, like the cmtune service.
+first use (PEP 562), so the keys and the wire contract serve processes that never run an op, like
+the cmtune service.
 """
 
 from __future__ import annotations
@@ -11,95 +27,35 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "AS_WRITTEN": "block",
-    "ROLES": "block",
-    "AsWritten": "block",
-    "ConfigSource": "block",
-    "FixedConfigs": "block",
-    "OpConfigs": "decomposition",
-    "apply": "block",
-    "check_block": "block",
-    "configs_per_role": "block",
-    "init_params": "block",
-    "loss": "block",
-    "loss_and_grads": "block",
-    "param_shardings": "block",
-    "activation_sharding": "block",
-    "train_step": "block",
-    "Bundle": "bundle",
-    "TunedConfig": "bundle",
-    "Lookup": "sources",
-    "Tuned": "client",
-    "ring_hardware": "client",
-    "Decomposition": "decomposition",
-    "PRESETS": "models",
-    "MeshSpec": "models",
-    "ModelProblem": "models",
-    "TransformerBlock": "models",
-    "model_problems": "models",
-    "allgather_grad_weight": "ops",
-    "allgather_matmul": "ops",
-    "input_shardings": "ops",
-    "matmul_reduce_scatter": "ops",
-    "plain_baseline": "ops",
-    "problem_of": "ops",
-    "Hardware": "problem",
-    "Problem": "problem",
-    "check_decomposition": "problem",
-    "baseline_allgather_grad_weight_shard": "reference",
-    "baseline_allgather_matmul_shard": "reference",
-    "baseline_matmul_reduce_scatter_shard": "reference",
-    "allgather_grad_weight_shard": "ring",
-    "allgather_matmul_shard": "ring",
-    "matmul_reduce_scatter_shard": "ring",
-    "candidates": "space",
-    "Discovery": "discovery",
-    "discover": "discovery",
+    "Decomposition": "planning.decomposition",
+    "OpConfigs": "planning.decomposition",
+    "Problem": "planning.problem",
+    "Hardware": "planning.problem",
+    "Bundle": "wire.bundle",
+    "allgather_matmul": "ops.collective",
+    "matmul_reduce_scatter": "ops.collective",
+    "allgather_grad_weight": "ops.collective",
+    "allgather_matmul_shard": "ops.ring",
+    "matmul_reduce_scatter_shard": "ops.ring",
+    "allgather_grad_weight_shard": "ops.ring",
+    "Tuned": "client.tuned",
+    "Discovery": "programs.discovery",
+    "discover": "programs.discovery",
 }
 
 __all__ = [
-    "AS_WRITTEN",
-    "ROLES",
-    "AsWritten",
-    "ConfigSource",
-    "FixedConfigs",
-    "OpConfigs",
-    "apply",
-    "check_block",
-    "configs_per_role",
-    "init_params",
-    "loss",
-    "loss_and_grads",
-    "param_shardings",
-    "activation_sharding",
-    "train_step",
-    "Bundle",
-    "TunedConfig",
-    "Lookup",
-    "Tuned",
-    "ring_hardware",
     "Decomposition",
-    "PRESETS",
-    "MeshSpec",
-    "ModelProblem",
-    "TransformerBlock",
-    "model_problems",
-    "allgather_grad_weight",
-    "allgather_matmul",
-    "input_shardings",
-    "matmul_reduce_scatter",
-    "plain_baseline",
-    "problem_of",
-    "Hardware",
+    "OpConfigs",
     "Problem",
-    "check_decomposition",
-    "baseline_allgather_grad_weight_shard",
-    "baseline_allgather_matmul_shard",
-    "baseline_matmul_reduce_scatter_shard",
-    "allgather_grad_weight_shard",
+    "Hardware",
+    "Bundle",
+    "allgather_matmul",
+    "matmul_reduce_scatter",
+    "allgather_grad_weight",
     "allgather_matmul_shard",
     "matmul_reduce_scatter_shard",
-    "candidates",
+    "allgather_grad_weight_shard",
+    "Tuned",
     "Discovery",
     "discover",
 ]
@@ -119,41 +75,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from collective_matmul.block import (
-        AS_WRITTEN,
-        ROLES,
-        AsWritten,
-        ConfigSource,
-        FixedConfigs,
-        activation_sharding,
-        apply,
-        check_block,
-        configs_per_role,
-        init_params,
-        loss,
-        loss_and_grads,
-        param_shardings,
-        train_step,
+    from collective_matmul.client.tuned import Tuned
+    from collective_matmul.ops.collective import allgather_grad_weight, allgather_matmul, matmul_reduce_scatter
+    from collective_matmul.ops.ring import (
+        allgather_grad_weight_shard,
+        allgather_matmul_shard,
+        matmul_reduce_scatter_shard,
     )
-    from collective_matmul.bundle import Bundle, TunedConfig
-    from collective_matmul.client import Tuned, ring_hardware
-    from collective_matmul.decomposition import Decomposition, OpConfigs
-    from collective_matmul.discovery import Discovery, discover
-    from collective_matmul.models import PRESETS, MeshSpec, ModelProblem, TransformerBlock, model_problems
-    from collective_matmul.ops import (
-        allgather_grad_weight,
-        allgather_matmul,
-        input_shardings,
-        matmul_reduce_scatter,
-        plain_baseline,
-        problem_of,
-    )
-    from collective_matmul.problem import Hardware, Problem, check_decomposition
-    from collective_matmul.reference import (
-        baseline_allgather_grad_weight_shard,
-        baseline_allgather_matmul_shard,
-        baseline_matmul_reduce_scatter_shard,
-    )
-    from collective_matmul.ring import allgather_grad_weight_shard, allgather_matmul_shard, matmul_reduce_scatter_shard
-    from collective_matmul.sources import Lookup
-    from collective_matmul.space import candidates
+    from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+    from collective_matmul.planning.problem import Hardware, Problem
+    from collective_matmul.programs.discovery import Discovery, discover
+    from collective_matmul.wire.bundle import Bundle

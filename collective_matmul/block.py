@@ -38,17 +38,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.models import ROLES as MODEL_ROLES
-from collective_matmul.models import TransformerBlock
-from collective_matmul.ops import OPS, BatchAxis, axes_size, is_explicit, placed
+from collective_matmul.client.sources import ConfigSource
+from collective_matmul.ops.collective import OPS, BatchAxis, axes_size, is_explicit, placed
+from collective_matmul.planning.decomposition import OpConfigs
+from collective_matmul.planning.models import ROLES as MODEL_ROLES
+from collective_matmul.planning.models import TransformerBlock
 
 # The collective of each role's forward (models.py derives the same problems).
 ROLE_COLLECTIVES: dict[str, str] = {
@@ -62,36 +62,6 @@ PARAM_NAMES: tuple[str, ...] = ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_up",
 RMS_EPS = 1e-6
 
 Params = dict[str, jax.Array]
-
-
-@runtime_checkable
-class ConfigSource(Protocol):
-    """What the block and the Flax drop-in (`collective_matmul.flax`) call on a source of configs, at trace time.
-
-    Implemented by `FixedConfigs`, `AS_WRITTEN` and `collective_matmul.Tuned` (and its step variants).
-    """
-
-    def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
-        """The forward, ``grad_input`` and ``grad_weight`` configs of one op call.
-
-        Args:
-            role: the call's role: one of `ROLES` in the block; a Flax module path, named scope or
-                source location in the drop-in; None where the call has none.
-            collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
-            x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`: the shapes matter).
-            mesh, axis, batch_axis: as for the op.
-            source: ``file:line`` of the call (the drop-in gives it), for a report of the calls.
-            via: how the call came: ``op`` (the block, `Tuned`'s ops) or ``dot_general`` (the drop-in).
-
-        Raises:
-            ValueError: if the call does not fit ``collective`` (a source may check it).
-        """
-        ...
-
-    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
-        """A call the drop-in ran as plain ``lax.dot_general``: ``reason`` says why, ``source`` is its ``file:line``."""
-        ...
 
 
 @dataclass(frozen=True)

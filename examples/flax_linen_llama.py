@@ -31,8 +31,8 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul import flax as cm_flax
-from collective_matmul.topology import compile_only, mesh_of
+from collective_matmul.client import flax as cm_flax
+from collective_matmul.programs.topology import compile_only, mesh_of
 
 RULES = (("batch", "data"), ("activation_length", "model"), ("embed", None), ("heads", "model"),
          ("kv", None), ("mlp", "model"), ("vocab", "model"), ("layers", None))

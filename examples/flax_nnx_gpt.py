@@ -13,7 +13,7 @@ projection are column-parallel (kernel sharded on its heads / hidden columns), t
 output and the MLP's down projection row-parallel (kernel sharded on its input rows).  Written
 plainly (``tuned=None``), XLA's partitioner places the all-gathers and reduce-scatters; with a
 `collective_matmul.Tuned` client the same layers take cmtune's ``dot_general``
-(`collective_matmul.flax`), which runs the tuned decompositions.
+(`collective_matmul.client.flax`), which runs the tuned decompositions.
 
 `gpt_step` is the step spec cmtune's commands take: ``gpt_step(tuned=None, devices=None) -> (step, args,
 mesh)`` builds the model, the optimizer and a batch on a mesh of ``devices`` (cmtune's; model axis up to 8
@@ -36,8 +36,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul import flax as cm_flax
-from collective_matmul.topology import compile_only, mesh_of
+from collective_matmul.client import flax as cm_flax
+from collective_matmul.programs.topology import compile_only, mesh_of
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def build(cfg: Config, tuned=None, *, model_axis: int | None = None, seed: int =
 
     ``optimizer``: an optax transformation (default AdamW at ``cfg.learning_rate``); ``devices``: the mesh's
     (default ``jax.devices()``).  On devices that cannot run here (a TPU slice compiled ahead of time,
-    `collective_matmul.topology.compile_only`) the arguments are abstract: shapes, dtypes and shardings.
+    `collective_matmul.programs.topology.compile_only`) the arguments are abstract: shapes, dtypes and shardings.
     """
     mesh = make_mesh(model_axis, devices)
 

@@ -3,10 +3,10 @@
     cmtune problems --step examples/maxtext_step.py:tiny_maxtext_step --devices virtual:8
     cmtune problems --step examples/maxtext_step.py:default_maxtext_step --devices tpu:v5e:2x4
 
-(Python 3.12 and ``pip install "maxtext[tpu]==0.2.5"``; `collective_matmul.maxtext` builds the step.)
+(Python 3.12 and ``pip install "maxtext[tpu]==0.2.5"``; `collective_matmul.client.maxtext` builds the step.)
 """
 
-from collective_matmul import maxtext as cm_maxtext
+from collective_matmul.client import maxtext as cm_maxtext
 
 TINY = ["base_emb_dim=256", "base_mlp_dim=512", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=32",
         "base_num_decoder_layers=2", "max_target_length=128", "vocab_size=1024", "per_device_batch_size=1",

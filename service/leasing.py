@@ -32,7 +32,7 @@ from cmtune.service.store import LeaseInfo, SqlTx, WorkerInfo
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.store import TrialRecord
-from collective_matmul.problem import Hardware
+from collective_matmul.planning.problem import Hardware
 from collective_matmul.wire import (
     LeaseGranted,
     LeasePublic,

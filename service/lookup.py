@@ -1,5 +1,5 @@
-"""Config look-up in the stated order (`collective_matmul.lookup`): exact, stale, nearest, then the baseline (or the
-cost model's choice, where the caller asks for it).
+"""Config look-up in the stated order (`collective_matmul.wire.lookup`): exact, stale, nearest, then the baseline (or
+the cost model's choice, where the caller asks for it).
 
 Tuned configs of a hardware (every stack's) are cached per replica for ``config_cache_seconds`` (writes
 from this replica clear the cache at once; other replicas see them within that time).
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from fastapi.concurrency import run_in_threadpool
 
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import Unmeasured, by_problem, from_tuned, stack_note, untuned
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import ConfigAnswer
+from collective_matmul.wire.bundle import TunedConfig
+from collective_matmul.wire.lookup import Unmeasured, by_problem, from_tuned, stack_note, untuned
 
 if TYPE_CHECKING:
     from cmtune.service.store import SqlStore
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 def answer(problem: Problem, hardware: Hardware, tuned: Mapping[str, Sequence[TunedConfig]],
            software: Software | None = None, unmeasured: Unmeasured = "baseline") -> ConfigAnswer:
-    """Pick from ``tuned`` (one hardware's configs, `collective_matmul.lookup.by_problem`) in the look-up order
-    (`collective_matmul.lookup`) for a caller on ``software`` (None: it named no stack); where nothing measured
-    answers, what ``unmeasured`` says (`collective_matmul.lookup.untuned`), its ``reason`` saying why."""
+    """Pick from ``tuned`` (one hardware's configs, `collective_matmul.wire.lookup.by_problem`) in the look-up order
+    (`collective_matmul.wire.lookup`) for a caller on ``software`` (None: it named no stack); where nothing measured
+    answers, what ``unmeasured`` says (`collective_matmul.wire.lookup.untuned`), its ``reason`` saying why."""
     found = from_tuned(problem, tuned, software)
     if found is not None:
         return _from_tuned(problem, hardware, found[1], found[0], software)

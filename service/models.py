@@ -128,7 +128,7 @@ class Study(Base):
     step: Mapped[dict[str, Any] | None]
     # a completed step study: what its measurement decided (collective_matmul.wire.StepChoice)
     decision: Mapped[dict[str, Any] | None]
-    # the software stack its trials run on (collective_matmul.problem.Software; None: any worker of the
+    # the software stack its trials run on (collective_matmul.planning.problem.Software; None: any worker of the
     # hardware), and its key, which the lease compares with a worker's
     software: Mapped[dict[str, Any] | None]
     software_key: Mapped[str | None] = mapped_column(String(64), index=True)
@@ -257,14 +257,15 @@ class TunedConfigRow(Base):
     invalid: Mapped[int] = mapped_column(default=0)
     failed: Mapped[int] = mapped_column(default=0)
     space_size: Mapped[int] = mapped_column(default=0)
-    # the bounds (collective_matmul.bounds): the local matmul alone, the collective alone, and the
+    # the bounds (collective_matmul.wire.bounds): the local matmul alone, the collective alone, and the
     # baseline timed with them (None: not measured)
     compute_s: Mapped[float | None] = mapped_column(Float)
     communication_s: Mapped[float | None] = mapped_column(Float)
     bounds_baseline_s: Mapped[float | None] = mapped_column(Float)
-    software: Mapped[dict[str, Any]]  # the stack that measured it (collective_matmul.problem.Software)
+    software: Mapped[dict[str, Any]]  # the stack that measured it (collective_matmul.planning.problem.Software)
     software_key: Mapped[str] = mapped_column(String(64))  # Software.key of ``software``
-    # the winner's compiled schedule verdict (collective_matmul.schedule) and memory per device (None: not recorded)
+    # the winner's compiled schedule verdict (collective_matmul.programs.schedule) and memory per device
+    # (None: not recorded)
     overlap: Mapped[str | None] = mapped_column(String(16))
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

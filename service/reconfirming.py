@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from cmtune.tuner.engine import Engine
 from cmtune.tuner.errors import InvalidError
 from cmtune.tuner.store import StudyRecord
-from collective_matmul.models import role_problems
-from collective_matmul.problem import Hardware, Software
+from collective_matmul.planning.models import role_problems
+from collective_matmul.planning.problem import Hardware, Software
 
 if TYPE_CHECKING:
     from cmtune.service.store import SqlTx, TunedRow

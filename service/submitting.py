@@ -23,9 +23,9 @@ from cmtune.tuner.engine import Engine
 from cmtune.tuner.searching import study_settings
 from cmtune.tuner.stepping import step_study_of
 from cmtune.tuner.warm import nearest_seeds
-from collective_matmul.models import PRESETS, MeshSpec, TransformerBlock, model_problems, slot_label
-from collective_matmul.problem import Hardware, Problem
-from collective_matmul.space import has_ring, no_ring_reason
+from collective_matmul.planning.models import PRESETS, MeshSpec, TransformerBlock, model_problems, slot_label
+from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.planning.space import has_ring, no_ring_reason
 from collective_matmul.wire import Protocol, Seed, Skipped, StudyCreate, StudyCreated, StudyState
 
 if TYPE_CHECKING:

@@ -33,9 +33,8 @@ from cmtune.tuner.states import StopReason, check_trial_move, move_study, move_t
 from cmtune.tuner.stepping import Stepping
 from cmtune.tuner.stepsearch import step_decision  # noqa: F401  (re-exported: workers/step.py imports it from here)
 from cmtune.tuner.store import StoreTx, StudyRecord, TrialRecord
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.models import MeshSpec, TransformerBlock
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.models import MeshSpec, TransformerBlock
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     STEP_ROUND_VARIANTS,
     STEP_SEARCH_ROUNDS,
@@ -48,6 +47,7 @@ from collective_matmul.wire import (
     TrialTask,
     what_to_send,
 )
+from collective_matmul.wire.bundle import TunedConfig
 
 S, T = StudyState, TrialState
 

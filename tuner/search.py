@@ -36,10 +36,10 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.costmodel import PROFILES, HardwareProfile, rank
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem
-from collective_matmul.space import candidates
+from collective_matmul.planning.costmodel import PROFILES, HardwareProfile, rank
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Measurement, Seed, StopReason, TunedConfig
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
@@ -70,7 +70,7 @@ class SearchSettings(BaseModel):
     confirm_top: int = Field(default=3, ge=0)
     confirm_repeats: int = Field(default=15, ge=1)
     profile: str | None = Field(default=None, description="cost-model profile that orders the candidates "
-                                "(a name in collective_matmul.costmodel.PROFILES); None: by platform")
+                                "(a name in collective_matmul.planning.costmodel.PROFILES); None: by platform")
     seeds: tuple[Seed, ...] = Field(default=(), max_length=64, description="timed right after the baseline, in "
                                     "order (warm start: cmtune.tuner.warm.seeds)")
     warm_agreement: float = Field(default=0.1, gt=0, allow_inf_nan=False, description="a ring seed agrees with its "

@@ -10,8 +10,8 @@
    when nothing is in flight any more, the confirmation round is queued: the top ``confirm_top`` candidates and
    the baseline, re-timed together.  If only the baseline ran, the study finishes at once.
 3. `Searching.finish`: the confirmation round's winner becomes the tuned config (``completed``), with the bounds
-   the round timed after its candidates (`collective_matmul.bounds`); a study the baseline won says why in its
-   message (`collective_matmul.bounds.reason`).  When the round produced nothing usable, the search trials' own
+   the round timed after its candidates (`collective_matmul.wire.bounds`); a study the baseline won says why in its
+   message (`collective_matmul.wire.bounds.reason`).  When the round produced nothing usable, the search trials' own
    measurements decide and the study's message says so; when nothing ran at all, not even the baseline, the
    study ``failed`` with the reasons.  A search study that ends wakes the step studies waiting for it
    (`cmtune.tuner.stepping.wake_step_studies`).
@@ -47,12 +47,10 @@ from cmtune.tuner.search import (
 from cmtune.tuner.states import StopReason, move_study, move_trial
 from cmtune.tuner.stepping import wake_step_studies
 from cmtune.tuner.store import StoreTx, StudyRecord, TrialRecord
-from collective_matmul.bounds import reason
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.costmodel import PROFILES, profile_for
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem, Software
-from collective_matmul.space import candidates, has_ring, no_ring_reason
+from collective_matmul.planning.costmodel import PROFILES, profile_for
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
+from collective_matmul.planning.space import candidates, has_ring, no_ring_reason
 from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,
@@ -67,6 +65,8 @@ from collective_matmul.wire import (
     TrialState,
     TrialTask,
 )
+from collective_matmul.wire.bounds import reason
+from collective_matmul.wire.bundle import TunedConfig
 
 S, T = StudyState, TrialState
 # stop reasons after which proposals nobody has claimed yet are dropped (the others count them)
@@ -288,7 +288,7 @@ class Searching:
     def finish(tx: StoreTx, study_id: int, *, confirmation: list[Measurement] | None, now: dt.datetime,
                note: str | None = None, bounds: BoundsMeasurement | None = None) -> None:
         """Complete a study with its tuned config (and the bounds its confirmation timed, where they are ok), or
-        fail it with the reasons; a study the baseline won says why (`collective_matmul.bounds.reason`)."""
+        fail it with the reasons; a study the baseline won says why (`collective_matmul.wire.bounds.reason`)."""
         study = tx.study(study_id, lock=True)
         pool = list(confirmation or [])
         fallback = not any(m.ok for m in pool)  # the search trials' measurements are read only then

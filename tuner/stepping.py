@@ -28,12 +28,9 @@ from cmtune.tuner.states import StopReason, move_study, move_trial
 from cmtune.tuner.stepsearch import SearchSpace, StepDecision, StepSearch, replay, step_decision
 from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
 from cmtune.tuner.variants import variant_configs
-from collective_matmul.bounds import step_bound
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.lookup import weight_gradient
-from collective_matmul.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     STEP_ROUND_VARIANTS,
     STEP_SEARCH_ROUNDS,
@@ -49,6 +46,9 @@ from collective_matmul.wire import (
     TrialState,
     TrialTask,
 )
+from collective_matmul.wire.bounds import step_bound
+from collective_matmul.wire.bundle import TunedConfig
+from collective_matmul.wire.lookup import weight_gradient
 
 S, T = StudyState, TrialState
 STEP_CANDIDATES = 3  # a problem's best search trials a step search considers per slot (the winner among them)
@@ -133,7 +133,7 @@ class Stepping:
         """Each role's tuned configs for a step study: the tuned decomposition of each of its problems.
 
         A problem without a tuned config runs the baseline; a weight gradient what
-        `collective_matmul.lookup.weight_gradient` makes of its tuned config (a tuned ring runs unfused: the
+        `collective_matmul.wire.lookup.weight_gradient` makes of its tuned config (a tuned ring runs unfused: the
         step trial also times it fused).  A step study of one stack takes that stack's configs (another's
         newest where it has none); of none, the newest of any stack.
         """
@@ -245,7 +245,7 @@ def step_task_configs(trial: TrialRecord) -> dict[str, OpConfigs]:
 
 
 def with_step_bound(record: StepChoice | None, tuned: Sequence[TunedConfig | None]) -> StepChoice | None:
-    """``record`` with the step's own bound (`collective_matmul.bounds.step_bound`): ``tuned`` holds the tuned
+    """``record`` with the step's own bound (`collective_matmul.wire.bounds.step_bound`): ``tuned`` holds the tuned
     config of each collective matmul one layer of the step runs (None: not tuned, left out), against the graded
     rounds' all-baseline and chosen steps; unchanged where those rounds did not time the all-baseline step."""
     if record is None or record.saved_s is None or record.time_s is None:

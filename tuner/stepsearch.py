@@ -65,9 +65,8 @@ from cmtune.tuner.variants import (
     ring_fill,
     slot_candidates,
 )
-from collective_matmul.bundle import RoleOverride
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     MAX_VARIANT_NAME,
     Quartiles,
@@ -77,6 +76,7 @@ from collective_matmul.wire import (
     StepVariant,
     StopReason,
 )
+from collective_matmul.wire.bundle import RoleOverride
 
 Setting = Mapping[str, OpConfigs]  # a variant's configs per role; a role it does not name runs its op-level winners
 Variants = dict[str, dict[str, OpConfigs] | None]  # name -> setting, in the order to time them (None: the reference)

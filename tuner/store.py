@@ -19,10 +19,9 @@ from typing import Protocol as TypingProtocol
 
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
-from collective_matmul.bundle import RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import MeshSpec, TransformerBlock
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.models import MeshSpec, TransformerBlock
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Measurement,
@@ -36,6 +35,7 @@ from collective_matmul.wire import (
     TrialKind,
     TrialState,
 )
+from collective_matmul.wire.bundle import RoleOverride, TunedConfig
 
 
 def utcnow() -> dt.datetime:

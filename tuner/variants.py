@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
-from collective_matmul.models import ROLES, SLOTS
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition, OpConfigs
+from collective_matmul.planning.models import ROLES, SLOTS
+from collective_matmul.planning.problem import Hardware, Problem
 
 REFERENCE = "as-written"  # the step as a user writes it without cmtune (GSPMD): every step's reference
 
@@ -45,7 +45,7 @@ def variant_configs(tuned: Mapping[str, OpConfigs], *, roles: Sequence[str] = RO
     ``tuned-minus-<role>`` for each role whose tuned configs are not all baseline (that role set
     back to the baseline) and ``tuned-fuse-<role>`` for each role whose weight gradient is an
     unfused ring (the same ring fused: what the backward keeps from the forward, or one loop for
-    both gradients; see `collective_matmul.ring`).
+    both gradients; see `collective_matmul.ops.ring`).
 
     Args:
         tuned: each role's tuned configs (a role not named: the baseline).
@@ -90,15 +90,15 @@ def cost_model_configs(problems: Mapping[str, Mapping[str, Problem]], hardware: 
 
     Each slot's problem gets the cost model's favourite on the profile of ``hardware``'s device kind
     (the baseline where the kind has none), and a weight gradient what
-    `collective_matmul.lookup.weight_gradient` makes of that answer (the cost model does not know
+    `collective_matmul.wire.lookup.weight_gradient` makes of that answer (the cost model does not know
     ``fuse``, so the fused baseline).
 
     Args:
-        problems: each role's problems by slot (`collective_matmul.models.role_problems`, or what a
+        problems: each role's problems by slot (`collective_matmul.planning.models.role_problems`, or what a
             user's step traced).
         hardware: the hardware the step runs on.
     """
-    from collective_matmul.lookup import untuned, weight_gradient
+    from collective_matmul.wire.lookup import untuned, weight_gradient
 
     chosen = {}
     for role, slots in problems.items():
@@ -119,7 +119,7 @@ def slot_candidates(problem: Problem, slot: str, *, winner: Decomposition, measu
     does) and the cost model's favourite on ``hardware`` (where given); each only once and only
     where ``problem`` accepts it, at most ``limit``.
     """
-    from collective_matmul.costmodel import model_choice
+    from collective_matmul.planning.costmodel import model_choice
 
     baseline = DEFAULT_GRAD_WEIGHT if slot == "grad_weight" else Decomposition.baseline()
     rings = [d for d in measured if d.method == "ring" and d != winner][:runners_up]

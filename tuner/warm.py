@@ -2,7 +2,7 @@
 
 A study of a new problem times the baseline, then its *seeds*: the winners and best rings of its
 nearest tuned neighbours (same collective, dtype and ring size on the same hardware, nearest in
-log-distance over (m, k, n) as `collective_matmul.bundle.nearest`), then searches as before
+log-distance over (m, k, n) as `collective_matmul.wire.bundle.nearest`), then searches as before
 (`cmtune.tuner.search`).  The seeds are computed once, where the study is created (the service's
 submission from its stored configs, `cmtune tune` from its own run and its bundle), and stored
 with the study's settings: every replica and every process reads the same seeds in the same order.
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cmtune.tuner.store import TrialRecord
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem, log_distance, resolved_accumulate
-from collective_matmul.space import candidates
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, log_distance, resolved_accumulate
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Seed, Status, TrialKind, TrialState
+from collective_matmul.wire.bundle import TunedConfig
 
 NEIGHBOURS = 3  # tuned problems a new study is seeded from
 _SOURCES = ("local", "study", "bundle")  # for the same neighbour: this run's measurement first

@@ -3,9 +3,9 @@
 `CompileSession` is the measurement protocol without its timing: each candidate of a problem is lowered for
 abstract inputs laid out as the problem says, compiled by the backend's real compiler, and recorded as a
 `collective_matmul.wire.CompiledCandidate`: compile seconds, memory per device
-(``Compiled.memory_analysis()``) and the compiled schedule's overlap verdict (`collective_matmul.schedule`).
+(``Compiled.memory_analysis()``) and the compiled schedule's overlap verdict (`collective_matmul.programs.schedule`).
 Beside cmtune's candidates it compiles the product as a user writes it, with XLA's own windowed einsum off
-and on (`collective_matmul.xla_options`), where the backend has one: what a ring is up against there.
+and on (`collective_matmul.planning.xla_options`), where the backend has one: what a ring is up against there.
 Nothing runs; nothing here is a time.
 """
 
@@ -27,14 +27,14 @@ from cmtune.workers.measure import (
     operand_shapes,
     xla_options,
 )
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.models import ring_hardware
-from collective_matmul.ops import input_shardings
-from collective_matmul.problem import Problem
-from collective_matmul.schedule import overlap
-from collective_matmul.text import as_message
+from collective_matmul.ops.collective import input_shardings
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.models import ring_hardware
+from collective_matmul.planning.problem import Problem
+from collective_matmul.planning.text import as_message
+from collective_matmul.planning.xla_options import windowed_einsum
+from collective_matmul.programs.schedule import overlap
 from collective_matmul.wire import CompiledCandidate
-from collective_matmul.xla_options import windowed_einsum
 
 
 class CompileSession:

@@ -134,8 +134,8 @@ class DeviceSpec:
         return self.kind == "tpu"
 
     def tpu_devices(self) -> list:
-        """The devices of ``tpu:TOPOLOGY`` (`collective_matmul.topology.tpu_devices`)."""
-        from collective_matmul.topology import tpu_devices
+        """The devices of ``tpu:TOPOLOGY`` (`collective_matmul.programs.topology.tpu_devices`)."""
+        from collective_matmul.programs.topology import tpu_devices
 
         return tpu_devices(self.topology)
 

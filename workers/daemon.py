@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from cmtune.workers.cluster import EXIT_HUNG, Group
 from cmtune.workers.runner import LocalRunner, Watchdog, failed, follow
-from collective_matmul.api import ApiClient, ApiError, Conflict, Invalid, NotRegistered
-from collective_matmul.problem import Hardware, Software
+from collective_matmul.client.rest import ApiClient, ApiError, Conflict, Invalid, NotRegistered
+from collective_matmul.planning.problem import Hardware, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     GroupMessage,

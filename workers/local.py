@@ -13,9 +13,9 @@ from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
 from cmtune.tuner.warm import Known, best_ring
 from cmtune.workers.runner import Runner, Watchdog
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.wire import GroupMessage, Protocol, TrialKind
+from collective_matmul.wire.bundle import TunedConfig
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 1. Inputs from a seeded normal distribution, laid out as the problem says.
 2. Ahead-of-time compile; compile seconds, the compiled memory estimate and the schedule's overlap verdict
-   (`collective_matmul.schedule`: is a product scheduled while each permute is in flight?) are recorded.
+   (`collective_matmul.programs.schedule`: is a product scheduled while each permute is in flight?) are recorded.
 3. Validation against the baseline's result (relative error bound by dtype); a wrong candidate
    is ``invalid`` and can never win.
 4. Warm-up, then candidate and baseline alternately (ABAB...), each sample K calls back to back
@@ -13,7 +13,7 @@
    derived from them.
 5. Failures are results: ``compile_error``, ``oom``, ``invalid``, ``timeout``, ``error``.
 
-The bounds of a problem (`Session.bounds`, `collective_matmul.bounds`) follow the same protocol:
+The bounds of a problem (`Session.bounds`, `collective_matmul.wire.bounds`) follow the same protocol:
 the local matmul alone and the collective alone (`bound_programs`), each on its own seeded
 inputs, timed in turn with the baseline, round by round.
 """
@@ -33,14 +33,14 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.models import ring_hardware
-from collective_matmul.ops import OPS as MATMULS
-from collective_matmul.ops import allgather_grad_weight, input_shardings
-from collective_matmul.problem import Hardware, Problem
-from collective_matmul.schedule import overlap
-from collective_matmul.text import as_message
-from collective_matmul.topology import mesh_of
+from collective_matmul.ops.collective import OPS as MATMULS
+from collective_matmul.ops.collective import allgather_grad_weight, input_shardings
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.models import ring_hardware
+from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.planning.text import as_message
+from collective_matmul.programs.schedule import overlap
+from collective_matmul.programs.topology import mesh_of
 from collective_matmul.wire import BoundsMeasurement, Measurement, Protocol, Status, Timing, quartiles
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
@@ -145,7 +145,7 @@ def ring_mesh(devices=None, size: int | None = None) -> Mesh:
 
 def ring_mesh_of(devices, ring: int, *, axis_types: AxisType = AxisType.Auto) -> Mesh:
     """The devices as ``len(devices) // ring`` rings of ``ring`` neighbours (axes ``rings``, ``ring``), laid as
-    `collective_matmul.topology.mesh_of` lays a mesh's last axis (a TPU slice's physical order, else the
+    `collective_matmul.programs.topology.mesh_of` lays a mesh's last axis (a TPU slice's physical order, else the
     devices' own).
 
     Raises:
@@ -216,7 +216,7 @@ class Session:
     The problem runs on every ring of ``mesh`` along ``axis`` at once (default: the rings of its size over
     ``devices``, `ring_mesh`): the inputs are sharded over the ring axis only and replicated over the others, and
     a program's time is the whole program's (the slowest ring's).  Its hardware is the first ring's, part of a
-    slice of the mesh's devices (`collective_matmul.models.ring_hardware`).
+    slice of the mesh's devices (`collective_matmul.planning.models.ring_hardware`).
 
     Works in one process or across a `jax.distributed` cluster (every process must call the
     same methods in the same order, as in any SPMD program).
@@ -454,7 +454,7 @@ def xla_options(config: Decomposition, mesh: Mesh) -> dict | None:
     backend without one)."""
     if config.method != "xla":
         return None
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul.planning.xla_options import windowed_einsum
 
     return windowed_einsum(mesh.devices.flat[0].platform, "on")
 

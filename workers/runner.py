@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Protocol as TypingProtocol
 
 from cmtune.workers.cluster import EXIT_HUNG
-from collective_matmul.problem import Problem
-from collective_matmul.text import as_message
+from collective_matmul.planning.problem import Problem
+from collective_matmul.planning.text import as_message
 from collective_matmul.wire import (
     BoundsMeasurement,
     GroupMessage,

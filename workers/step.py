@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 
 from cmtune.tuner.variants import REFERENCE, variant_configs
 from cmtune.workers.stepmeasure import MeasurementSession
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.models import MeshSpec, TransformerBlock
-from collective_matmul.problem import Hardware
+from collective_matmul.planning.decomposition import OpConfigs
+from collective_matmul.planning.models import MeshSpec, TransformerBlock
+from collective_matmul.planning.problem import Hardware
 from collective_matmul.wire import ChosenVariant, Protocol, Status, StepMeasurement, StepVariant
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def fixed_sources(variants: Mapping[str, Mapping[str, OpConfigs] | None]) -> dic
 def failed_step(task, status: Status, message: str) -> StepMeasurement:
     """The record of a step trial that could not be measured at all (the block did not fit, the worker
     failed around it): the reference and the tuned step, each with ``status`` and ``message``."""
-    from collective_matmul.text import as_message
+    from collective_matmul.planning.text import as_message
 
     step, message = task.step, as_message(message, 2000)  # an error's text may hold anything
     return StepMeasurement(block=step.block, mesh=step.mesh, tensor_axis=step.tensor_axis, hardware=Hardware.detect(),

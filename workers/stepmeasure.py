@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from collective_matmul.decomposition import OpConfigs
+from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.wire import Protocol, Status, StepVariant, Timing, quartiles
 
 MAX_COMPILED = 32  # compiled step programs a session keeps

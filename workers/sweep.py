@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from cmtune.workers.measure import Session
-from collective_matmul import Decomposition, Problem, candidates
+from collective_matmul import Decomposition, Problem
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Measurement, Protocol
 
 

@@ -6,7 +6,7 @@ The user writes one function, the *step spec*, ``NAME(tuned=None) -> (step, args
 - with ``tuned=None`` it builds the training step as written (what the user has without cmtune);
 - given a config source (a `collective_matmul.Tuned` client, or one of the variants built here,
   each with `Tuned`'s interface: ``allgather_matmul`` / ``matmul_reduce_scatter`` for plain JAX
-  code, ``dot_general`` and `collective_matmul.flax` for Flax layers) it builds the same step
+  code, ``dot_general`` and `collective_matmul.client.flax` for Flax layers) it builds the same step
   through the drop-in;
 - ``step`` is the step, jitted or not; ``args`` its arguments (arrays, or
   `jax.ShapeDtypeStruct`s with shardings for discovery and tuning); ``mesh`` the mesh;
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from cmtune.tuner.variants import REFERENCE
 from cmtune.workers.stepmeasure import MeasurementSession
-from collective_matmul.decomposition import OpConfigs
+from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.wire import Protocol, Status, StepMeasurement
 
 # The share of an updated leaf's elements that may miss the reference's update.  An optimizer that
@@ -153,7 +153,7 @@ class Built:
         takes = "devices" in inspect.signature(fn).parameters
         if devices is not None and not takes:
             raise SpecError(f"{spec} takes no 'devices': to compile for a TPU topology, give it a devices argument "
-                            "and build its mesh and (abstract) arguments on them (collective_matmul.topology)")
+                            "and build its mesh and (abstract) arguments on them (collective_matmul.programs.topology)")
         try:
             out = fn(tuned=tuned, devices=devices) if takes and devices is not None else fn(tuned=tuned)
         except Exception as exc:
@@ -217,10 +217,10 @@ def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -
     """The variants of a user's step that `cmtune verify --step` times: name -> config source (None: the step as
     written): ``as-written`` (the reference), ``baseline`` (the drop-in with every call at the baseline) and
     ``tuned`` (``tuned`` itself); on a ``platform`` whose XLA has a windowed einsum (TPU, GPU), the step as written
-    with it forced ``off`` and ``on`` too (`collective_matmul.xla_options`); where ``tuned`` ``shared`` a gather,
-    ``tuned-no-share`` (its configs, every call gathering for itself: `unshared`).  ``--decide`` searches beyond
+    with it forced ``off`` and ``on`` too (`collective_matmul.planning.xla_options`); where ``tuned`` ``shared`` a
+    gather, ``tuned-no-share`` (its configs, every call gathering for itself: `unshared`).  ``--decide`` searches beyond
     them (`cmtune.steps.decide_user_step`)."""
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul.planning.xla_options import windowed_einsum
 
     einsum = {f"as-written-windowed-einsum-{s}": AsWritten(windowed_einsum(platform, s)) for s in ("off", "on")
               if platform and windowed_einsum(platform, s) is not None}
@@ -233,7 +233,7 @@ def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -
 
 def unshared(tuned, name: str = "tuned-no-share"):
     """A variant of ``tuned`` with its configs whose column calls each gather for themselves (no
-    `collective_matmul.share`): the step sharing saves time against."""
+    `collective_matmul.ops.share`): the step sharing saves time against."""
     variant = tuned.variant(name, lambda role, configs: configs)
     variant.share = False
     return variant
@@ -291,7 +291,7 @@ class UserStepSession(MeasurementSession):
 
         Failures (NAME raising, a compile error, a variant that disagrees) come back as statuses.
         """
-        from collective_matmul.problem import Hardware
+        from collective_matmul.planning.problem import Hardware
 
         results = self.measure_variants(variants, reference=reference, protocol=self.protocol, on_event=on_event)
         return StepMeasurement(model=self.model, mesh={str(n): int(s) for n, s in self.mesh.shape.items()},

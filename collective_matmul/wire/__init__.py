@@ -24,12 +24,15 @@ import X``):
 - `protocol`: the worker protocol (registration, a lease and its task, heartbeats, a trial's `TrialResult` and
   the `ResultIn` body that carries it);
 - `group`: what process 0 of a multi-process group tells the others.
+
+Three modules hold the contract's rules rather than its types, and are imported by their path:
+`bundle` (the bundle file: its format, versions and checks; `Bundle`, `TunedConfig` and `RoleOverride`
+are re-exported here), `bounds` (a problem's and a step's bounds, the hidden fraction, the overlap
+verdict) and `lookup` (the look-up order and how each answer was matched).
 """
 
-from collective_matmul.bounds import OverlapVerdict
-from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire.bodies import (
     EXAMPLE_HARDWARE,
     EXAMPLE_PROBLEM,
@@ -50,7 +53,10 @@ from collective_matmul.wire.bodies import (
     StudyCreate,
     TokenCreate,
 )
+from collective_matmul.wire.bounds import OverlapVerdict
+from collective_matmul.wire.bundle import Bundle, RoleOverride, TunedConfig
 from collective_matmul.wire.fields import (
+    MAX_MESH_AXES,
     MAX_MESSAGE_LENGTH,
     MAX_SAMPLES,
     MAX_VARIANT_NAME,
@@ -137,8 +143,8 @@ __all__ = [
     "ACTIVE_STUDY_STATES", "Outcome", "OverlapVerdict", "Status", "StopReason", "StudyKind", "StudyState",
     "TrialKind", "TrialState", "reconfirm_outcome",
     # fields
-    "MAX_MESSAGE_LENGTH", "MAX_SAMPLES", "MAX_VARIANT_NAME", "LeaseId", "MeshAxes", "Message", "Name", "PresetName",
-    "ProblemKey", "Seconds", "ShortText", "Source", "VariantName",
+    "MAX_MESH_AXES", "MAX_MESSAGE_LENGTH", "MAX_SAMPLES", "MAX_VARIANT_NAME", "LeaseId", "MeshAxes", "Message", "Name",
+    "PresetName", "ProblemKey", "Seconds", "ShortText", "Source", "VariantName",
     # stats
     "Quartiles", "paired_quartiles", "quartiles",
     # records

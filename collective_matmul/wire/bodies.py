@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBlock
-from collective_matmul.problem import DeviceKind, Hardware, Platform, Problem, Software, check_slice
-from collective_matmul.text import message
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.models import MAX_ROLES, ModelName, Role, TransformerBlock
+from collective_matmul.planning.problem import DeviceKind, Hardware, Platform, Problem, Software, check_slice
+from collective_matmul.planning.text import message
+from collective_matmul.wire.bundle import TunedConfig
 from collective_matmul.wire.fields import MAX_MESH_AXES, MeshAxes, Name, PresetName, ProblemKey, ShortText, Source
 
 EXAMPLE_PROBLEM = {"collective": "allgather_matmul", "m": 1024, "k": 256, "n": 1024, "dtype": "float32",

@@ -7,10 +7,10 @@ from typing import Annotated
 
 from pydantic import Field
 
-from collective_matmul.models import MAX_ROLE_LENGTH, MODEL_NAME_LENGTH
-from collective_matmul.text import label, message
+from collective_matmul.planning.models import MAX_ROLE_LENGTH, MODEL_NAME_LENGTH
+from collective_matmul.planning.text import label, message
 
-# Free text (collective_matmul.text): bounded like the columns that store it
+# Free text (collective_matmul.planning.text): bounded like the columns that store it
 ShortText = label(64)  # a mesh axis, a package, a variant the others are checked against
 Name = label(200)  # workers.name, tokens.name
 LeaseId = label(36)  # leases.id (a UUID)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.decomposition import OpConfigs
+from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.wire.protocol import TrialTask
 from collective_matmul.wire.records import MAX_STEP_VARIANTS, StepVariants
 
@@ -67,4 +67,4 @@ class StepCalls(BaseModel):
     pins: dict[str, Pin]
     per_role: dict[str, list[OpConfigs]]
     axis: str | None = None
-    shared: bool = False  # some call reused another's gather (collective_matmul.share): time the step without too
+    shared: bool = False  # some call reused another's gather (collective_matmul.ops.share): time the step without too

@@ -9,9 +9,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import TransformerBlock
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.models import TransformerBlock
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire.bodies import EXAMPLE_HARDWARE, HardwareIn
 from collective_matmul.wire.fields import MAX_MESH_AXES, LeaseId, MeshAxes, Name, ShortText
 from collective_matmul.wire.records import (

@@ -9,11 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from collective_matmul.bundle import RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import Match
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire.bodies import Reconfirmation, Seed
+from collective_matmul.wire.bundle import RoleOverride, TunedConfig
+from collective_matmul.wire.lookup import Match
 from collective_matmul.wire.records import BoundsMeasurement, Speedup, StepChoice, StepMeasurement, StepVariant
 from collective_matmul.wire.states import Outcome, Status, StudyKind, StudyState, TrialKind, TrialState
 

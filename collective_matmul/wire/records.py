@@ -7,10 +7,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from collective_matmul.bounds import OverlapVerdict, StepBound
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import MAX_ROLES, ModelName, Role, TransformerBlock
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.models import MAX_ROLES, ModelName, Role, TransformerBlock
+from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.wire.bounds import OverlapVerdict, StepBound
 from collective_matmul.wire.fields import MAX_MESH_AXES, MAX_SAMPLES, MeshAxes, Message, Seconds, ShortText, VariantName
 from collective_matmul.wire.states import Status
 from collective_matmul.wire.stats import Quartiles, agrees, check_ratio, check_rounds, quartiles
@@ -116,8 +116,8 @@ class Measurement(_Timed, BaseModel):
                                 description="median of candidate/baseline paired ratios")
     ratio_iqr: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     overlap: OverlapVerdict | None = Field(default=None, description="the compiled schedule's verdict "
-                                           "(collective_matmul.schedule): does a product run while each permute "
-                                           "is in flight?")
+                                           "(collective_matmul.programs.schedule): does a product run while each "
+                                           "permute is in flight?")
     overlap_note: Message = Field(default="", description="the verdict in words: how many permutes hide behind "
                                                           "a product")
     protocol: Protocol = Protocol()
@@ -152,7 +152,7 @@ class CompiledCandidate(BaseModel):
 
 
 class BoundsMeasurement(BaseModel):
-    """One problem's bounds rounds (`collective_matmul.bounds`): the local matmul alone, the collective alone
+    """One problem's bounds rounds (`collective_matmul.wire.bounds`): the local matmul alone, the collective alone
     and the baseline, timed in turn each round; stored as is.
 
     Validated where it arrives, like a `Measurement`: an ``ok`` record carries the three timings, and

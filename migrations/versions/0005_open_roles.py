@@ -1,7 +1,7 @@
 """open role labels: a user's projections, not only the reference block's four
 
 - role_overrides.role widens from 16 to 200 characters (a Flax module path, a named scope, or a
-  source location: `collective_matmul.roles`).
+  source location: `collective_matmul.programs.roles`).
 - role_overrides.problems: the role's forward / grad_input / grad_weight problems, so that an
   override of a user's step (imported from `cmtune verify --step --decide`) is checked against
   them; NULL for overrides stored before this revision.

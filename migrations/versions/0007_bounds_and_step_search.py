@@ -2,7 +2,7 @@
 
 - tuned_configs.compute_s / communication_s / bounds_baseline_s: the medians of the local matmul alone,
   the collective alone and the baseline, timed together in the confirmation round's bounds rounds
-  (`collective_matmul.bounds`).  NULL for configs tuned before this revision, or whose round timed
+  (`collective_matmul.wire.bounds`).  NULL for configs tuned before this revision, or whose round timed
   no bounds.
 - trials.bounds: a confirmation trial's bounds measurement (`collective_matmul.wire.BoundsMeasurement`).
 - trials.variants: a step trial's variants by name, each its per-role configs (the step search asks

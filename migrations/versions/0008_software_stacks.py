@@ -1,7 +1,7 @@
 """software stacks: tuned configs keyed by the stack that measured them, and re-confirmation studies
 
 - tuned_configs.software_key: the key of the software stack that measured the config
-  (`collective_matmul.problem.Software.key`); the unique constraint becomes (problem_id, hardware_id,
+  (`collective_matmul.planning.problem.Software.key`); the unique constraint becomes (problem_id, hardware_id,
   software_key), so a config measured on a new stack is a row of its own and the old stack's stays.
   Existing rows get the key of their stored jax and jaxlib versions with an empty platform version
   and an empty flags digest (`_software_key` computes it as `Software.key` does): they were recorded

@@ -1,7 +1,7 @@
 """rings on part of a slice: the hardware of a ring records the devices of the slice it is part of
 
 - hardware.slice_devices: where the ring is part of a larger slice (tensor parallelism 8 on a v5p-64), the
-  slice's devices; device_count and process_count stay the ring's (`collective_matmul.problem.Hardware`).  Its
+  slice's devices; device_count and process_count stay the ring's (`collective_matmul.planning.problem.Hardware`).  Its
   key then names the slice (``cpu:cpu:4:1/8``: a ring of 4 devices of an 8-device slice), because a ring that
   runs beside the slice's other rings is not the hardware of a machine of its size.  NULL: the ring is the
   whole machine, as every row before this revision is (their keys stay as they are).  Rows whose key names a

@@ -1,7 +1,7 @@
 """a tuned config keeps its compiled program's overlap verdict and memory
 
 - tuned_configs.overlap: the winner's schedule verdict as the worker compiled it for the confirmation round
-  (`collective_matmul.schedule`: overlaps, partly, serialised, synchronous, no permutes); NULL: not recorded.
+  (`collective_matmul.programs.schedule`: overlaps, partly, serialised, synchronous, no permutes); NULL: not recorded.
 - tuned_configs.memory_bytes: the winner's compiled memory per device (`Compiled.memory_analysis()`); NULL:
   not recorded.
 

@@ -28,7 +28,7 @@ const mib = (b) => (b === null || b === undefined ? "–" : `${(b / 2 ** 20).toF
 // Keys, ids and savings come from the API (problem_key, hardware_key, decomposition_id, saved_s_*):
 // the page never re-derives them.
 const stateBadge = (state) => el("span", { class: `state ${state}` }, state);
-// A software stack in words, as the service writes it (collective_matmul.problem.Software): what is known of it.
+// A software stack in words, as the service writes it (collective_matmul.planning.problem.Software): what is known of it.
 function stack(software) {
   if (!software) return "any stack";
   const parts = [["jax", software.jax], ["jaxlib", software.jaxlib]].filter(([, v]) => v).map(([k, v]) => `${k} ${v}`);

@@ -10,9 +10,8 @@ from pydantic import ValidationError
 
 from cmtune.service.deps import AdminDep, ReaderDep, StateDep, StoreDep
 from cmtune.service.errors import InvalidError, responses
-from collective_matmul.lookup import Unmeasured
-from collective_matmul.models import ModelName
-from collective_matmul.problem import (
+from collective_matmul.planning.models import ModelName
+from collective_matmul.planning.problem import (
     DeviceKind,
     FlagsDigest,
     Hardware,
@@ -22,8 +21,9 @@ from collective_matmul.problem import (
     Software,
     Version,
 )
-from collective_matmul.text import label
+from collective_matmul.planning.text import label
 from collective_matmul.wire import Bundle, ConfigAnswer, ConfigQueryBatch, RoleOverride, ShortText, TunedPublic
+from collective_matmul.wire.lookup import Unmeasured
 
 SLICE_DEVICES = "the devices of the slice the ring is part of (default: the ring is the whole machine)"
 
@@ -55,7 +55,7 @@ async def get_config(
     device_count: Annotated[int | None, Query(gt=0, description="default: axis_size")] = None,
     process_count: Annotated[int, Query(gt=0)] = 1,
     slice_devices: Annotated[int | None, Query(gt=0, description=SLICE_DEVICES)] = None,
-    jax: Annotated[Version | None, Query(description="the caller's software stack (collective_matmul.problem."
+    jax: Annotated[Version | None, Query(description="the caller's software stack (collective_matmul.planning.problem."
                                                       "Software): jax, jaxlib, platform_version, flags")] = None,
     jaxlib: Annotated[Version | None, Query()] = None,
     platform_version: Annotated[PlatformVersion | None, Query()] = None,

@@ -11,7 +11,7 @@ from cmtune.service.deps import AdminDep, Id, ReaderDep, StateDep, StoreDep
 from cmtune.service.errors import responses
 from cmtune.service.models import utcnow
 from cmtune.service.views import studies_public, study_public, trial_public
-from collective_matmul.problem import HardwareKey
+from collective_matmul.planning.problem import HardwareKey
 from collective_matmul.wire import (
     StudyCreate,
     StudyCreated,

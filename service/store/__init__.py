@@ -28,7 +28,7 @@ from cmtune.service.store.leases import LeaseInfo, Leases
 from cmtune.service.store.studies import Studies
 from cmtune.service.store.submissions import SubmissionRecord, Submissions, SubmittedProblem
 from cmtune.service.store.workers import TokenInfo, Tokens, WorkerInfo, Workers
-from collective_matmul.problem import Hardware
+from collective_matmul.planning.problem import Hardware
 
 __all__ = ["Catalog", "LeaseInfo", "Leases", "SqlStore", "SqlTx", "Studies", "SubmissionRecord", "Submissions",
            "SubmittedProblem", "TokenInfo", "Tokens", "TunedRow", "WorkerInfo", "Workers"]

@@ -19,9 +19,8 @@ from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord, step_variants_of
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Measurement,
@@ -34,6 +33,7 @@ from collective_matmul.wire import (
     TrialKind,
     TrialState,
 )
+from collective_matmul.wire.bundle import TunedConfig
 
 studies, trials, leases, workers = Study.__table__, Trial.__table__, Lease.__table__, Worker.__table__
 problems, hardware_t, tuned_t = ProblemRow.__table__, HardwareRow.__table__, TunedConfigRow.__table__

@@ -33,10 +33,10 @@ from cmtune.service.store.prepared import Prepared
 from cmtune.service.store.studies import Studies, overrides_t
 from cmtune.tuner.store import StudyRecord
 from cmtune.tuner.warm import Known
-from collective_matmul.bundle import RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, Status, StudyKind, StudyState, TrialKind, TrialState
+from collective_matmul.wire.bundle import RoleOverride, TunedConfig
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from cmtune.service.store.base import (
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.states import check_trial_move
 from cmtune.tuner.store import TrialRecord
-from collective_matmul.problem import Hardware, Software
+from collective_matmul.planning.problem import Hardware, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, StudyState, TrialState
 
 ACTIVE = [s.value for s in ACTIVE_STUDY_STATES]

@@ -37,10 +37,10 @@ from cmtune.service.store.leases import Leases
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.store import StudyRecord, TrialRecord, refuse_state, step_variants_json
-from collective_matmul.bundle import RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import ACTIVE_STUDY_STATES, Status, StudyKind, StudyState, TrialKind, TrialState
+from collective_matmul.wire.bundle import RoleOverride, TunedConfig
 
 overrides_t = RoleOverrideRow.__table__
 log = logging.getLogger(__name__)

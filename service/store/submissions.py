@@ -10,7 +10,7 @@ from sqlalchemy import insert, select
 
 from cmtune.service.models import Submission, SubmissionStudy
 from cmtune.service.store.base import HARDWARE, PROBLEM, Tx, hardware_of, hardware_t, problem_of, problems
-from collective_matmul.problem import Hardware, Problem
+from collective_matmul.planning.problem import Hardware, Problem
 
 submissions_t, links_t = Submission.__table__, SubmissionStudy.__table__
 

@@ -18,7 +18,7 @@ from cmtune.service.models import Role, Token
 from cmtune.service.store.base import HARDWARE, P, Tx, hardware_of, hardware_t, workers
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
-from collective_matmul.problem import Hardware, Software
+from collective_matmul.planning.problem import Hardware, Software
 
 tokens = Token.__table__
 MAX_TOUCHED = 100_000  # workers one process remembers marking alive

@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from collective_matmul import Hardware, Problem, allgather_matmul, input_shardings
-from collective_matmul.bundle import Bundle
+from collective_matmul import Hardware, Problem, allgather_matmul
+from collective_matmul.ops.collective import input_shardings
+from collective_matmul.wire.bundle import Bundle
 from tests.cli import cmtune, says
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,8 @@ def test_tune_model_on_two_processes(tmp_path):
 def test_tune_rings_of_part_of_the_devices_on_two_processes(tmp_path):
     """Rings of 4 and of 2 on 2x4 devices: every ring at once, the configs keyed by the ring and the slice, found
     exact by training code on a ``data=2, model=4`` (``data=4, model=2``) mesh of 8 devices."""
-    from collective_matmul import Tuned, ring_hardware
+    from collective_matmul import Tuned
+    from collective_matmul.client.tuned import ring_hardware
 
     bundle_path = tmp_path / "tuned.json"
     problems = {4: "ag:64x16x32:float32:4", 2: "rs:64x32x16:float32:2"}

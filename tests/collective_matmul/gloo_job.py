@@ -13,7 +13,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cmtune.workers.measure import Protocol, Session, default_program, ring_mesh  # noqa: E402
-from collective_matmul import Decomposition, Problem, input_shardings  # noqa: E402
+from collective_matmul import Decomposition, Problem  # noqa: E402
+from collective_matmul.ops.collective import input_shardings  # noqa: E402
 
 mesh = ring_mesh()
 report = {"process": jax.process_index(), "devices": jax.device_count(), "local": jax.local_device_count()}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from collective_matmul.discovery import products, scan
-from collective_matmul.hlo import parse_module
+from collective_matmul.programs.discovery import products, scan
+from collective_matmul.programs.hlo import parse_module
 
 DATA = Path(__file__).parent / "data" / "xla_modules"
 MODULES = sorted(DATA.glob("*.hlo"))

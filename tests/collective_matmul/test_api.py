@@ -16,8 +16,8 @@ from cmtune.service.main import create_app
 from cmtune.service.models import Role
 from cmtune.service.settings import Settings
 from collective_matmul import Decomposition, Hardware, Problem
-from collective_matmul.api import ENDPOINTS, ApiClient, ApiError, Conflict, Invalid, NotRegistered, Unreachable
-from collective_matmul.problem import Software
+from collective_matmul.client.rest import ENDPOINTS, ApiClient, ApiError, Conflict, Invalid, NotRegistered, Unreachable
+from collective_matmul.planning.problem import Software
 from collective_matmul.wire import (
     WORKER_HEADER,
     Budget,
@@ -193,7 +193,7 @@ def test_a_study_runs_through_the_client_in_process(app):
 
 def test_the_client_loads_without_jax_or_the_web_stack():
     """Every caller may import it: the service's image, a worker before JAX starts, the command lines."""
-    code = ("import sys, collective_matmul.api, collective_matmul.sources; "
+    code = ("import sys, collective_matmul.client.rest, collective_matmul.client.sources; "
             "print(sorted(m for m in ('jax', 'fastapi', 'sqlalchemy') if m in sys.modules))")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert ran.stdout.strip() == "[]"

@@ -18,9 +18,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.ops import allgather_matmul, input_shardings, matmul_reduce_scatter
-from collective_matmul.ring import allgather_matmul_shard, matmul_reduce_scatter_shard
+from collective_matmul.ops.collective import allgather_matmul, input_shardings, matmul_reduce_scatter
+from collective_matmul.ops.ring import allgather_matmul_shard, matmul_reduce_scatter_shard
+from collective_matmul.planning.decomposition import Decomposition
 from tests.collective_matmul.test_grad_weight import lowered_collectives
 from tests.collective_matmul.test_ops import TOLERANCE, mesh_1d, mesh_2d, rel_error
 

@@ -17,28 +17,23 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from collective_matmul import (
+from collective_matmul import Bundle, Decomposition, OpConfigs, Problem, Tuned
+from collective_matmul.block import (
     AS_WRITTEN,
-    Bundle,
-    Decomposition,
+    RMS_EPS,
+    ROLES,
     FixedConfigs,
-    MeshSpec,
-    OpConfigs,
-    Problem,
-    TransformerBlock,
-    Tuned,
-    TunedConfig,
     activation_sharding,
     apply,
     configs_per_role,
     init_params,
     loss_and_grads,
-    model_problems,
-    ring_hardware,
     train_step,
 )
-from collective_matmul.block import RMS_EPS, ROLES
-from collective_matmul.lookup import NOT_MEASURED
+from collective_matmul.client.tuned import ring_hardware
+from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
+from collective_matmul.wire.bundle import TunedConfig
+from collective_matmul.wire.lookup import NOT_MEASURED
 
 D = Decomposition.from_id
 # the measurement protocol's bounds (relative error in norm); measured: float32 ~5e-7, bfloat16 ~8e-3
@@ -296,7 +291,7 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path):
 
 
 def test_tuned_op_methods_pass_the_backward_configs(monkeypatch):
-    import collective_matmul.client as client
+    import collective_matmul.client.tuned as client
 
     seen = {}
 
@@ -316,7 +311,7 @@ def test_tuned_op_methods_pass_the_backward_configs(monkeypatch):
 
 
 def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp_path):
-    from collective_matmul.bundle import RoleOverride
+    from collective_matmul.wire.bundle import RoleOverride
 
     mesh = mesh_1d()
     hw = ring_hardware(mesh, "model").identity()
@@ -344,7 +339,7 @@ def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp
 def test_an_override_no_call_matches_is_reported_not_dropped_silently(tmp_path):
     """A decision names a role the step no longer has (a source-line label moved when its file was edited):
     the report names the override it could not apply; the overrides that matched are not listed."""
-    from collective_matmul.bundle import RoleOverride
+    from collective_matmul.wire.bundle import RoleOverride
 
     mesh = mesh_1d()
     hw = ring_hardware(mesh, "model").identity()
@@ -386,7 +381,7 @@ def test_a_served_override_that_does_not_fit_is_skipped_with_one_warning_and_the
     8 rows) must not raise inside the training step: it is skipped, warned about once and reported."""
     import warnings
 
-    from collective_matmul.bundle import RoleOverride
+    from collective_matmul.wire.bundle import RoleOverride
 
     mesh = mesh_1d()
     hw = ring_hardware(mesh, "model").identity()

@@ -1,4 +1,4 @@
-"""The bounds' arithmetic and words (collective_matmul/bounds.py), and the records that carry them."""
+"""The bounds' arithmetic and words (collective_matmul/wire/bounds.py), and the records that carry them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from collective_matmul import Decomposition, Hardware, Problem
-from collective_matmul.bounds import Bounds, StepBound, hidden_fraction, reason, step_bound, times_bound, verdict
-from collective_matmul.bundle import Bundle, TunedConfig
 from collective_matmul.wire import BoundsMeasurement, ConfirmResult, Measurement, ResultIn, Timing
+from collective_matmul.wire.bounds import Bounds, StepBound, hidden_fraction, reason, step_bound, times_bound, verdict
+from collective_matmul.wire.bundle import Bundle, TunedConfig
 
 MS = 1e-3
 PROBLEM = Problem.parse("matmul_reduce_scatter:2048x2048x1024:float32:8")

@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul import AS_WRITTEN, MeshSpec, TransformerBlock, Tuned, discover, model_problems
-from collective_matmul.block import activation_sharding, apply, init_params
-from collective_matmul.roles import agree, label, scopes
+from collective_matmul import Tuned, discover
+from collective_matmul.block import AS_WRITTEN, activation_sharding, apply, init_params
+from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
+from collective_matmul.programs.roles import agree, label, scopes
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul import Decomposition, OpConfigs, Tuned
-from collective_matmul import flax as cm_flax
+from collective_matmul.client import flax as cm_flax
 
 D = Decomposition.from_id
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

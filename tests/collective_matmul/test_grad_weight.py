@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from collective_matmul.costmodel import PROFILES, estimate, rank
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.ops import allgather_grad_weight, input_shardings, problem_of
-from collective_matmul.problem import Problem
-from collective_matmul.space import candidates
+from collective_matmul.ops.collective import allgather_grad_weight, input_shardings, problem_of
+from collective_matmul.planning.costmodel import PROFILES, estimate, rank
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Problem
+from collective_matmul.planning.space import candidates
 from tests.collective_matmul.test_ops import TOLERANCE, hlo_body, mesh_1d, mesh_2d, rel_error
 
 GW = "allgather_grad_weight"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from collective_matmul.discovery import scan
-from collective_matmul.hlo import parse_module, replica_groups
+from collective_matmul.programs.discovery import scan
+from collective_matmul.programs.hlo import parse_module, replica_groups
 
 # What a GPU backend prints for a column-parallel and a row-parallel projection inside a scanned layer:
 # an asynchronous all-gather (start/done), a reduce-scatter already fused by XLA, a loop of 3 layers,

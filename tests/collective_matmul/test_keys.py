@@ -5,7 +5,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from collective_matmul import Decomposition, Hardware, Problem, candidates, check_decomposition
+from collective_matmul import Decomposition, Hardware, Problem
+from collective_matmul.planning.problem import check_decomposition
+from collective_matmul.planning.space import candidates
 
 AG = Problem(collective="allgather_matmul", m=1024, k=256, n=512, dtype="bfloat16", axis_size=8)
 RS = Problem(collective="matmul_reduce_scatter", m=1024, k=512, n=256, dtype="bfloat16", axis_size=8)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import jax
 import pytest
 
-from collective_matmul import Bundle, Decomposition, Hardware, Problem, Tuned, TunedConfig
-from collective_matmul.costmodel import model_choice
-from collective_matmul.lookup import NOT_MEASURED
+from collective_matmul import Bundle, Decomposition, Hardware, Problem, Tuned
+from collective_matmul.planning.costmodel import model_choice
+from collective_matmul.wire.bundle import TunedConfig
+from collective_matmul.wire.lookup import NOT_MEASURED
 
 BIG = Problem.parse("ag:32768x4096x11008:bfloat16:8")  # the cost model predicts a ring ~2x faster on TPU and GPU
 PLATFORMS = [Hardware(platform=platform, device_kind=kind, device_count=8) for platform, kind in (
@@ -72,9 +73,9 @@ def test_the_report_says_why_a_call_runs_the_baseline():
 
 def test_xla_is_a_choice_for_the_whole_op():
     """A forward left to XLA takes its backward with it; a backward slot left to XLA under a forward of cmtune's
-    runs cmtune's default for the slot: the op always runs (`collective_matmul.lookup.whole_op`)."""
-    from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT
-    from collective_matmul.lookup import whole_op
+    runs cmtune's default for the slot: the op always runs (`collective_matmul.wire.lookup.whole_op`)."""
+    from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT
+    from collective_matmul.wire.lookup import whole_op
 
     xla, ring = Decomposition.xla(), RING
     assert {s: d for s, (d, _) in whole_op({"forward": xla, "grad_input": ring, "grad_weight": xla}).items()} == {
@@ -88,9 +89,9 @@ def test_xla_is_a_choice_for_the_whole_op():
 def test_the_report_says_what_the_training_compile_needs():
     """A role left to XLA was timed with its windowed einsum on at any size: the report gives the compile options
     (none on CPU, which has no windowed einsum); on GPU it names the overlap flags XLA_FLAGS lacks."""
-    from collective_matmul.report import CallSite, Report
-    from collective_matmul.sources import Lookup
-    from collective_matmul.xla_options import windowed_einsum, with_overlap_flags
+    from collective_matmul.client.report import CallSite, Report
+    from collective_matmul.client.sources import Lookup
+    from collective_matmul.planning.xla_options import windowed_einsum, with_overlap_flags
 
     def site(platform, decomposition):
         hardware = Hardware(platform=platform, device_kind=platform, device_count=8)

@@ -3,7 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from collective_matmul import PRESETS, MeshSpec, Problem, TransformerBlock, model_problems
+from collective_matmul import Problem
+from collective_matmul.planning.models import PRESETS, MeshSpec, TransformerBlock, model_problems
 
 
 def by_key(problems):
@@ -88,7 +89,7 @@ def test_mesh_parse():
 
 
 def test_a_slot_label_reads_back_and_a_slot_names_its_collective():
-    from collective_matmul.models import SLOTS, parse_slot_label, slot_collective, slot_label
+    from collective_matmul.planning.models import SLOTS, parse_slot_label, slot_collective, slot_label
 
     for role in ("mlp_up", "Block_0/Dense_0", "model.py:12"):  # a role may hold dots of its own
         assert [parse_slot_label(slot_label(role, slot)) for slot in SLOTS] == [(role, slot) for slot in SLOTS]

@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from collective_matmul import (
-    Decomposition,
-    Problem,
-    allgather_matmul,
-    candidates,
-    input_shardings,
-    matmul_reduce_scatter,
-    problem_of,
-)
-from collective_matmul.ring import allgather_matmul_shard
+from collective_matmul import Decomposition, Problem, allgather_matmul, matmul_reduce_scatter
+from collective_matmul.ops.collective import input_shardings, problem_of
+from collective_matmul.ops.ring import allgather_matmul_shard
+from collective_matmul.planning.space import candidates
 
 OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

@@ -1,4 +1,4 @@
-"""One gather for every projection that reads it (`collective_matmul.share`): q/k/v and gate/up of one normed
+"""One gather for every projection that reads it (`collective_matmul.ops.share`): q/k/v and gate/up of one normed
 activation run one ring (or all-gather) and one reduce-scatter of their summed input gradients, with the values
 and gradients of the step as written; a projection of another value or another layout gathers for itself."""
 
@@ -17,10 +17,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul import Decomposition, OpConfigs, Tuned
-from collective_matmul import flax as cm_flax
-from collective_matmul.ops import allgather_matmul_keep, gathered_matmul
-from collective_matmul.roles import group_label
-from collective_matmul.share import Group
+from collective_matmul.client import flax as cm_flax
+from collective_matmul.ops.collective import allgather_matmul_keep, gathered_matmul
+from collective_matmul.ops.share import Group
+from collective_matmul.programs.roles import group_label
 
 D = Decomposition.from_id
 BATCH, SEQ, D_MODEL, HEADS, HEAD_DIM, D_FF = 4, 32, 32, 4, 8, 64
@@ -255,7 +255,7 @@ def test_the_llama_example_moves_each_normed_activation_once():
 def test_discovery_lists_the_projections_of_one_gather_as_a_group():
     """The step as written gathers each normed activation once for its projections: discovery says which roles
     read one gather (what `cmtune problems --step` prints as ``Llama/layers/{key,query,value}``)."""
-    from collective_matmul.discovery import discover
+    from collective_matmul.programs.discovery import discover
 
     llama = importlib.import_module("examples.flax_linen_llama")
     step, args, mesh = llama.tiny_llama_step(None)
@@ -275,8 +275,9 @@ def test_discovery_lists_the_projections_of_one_gather_as_a_group():
 def test_a_groups_summed_input_gradient_is_looked_up_as_its_own_problem(tmp_path):
     """A bundle that tunes only the groups' summed problems (the rest at the baseline): the drop-in finds them
     exactly, the tiny Llama's compiled step runs those two rings and no other, and without sharing none."""
-    from collective_matmul import Bundle, Problem, TunedConfig
-    from collective_matmul.models import ring_hardware
+    from collective_matmul import Bundle, Problem
+    from collective_matmul.planning.models import ring_hardware
+    from collective_matmul.wire.bundle import TunedConfig
 
     llama = importlib.import_module("examples.flax_linen_llama")
     _, args, mesh = llama.tiny_llama_step(None)

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from cmtune.workers.cluster import DeviceSpec
-from collective_matmul.topology import TopologyError, compile_only, mesh_of, tpu_devices
+from collective_matmul.programs.topology import TopologyError, compile_only, mesh_of, tpu_devices
 
 
 def test_without_libtpu_a_topology_says_how_to_get_it(monkeypatch):
@@ -68,7 +68,7 @@ def test_a_group_keeps_the_measurements_xla_flags_and_gives_each_gpu_process_its
 
 
 def test_a_gpu_worker_runs_with_the_overlap_flags_and_a_users_own_value_wins():
-    from collective_matmul.xla_options import missing_overlap_flags, with_overlap_flags
+    from collective_matmul.planning.xla_options import missing_overlap_flags, with_overlap_flags
 
     flags = with_overlap_flags("--xla_gpu_experimental_parallel_collective_overlap_limit=4", "gpu")
     assert flags.split() == ["--xla_gpu_experimental_parallel_collective_overlap_limit=4",

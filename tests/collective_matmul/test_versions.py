@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Problem, Tuned, TunedConfig, ring_hardware
-from collective_matmul.bundle import RoleOverride
-from collective_matmul.lookup import MATCHES, NO_STACK, NOT_MEASURED, by_problem, from_tuned, stack_note, untuned
-from collective_matmul.models import slot_problems
-from collective_matmul.problem import Software, flags_digest, platform_version_of
+from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Problem, Tuned
+from collective_matmul.client.tuned import ring_hardware
+from collective_matmul.planning.models import slot_problems
+from collective_matmul.planning.problem import Software, flags_digest, platform_version_of
+from collective_matmul.wire.bundle import RoleOverride, TunedConfig
+from collective_matmul.wire.lookup import MATCHES, NO_STACK, NOT_MEASURED, by_problem, from_tuned, stack_note, untuned
 
 D = Decomposition.from_id
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)

@@ -10,18 +10,10 @@ import numpy as np
 import pytest
 
 from cmtune.launcher import running_server
-from collective_matmul import (
-    Bundle,
-    Decomposition,
-    Hardware,
-    Problem,
-    Tuned,
-    TunedConfig,
-    allgather_matmul,
-    matmul_reduce_scatter,
-    ring_hardware,
-)
-from collective_matmul.lookup import NOT_MEASURED
+from collective_matmul import Bundle, Decomposition, Hardware, Problem, Tuned, allgather_matmul, matmul_reduce_scatter
+from collective_matmul.client.tuned import ring_hardware
+from collective_matmul.wire.bundle import TunedConfig
+from collective_matmul.wire.lookup import NOT_MEASURED
 from examples.mlp_block import init, train_step
 
 
@@ -133,8 +125,8 @@ def test_nothing_measured_on_the_hardware_answers_the_baseline_through_a_real_se
     baseline and say why on every platform; the cost model's choice only where asked for."""
     from cmtune.service.db import Database
     from cmtune.service.store import SqlStore
-    from collective_matmul.api import ApiClient
-    from collective_matmul.costmodel import model_choice
+    from collective_matmul.client.rest import ApiClient
+    from collective_matmul.planning.costmodel import model_choice
     from tests.collective_matmul.test_lookup import BIG, MEASURED_ON, PLATFORMS, RING
     from tests.service.conftest import create_tokens
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from collective_matmul.bundle import Bundle
 from collective_matmul.wire import StepMeasurement
+from collective_matmul.wire.bundle import Bundle
 from tests.cli import cmtune, flat
 
 pytestmark = [
@@ -90,7 +90,7 @@ def test_the_drop_in_hook_says_when_maxtext_moved_it(monkeypatch):
     left as written."""
     from maxtext.layers import linears
 
-    from collective_matmul import maxtext as cm_maxtext
+    from collective_matmul.client import maxtext as cm_maxtext
 
     monkeypatch.delattr(linears, "_compute_dot_general_nnx")
     with pytest.raises(RuntimeError, match="no maxtext.layers.linears._compute_dot_general_nnx"):

@@ -12,8 +12,8 @@ from sqlalchemy import func, select
 
 from cmtune.service.models import Study, Submission, Trial
 from collective_matmul import Decomposition
-from collective_matmul.bundle import Bundle
-from collective_matmul.lookup import NOT_MEASURED
+from collective_matmul.wire.bundle import Bundle
+from collective_matmul.wire.lookup import NOT_MEASURED
 from tests.service.conftest import HARDWARE, PROBLEM, Worker, make_api, measurement, register, report, run_trial
 
 
@@ -202,7 +202,7 @@ def test_idempotent_and_stale_reports(api):
 
 def test_config_fallbacks(api):
     from collective_matmul import Hardware, Problem
-    from collective_matmul.bundle import TunedConfig
+    from collective_matmul.wire.bundle import TunedConfig
 
     tuned_problem = Problem(**PROBLEM)
     config = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="update_slice")
@@ -237,7 +237,7 @@ def test_config_fallbacks(api):
 
 
 def test_nothing_measured_answers_the_baseline_on_every_platform_unless_the_model_is_asked_for(api):
-    from collective_matmul.bundle import TunedConfig
+    from collective_matmul.wire.bundle import TunedConfig
     from tests.collective_matmul.test_lookup import BIG, MEASURED_ON, PLATFORMS
 
     with api.store.write() as tx:  # measured on another hardware only: it answers none of the look-ups below
@@ -594,7 +594,7 @@ def test_a_bad_discovered_step_is_refused_and_stores_nothing(api, changes, messa
 
 
 def test_an_imported_decision_of_a_users_step_is_checked_against_its_problems(api):
-    from collective_matmul.models import slot_problems
+    from collective_matmul.planning.models import slot_problems
 
     problems = {slot: p.model_dump() for slot, p in slot_problems(
         "allgather_matmul", m=256, k=64, n=128, dtype="float32", axis_size=8).items()}
@@ -621,7 +621,7 @@ def test_a_discovered_step_with_a_mesh_beside_it_or_too_many_runs_is_refused(api
 
 
 def test_an_override_imported_twice_in_one_bundle_counts_once(api):
-    from collective_matmul.models import slot_problems
+    from collective_matmul.planning.models import slot_problems
 
     problems = {slot: p.model_dump() for slot, p in slot_problems(**PROBLEM).items()}
     override = {"model": "m", "role": "r", "hardware": HARDWARE, "reason": "first", "problems": problems,
@@ -671,7 +671,7 @@ def test_a_confirmations_bounds_reach_the_study_the_trials_the_answers_and_bundl
 
 def test_a_submissions_entries_carry_their_bounds(api):
     from collective_matmul import Hardware, Problem
-    from collective_matmul.bundle import TunedConfig
+    from collective_matmul.wire.bundle import TunedConfig
 
     body = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,
             "step": {"measure": False}}

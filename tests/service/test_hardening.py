@@ -396,7 +396,7 @@ def test_control_characters_in_a_config_query_get_422(api):
 @pytest.mark.parametrize("name", ["m" * 201, "m" * (1 << 20), "tiny\x00", "tiny\n"],
                          ids=["201 characters", "1 MB", "NUL", "a line break"])
 def test_an_inline_model_name_is_one_line_bounded_like_its_column(api, name):
-    from collective_matmul.models import PRESETS
+    from collective_matmul.planning.models import PRESETS
 
     body = {"model": PRESETS["tiny"].model_dump() | {"name": name}, "mesh": {"axes": {"data": 1, "model": 8}},
             "hardware": HARDWARE}
@@ -468,10 +468,10 @@ BAD_BUNDLES = {
 
 @pytest.mark.parametrize("name", sorted(BAD_BUNDLES))
 def test_a_bundle_with_bad_text_is_refused_and_nothing_imported(api, name):
-    from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
-    from collective_matmul.decomposition import OpConfigs
-    from collective_matmul.models import slot_problems
-    from collective_matmul.problem import Hardware, Problem
+    from collective_matmul.planning.decomposition import OpConfigs
+    from collective_matmul.planning.models import slot_problems
+    from collective_matmul.planning.problem import Hardware, Problem
+    from collective_matmul.wire.bundle import Bundle, RoleOverride, TunedConfig
 
     hardware = Hardware(**HARDWARE)
     config = TunedConfig(problem=Problem(**PROBLEM), hardware=hardware, decomposition=Decomposition.baseline(),

@@ -22,7 +22,7 @@ from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore
 from cmtune.workers.measure import Session
 from collective_matmul import Decomposition, Problem
-from collective_matmul.problem import Software
+from collective_matmul.planning.problem import Software
 from collective_matmul.wire import Protocol
 from tests.cli import bare, says
 from tests.service.conftest import HARDWARE, PROBLEM, create_tokens, register, reset_postgres, run_trial

@@ -9,7 +9,7 @@ import pytest
 
 from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition
-from collective_matmul.models import ROLES
+from collective_matmul.planning.models import ROLES
 from tests.service.conftest import HARDWARE, register, report, run_trial, step_result
 
 TINY = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE, "budget": {"trials": 3},

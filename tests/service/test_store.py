@@ -16,7 +16,7 @@ from cmtune.tuner.engine import Engine
 from cmtune.tuner.errors import ConflictError
 from cmtune.tuner.searching import study_settings
 from collective_matmul import Hardware, Problem
-from collective_matmul.problem import Software
+from collective_matmul.planning.problem import Software
 from collective_matmul.wire import Protocol, TrialState
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")
@@ -102,7 +102,8 @@ def test_migration_0009_adds_the_slice_and_keeps_a_ring_through_a_downgrade(data
 def test_migration_0010_keeps_a_configs_overlap_and_memory_and_the_config_through_a_downgrade(database_url):
     from sqlalchemy import create_engine
 
-    from collective_matmul import Decomposition, TunedConfig
+    from collective_matmul import Decomposition
+    from collective_matmul.wire.bundle import TunedConfig
 
     config = TunedConfig(problem=PROBLEM, hardware=HW, decomposition=Decomposition.from_id("ring-bi-c1-full-dus"),
                          time_s=1e-3, baseline_s=2e-3, speedup=2.0, overlap="partly", memory_bytes=3 << 20)

@@ -11,10 +11,10 @@ import json
 import pytest
 
 from collective_matmul import Decomposition
-from collective_matmul.bundle import RoleOverride
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.models import slot_problems
-from collective_matmul.problem import Hardware
+from collective_matmul.planning.decomposition import OpConfigs
+from collective_matmul.planning.models import slot_problems
+from collective_matmul.planning.problem import Hardware
+from collective_matmul.wire.bundle import RoleOverride
 from tests.service.conftest import HARDWARE, measurement, register, step_result
 
 TINY = {"model": "tiny", "mesh": {"axes": {"data": 1, "model": 8}}, "hardware": HARDWARE,

@@ -12,9 +12,9 @@ from sqlalchemy import JSON, column, create_engine, select, table, text
 
 from cmtune.service import migrate
 from collective_matmul import Decomposition, Problem
-from collective_matmul.lookup import NO_STACK, NOT_MEASURED
-from collective_matmul.problem import Software
+from collective_matmul.planning.problem import Software
 from collective_matmul.wire import Protocol
+from collective_matmul.wire.lookup import NO_STACK, NOT_MEASURED
 from tests.service.conftest import HARDWARE, PROBLEM, cost, make_api, register, run_trial, step_result
 
 OLD = {"jax": "0.10.2", "jaxlib": "0.10.2"}

@@ -13,7 +13,7 @@ import httpx
 
 from cmtune.launcher import running_server
 from collective_matmul import Decomposition, Hardware, Problem
-from collective_matmul.bundle import TunedConfig
+from collective_matmul.wire.bundle import TunedConfig
 from tests.service.conftest import HARDWARE, PROBLEM, cost, create_tokens, register, run_trial
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul import flax as cm_flax
+from collective_matmul.client import flax as cm_flax
 
 BATCH, SEQ, D_MODEL, D_FF, LAYERS = 4, 64, 64, 128, 2
 RULES = (("embed", None), ("mlp", "model"))

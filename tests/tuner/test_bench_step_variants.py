@@ -10,7 +10,7 @@ import pytest
 
 from cmtune.tuner.variants import FIXED_RING, ring_everywhere
 from collective_matmul import Decomposition, OpConfigs
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT
 
 _spec = importlib.util.spec_from_file_location("step_variants", Path(__file__).parents[2] / "bench/step_variants.py")
 step_variants = importlib.util.module_from_spec(_spec)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.costmodel import PROFILES, calibrate_cpu, estimate, no_figures, profile_for, rank
+from collective_matmul import Decomposition, Hardware, Problem
+from collective_matmul.planning.costmodel import PROFILES, calibrate_cpu, estimate, no_figures, profile_for, rank
+from collective_matmul.planning.space import candidates
 
 
 def kind(platform: str, device_kind: str) -> Hardware:

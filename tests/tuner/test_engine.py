@@ -26,9 +26,10 @@ from cmtune.tuner.searching import profile_name_for, study_settings
 from cmtune.tuner.states import move_study, move_trial
 from cmtune.tuner.store import InMemoryStore
 from cmtune.tuner.variants import FIXED_RING
-from collective_matmul import Decomposition, Hardware, MeshSpec, OpConfigs, Problem, TunedConfig, candidates
-from collective_matmul.models import PRESETS, ROLES, SLOTS, role_problems
-from collective_matmul.problem import Software
+from collective_matmul import Decomposition, Hardware, OpConfigs, Problem
+from collective_matmul.planning.models import PRESETS, ROLES, SLOTS, MeshSpec, role_problems
+from collective_matmul.planning.problem import Software
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,
@@ -45,6 +46,7 @@ from collective_matmul.wire import (
     TrialState,
     result_of,
 )
+from collective_matmul.wire.bundle import TunedConfig
 from tests.service.conftest import reset_postgres
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")  # 49 candidates

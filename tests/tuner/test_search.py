@@ -13,8 +13,9 @@ import pytest
 
 from cmtune.tuner.search import Finished, Searcher, SearchSettings, stop_reason
 from cmtune.workers.local import LocalTuner
-from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.costmodel import PROFILES
+from collective_matmul import Decomposition, Hardware, Problem
+from collective_matmul.planning.costmodel import PROFILES
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Measurement, Protocol, Timing, result_of
 
 PROBLEM = Problem.parse("ag:1024x256x1024:float32:8")  # 49 candidates

@@ -10,9 +10,9 @@ import pytest
 from cmtune.tuner.rounds import faster, ratio_quartiles
 from cmtune.tuner.stepsearch import REFERENCE, SEEDS, SearchSpace, StepSearch, replay, variant_name
 from cmtune.tuner.variants import FIXED_RING
-from collective_matmul import Decomposition, Hardware, OpConfigs, TransformerBlock
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT
-from collective_matmul.models import SLOTS
+from collective_matmul import Decomposition, Hardware, OpConfigs
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT
+from collective_matmul.planning.models import SLOTS, TransformerBlock
 from collective_matmul.wire import MAX_VARIANT_NAME, Protocol, StepMeasurement, StepVariant, Timing, quartiles
 
 D = Decomposition.from_id

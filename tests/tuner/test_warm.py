@@ -14,10 +14,11 @@ from cmtune.tuner.search import Finished, Searcher, SearchSettings, neighbours_a
 from cmtune.tuner.searching import study_settings
 from cmtune.tuner.store import InMemoryStore
 from cmtune.tuner.warm import Known, nearest_seeds, seeds
-from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.bundle import TunedConfig
-from collective_matmul.costmodel import PROFILES
+from collective_matmul import Decomposition, Hardware, Problem
+from collective_matmul.planning.costmodel import PROFILES
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Protocol, Seed, StudyState, TrialKind, TrialState
+from collective_matmul.wire.bundle import TunedConfig
 from tests.tuner.test_engine import HW, START, Driver, store  # noqa: F401 - the contract suite's store fixture
 from tests.tuner.test_engine import PROBLEM as ENGINE_PROBLEM
 from tests.tuner.test_search import KnownCosts, random_costs, tune

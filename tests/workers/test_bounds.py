@@ -11,7 +11,7 @@ from cmtune.workers.local import LocalTuner
 from cmtune.workers.measure import Session, bound_programs, ring_mesh
 from cmtune.workers.runner import LocalRunner, Watchdog, failed
 from collective_matmul import Decomposition, Hardware, Problem
-from collective_matmul.hlo import parse_module
+from collective_matmul.programs.hlo import parse_module
 from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,

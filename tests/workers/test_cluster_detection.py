@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cmtune.workers.cluster import free_port
-from collective_matmul.bundle import Bundle
+from collective_matmul.wire.bundle import Bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -169,7 +169,8 @@ def test_a_slice_worker_tunes_the_rings_of_part_of_it_and_training_code_on_that_
     ``data=2, model=4`` (``data=4, model=2``) mesh of 8 devices finds them exact, from the server and a bundle."""
     import jax
 
-    from collective_matmul import Problem, Tuned, ring_hardware
+    from collective_matmul import Problem, Tuned
+    from collective_matmul.client.tuned import ring_hardware
 
     url = f"sqlite:///{tmp_path / 'rings.sqlite'}"
     tok = tokens(url)

@@ -12,8 +12,9 @@ from cmtune.tuner.search import SearchSettings
 from cmtune.workers.local import LocalTuner
 from cmtune.workers.measure import Session, default_program, ring_mesh
 from cmtune.workers.runner import LocalRunner
-from collective_matmul import Decomposition, Hardware, Problem, candidates
-from collective_matmul.costmodel import PROFILES, rank
+from collective_matmul import Decomposition, Hardware, Problem
+from collective_matmul.planning.costmodel import PROFILES, rank
+from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Measurement, Protocol, TrialKind
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")

@@ -10,23 +10,16 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import collective_matmul.ring as ring
+import collective_matmul.ops.ring as ring
 from cmtune.tuner.rounds import grading_rounds
 from cmtune.tuner.variants import FIXED_RING
 from cmtune.workers.step import StepMeasurement, StepSession, standard_variants, step_layout
-from collective_matmul import (
-    Bundle,
-    Decomposition,
-    FixedConfigs,
-    Hardware,
-    MeshSpec,
-    OpConfigs,
-    TransformerBlock,
-    TunedConfig,
-    model_problems,
-)
-from collective_matmul.problem import Software
+from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs
+from collective_matmul.block import FixedConfigs
+from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
+from collective_matmul.planning.problem import Software
 from collective_matmul.wire import Protocol
+from collective_matmul.wire.bundle import TunedConfig
 from tests.cli import cmtune, flat, says
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +123,7 @@ def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the
     order, with the configs it gives them, and no confirmation; the next round of the same step compiles only
     what it has not timed before."""
     from cmtune.workers.runner import LocalRunner
-    from collective_matmul.models import ROLES
+    from collective_matmul.planning.models import ROLES
     from collective_matmul.wire import StepTask, TrialTask
 
     tuned = {role: TUNED.get(role, OpConfigs()) for role in ROLES}

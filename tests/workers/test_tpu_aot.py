@@ -17,10 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from cmtune.workers.aot import CompileSession, compile_all
 from cmtune.workers.measure import ring_mesh_of
-from collective_matmul import Decomposition, Problem, allgather_matmul, candidates
-from collective_matmul.discovery import discover
-from collective_matmul.schedule import overlap
-from collective_matmul.topology import TopologyError, compile_only, mesh_of, tpu_devices
+from collective_matmul import Decomposition, Problem, allgather_matmul
+from collective_matmul.planning.space import candidates
+from collective_matmul.programs.discovery import discover
+from collective_matmul.programs.schedule import overlap
+from collective_matmul.programs.topology import TopologyError, compile_only, mesh_of, tpu_devices
 from tests.cli import cmtune
 
 pytestmark = pytest.mark.tpu_aot
@@ -170,9 +171,10 @@ def test_a_role_left_to_xla_says_which_compile_option_the_training_step_needs(tm
     """A config of ``xla`` runs the product as written; the report names the windowed-einsum option it was timed
     with, and the step compiled with those options is XLA's loop of permutes (without them, at this size on v5p,
     XLA's default threshold leaves it one all-gather)."""
-    from collective_matmul import Bundle, Tuned, TunedConfig
-    from collective_matmul.client import ring_hardware
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul import Bundle, Tuned
+    from collective_matmul.client.tuned import ring_hardware
+    from collective_matmul.planning.xla_options import windowed_einsum
+    from collective_matmul.wire.bundle import TunedConfig
 
     mesh = mesh_of(tpu_devices("v5p:2x2x1"), (4,), ("model",))
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("model", None)))

@@ -10,14 +10,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-import collective_matmul.ring as ring
+import collective_matmul.ops.ring as ring
 from cmtune.steps import save_overrides
 from cmtune.workers.userstep import AsWritten, Built, SpecError, SpecRef, UserStepSession, pair_outputs, step_variants
-from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned, TunedConfig
-from collective_matmul.bundle import RoleOverride
-from collective_matmul.models import slot_problems
-from collective_matmul.problem import Software
+from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned
+from collective_matmul.planning.models import slot_problems
+from collective_matmul.planning.problem import Software
 from collective_matmul.wire import Protocol, StepMeasurement
+from collective_matmul.wire.bundle import RoleOverride, TunedConfig
 from tests.cli import cmtune, flat, says
 from tests.steps import gspmd_mlp
 
@@ -95,7 +95,7 @@ def test_the_step_as_written_is_also_timed_with_xlas_windowed_einsum_off_and_on_
     """On TPU and GPU the step as written is a variant with XLA's windowed einsum forced off and on (compiled with
     those options); on CPU, which has none, nothing extra.  The options reach the compile: one XLA does not know
     fails that variant alone."""
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul.planning.xla_options import windowed_einsum
 
     assert list(step_variants(Tuned(), "cpu")) == ["as-written", "baseline", "tuned"]
     for platform in ("tpu", "gpu"):

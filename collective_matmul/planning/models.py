@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from collective_matmul.problem import DType, Hardware, Problem
-from collective_matmul.text import label
+from collective_matmul.planning.problem import DType, Hardware, Problem
+from collective_matmul.planning.text import label
 
 MODEL_NAME_LENGTH = 200  # a model's name: role_overrides.model
 ModelName = label(MODEL_NAME_LENGTH)
@@ -146,7 +146,7 @@ class ModelProblem(BaseModel):
 
 
 # A role labels where a problem occurs in a step: the reference block's four projections, or the
-# label discovery and the drop-in give a user's projection (collective_matmul.roles).  Open, bounded.
+# label discovery and the drop-in give a user's projection (collective_matmul.programs.roles).  Open, bounded.
 MAX_ROLE_LENGTH = 200
 MAX_ROLES = 256
 Role = label(MAX_ROLE_LENGTH)  # role_overrides.role

@@ -93,7 +93,7 @@ class Decomposition(BaseModel):
     def xla(cls) -> Decomposition:
         """The product as written, left to XLA: GSPMD places the collective, and XLA's own windowed einsum
         decomposes it where the backend has one and the step is compiled with it on
-        (`collective_matmul.xla_options`)."""
+        (`collective_matmul.planning.xla_options`)."""
         return cls(method="xla")
 
     @property

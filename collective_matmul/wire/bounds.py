@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.models import MAX_ROLES
-from collective_matmul.text import as_message, label, message
+from collective_matmul.planning.models import MAX_ROLES
+from collective_matmul.planning.text import as_message, label, message
 
 if TYPE_CHECKING:
-    from collective_matmul.bundle import TunedConfig
+    from collective_matmul.wire.bundle import TunedConfig
 
-# the compiled schedule's verdict on a ring's permutes (collective_matmul.schedule): each hides behind a product,
-# some do, none do (serialised), XLA made them synchronous, or the program has none (the baseline)
+# the compiled schedule's verdict on a ring's permutes (collective_matmul.programs.schedule): each hides behind a
+# product, some do, none do (serialised), XLA made them synchronous, or the program has none (the baseline)
 OverlapVerdict = Literal["overlaps", "partly", "serialised", "synchronous", "no permutes"]
 
 NOTHING_TO_HIDE = 0.05  # the collective alone under this share of the baseline: nothing to hide

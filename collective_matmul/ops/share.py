@@ -6,17 +6,17 @@ input-gradient partials before one reduce-scatter.  Each of cmtune's ops gathers
 q/k/v on rings would move the activation round the ring three times and reduce-scatter three input gradients.
 
 Within one traced step, the first column call (all-gather → matmul) of an activation runs
-`collective_matmul.ops.allgather_matmul_keep`: its ring (or all-gather) also hands back the gathered
+`collective_matmul.ops.collective.allgather_matmul_keep`: its ring (or all-gather) also hands back the gathered
 activation, one copy per device, which `Gathers` keeps for the traced value.  A later column call of the same
 value — the same tracer, in the same trace, on the same mesh, axis, batch axis, shape and dtype — runs
-`collective_matmul.ops.gathered_matmul`: its product on the kept copy, with no collective.  The calls of one
+`collective_matmul.ops.collective.gathered_matmul`: its product on the kept copy, with no collective.  The calls of one
 gathered activation are a `Group`.  In the backward each later call computes its weight gradient from the
 gathered copy and hands its output gradient and weight over to the group (the later calls' backwards run
 before the first's); the first op's backward then runs ONE reduce-scatter ring which computes, at every step,
 every call's piece of the summed input gradient (each a product of its output gradient's rows and its weight,
 no concatenated copy): the group's whole transfer hides behind the group's whole product.  That ring is the
 group's summed problem (N the sum of the calls' N): the drop-in looks its config up as such
-(``Group.grad_input``) under the group's label (`collective_matmul.roles.group_label`:
+(``Group.grad_input``) under the group's label (`collective_matmul.programs.roles.group_label`:
 ``Llama/layers/{key,query,value}``), as discovery lists it.  The memory is what the step as written keeps: the
 gathered activation, once.
 
@@ -38,7 +38,7 @@ import jax
 from jax.extend.core import get_opaque_trace_state
 from jax.sharding import Mesh
 
-from collective_matmul.decomposition import Decomposition
+from collective_matmul.planning.decomposition import Decomposition
 
 MAX_KEPT = 64  # gathered activations kept per process (those of the layer being traced are what matter)
 

@@ -26,8 +26,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from functools import cache
 
-from collective_matmul.models import MAX_ROLE_LENGTH
-from collective_matmul.text import as_label
+from collective_matmul.planning.models import MAX_ROLE_LENGTH
+from collective_matmul.planning.text import as_label
 
 # Names JAX gives its own structure in a name stack (never a user's scope).
 STRUCTURAL = frozenset({
@@ -166,8 +166,8 @@ def _frames(limit: int = 64) -> list[tuple[str, int]]:
 def group_label(roles: Sequence[str]) -> str:
     """``Llama/layers/{key,query,value}``: the roles of the calls of one gathered activation (`collective_matmul.
     share`) in sorted order (a trace and a compiled module order them differently), a common prefix written once
-    (else joined by commas).  The role their summed input gradient is listed (`collective_matmul.discovery`) and
-    looked up under."""
+    (else joined by commas).  The role their summed input gradient is listed (`collective_matmul.programs.discovery`)
+    and looked up under."""
     roles = sorted(roles)
     prefix = roles[0].rpartition("/")[0]
     if len(roles) > 1 and prefix and all(r.rpartition("/")[0] == prefix for r in roles):

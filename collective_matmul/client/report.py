@@ -14,12 +14,12 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.models import SLOTS
-from collective_matmul.problem import Hardware, Problem
-from collective_matmul.sources import Lookup
+from collective_matmul.client.sources import Lookup
+from collective_matmul.planning.decomposition import OpConfigs
+from collective_matmul.planning.models import SLOTS
+from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.planning.xla_options import missing_overlap_flags, windowed_einsum
 from collective_matmul.wire import Pin
-from collective_matmul.xla_options import missing_overlap_flags, windowed_einsum
 
 logger = logging.getLogger("collective_matmul")
 
@@ -41,7 +41,7 @@ class CallSite:
     notes: list[str] = field(default_factory=list)
     hardware: Hardware | None = None  # the ring's (what its configs are keyed by)
     axis: str | None = None  # the mesh axis of the ring
-    gathered_by: str = ""  # the role whose gather this call reuses (collective_matmul.share); "" = its own
+    gathered_by: str = ""  # the role whose gather this call reuses (collective_matmul.ops.share); "" = its own
     members: list[str] = field(default_factory=list)  # a group's summed input gradient: the roles of its calls
 
     @property
@@ -59,7 +59,7 @@ class CallSite:
 
     @property
     def unmeasured(self) -> list[str]:
-        """Why slots were answered by nothing measured on this hardware (`collective_matmul.lookup.untuned`)."""
+        """Why slots were answered by nothing measured on this hardware (`collective_matmul.wire.lookup.untuned`)."""
         return list(dict.fromkeys(f.note for f in self.runs.values() if f.match in ("model", "baseline") and f.note))
 
     def line(self) -> str:
@@ -104,7 +104,7 @@ class Report(list):
 
     @property
     def groups(self) -> dict[str, list[str]]:
-        """The gathers shared (`collective_matmul.share`): the role of the call that gathered -> the roles of the
+        """The gathers shared (`collective_matmul.ops.share`): the role of the call that gathered -> the roles of the
         calls that reused its gathered activation, in trace order."""
         groups: dict[str, list[str]] = {}
         for site in self.applied:
@@ -158,7 +158,7 @@ class Report(list):
         if missing:
             lines.append(f"XLA_FLAGS lacks {' '.join(missing)}: without them XLA does not overlap a ring's permutes "
                          "with its matmuls on GPU; set them before JAX starts "
-                         "(collective_matmul.xla_options.with_overlap_flags)")
+                         "(collective_matmul.planning.xla_options.with_overlap_flags)")
         return lines
 
     def __str__(self) -> str:
@@ -243,7 +243,7 @@ class Record:
     def report(self, model: str | None, unmatched: Callable[[Iterable[str], set[tuple[str, str]]], list[str]]
                ) -> Report:
         """The `Report` of the call sites; ``unmatched(hardware keys of the applied calls, matched)``: the overrides
-        of ``model`` no call matched (`collective_matmul.overrides.Overrides.unmatched`)."""
+        of ``model`` no call matched (`collective_matmul.client.overrides.Overrides.unmatched`)."""
         traced = {site.hardware.key for site in self.sites.values() if site.applied}
         return Report(self.sites.values(), model=model, unmatched=unmatched(traced, self.matched))
 
@@ -267,7 +267,7 @@ class Pins:
     def answers(self, role: str | None, call: tuple, hardware: Hardware, problems: Mapping[str, Problem],
                 notes: list[str], record: Record) -> dict[str, Lookup]:
         """The pinned answers of the call of ``role`` with these problems (the baselines where none was pinned);
-        the other arguments are those of `collective_matmul.overrides.Overrides.answers`, unused here."""
+        the other arguments are those of `collective_matmul.client.overrides.Overrides.answers`, unused here."""
         pinned = self._pins.get((role or "", problems["forward"].key))
         if pinned is None:  # what autodiff of the baseline does (OpConfigs' defaults)
             return {slot: Lookup(getattr(OpConfigs(), slot), "baseline", "process 0 did not resolve this call")

@@ -5,27 +5,27 @@ from __future__ import annotations
 import functools
 import itertools
 
-from collective_matmul.decomposition import (
+from collective_matmul.planning.decomposition import (
     ALLGATHER_ACCUMULATE,
     CHUNK_CHOICES,
     REDUCE_SCATTER_ACCUMULATE,
     UNROLL_CHOICES,
     Decomposition,
 )
-from collective_matmul.problem import Problem
+from collective_matmul.planning.problem import Problem
 
 
 def candidates(problem: Problem, *, include_baseline: bool = True, platform: str | None = None) -> list[Decomposition]:
     """Every valid decomposition of ``problem`` (explicit fields, no duplicates); on a ``platform`` whose XLA has a
-    windowed einsum of its own (TPU, GPU: `collective_matmul.xla_options`), XLA's own (``method="xla"``) right after
-    the baseline, so that a ring is chosen only where it beats what XLA would do.
+    windowed einsum of its own (TPU, GPU: `collective_matmul.planning.xla_options`), XLA's own (``method="xla"``)
+    right after the baseline, so that a ring is chosen only where it beats what XLA would do.
 
     ``fuse=True`` configs are not listed: fusion couples the input- and weight-gradient problems
     of one op, so it is chosen by measuring the training step, not within one problem's study.
     """
     found = list(_candidates(problem, include_baseline))
     if platform is not None:
-        from collective_matmul.xla_options import windowed_einsum
+        from collective_matmul.planning.xla_options import windowed_einsum
 
         if windowed_einsum(platform, "on") is not None:
             found.insert(1 if include_baseline else 0, Decomposition.xla())

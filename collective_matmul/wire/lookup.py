@@ -7,7 +7,7 @@
 3. ``stale``: the tuned config of this problem and hardware measured on another stack (the newest),
    with the stack that measured it (`note`): until a worker of this stack re-confirms it;
 4. ``nearest``: the tuned problem of the same collective, dtype and ring size closest in
-   log-distance over (m, k, n) whose decomposition is valid here (`collective_matmul.bundle.nearest`),
+   log-distance over (m, k, n) whose decomposition is valid here (`collective_matmul.wire.bundle.nearest`),
    each tuned problem by its config of this stack where it has one, else its newest;
 5. ``model``: only where the caller asks for it (``unmeasured="costmodel"``): the cost model's favourite
    on the profile of the hardware's device kind;
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, get_args
 
-from collective_matmul.bundle import TunedConfig, nearest
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
+from collective_matmul.wire.bundle import TunedConfig, nearest
 
 Match = Literal["exact", "stale", "nearest", "model", "baseline"]  # what a config look-up answers with (2-6)
 Unmeasured = Literal["baseline", "costmodel"]  # what answers where nothing measured on the hardware does
@@ -36,7 +36,7 @@ NOT_MEASURED = "not measured on this hardware"  # how the reason of an answer of
 MATCHES: tuple[str, ...] = ("override", "exact", "stale", "nearest", "model", "baseline")  # the order, first wins
 MEASURED = ("override", "exact", "stale", "nearest")  # answers that come from a measurement
 NO_STACK = ("the look-up named no software stack: answered with the newest measurement of any stack; send jax, "
-            "jaxlib, platform_version and flags (collective_matmul.problem.Software) to tell exact from stale")
+            "jaxlib, platform_version and flags (collective_matmul.planning.problem.Software) to tell exact from stale")
 
 
 def by_problem(configs: Iterable[TunedConfig]) -> dict[str, list[TunedConfig]]:
@@ -92,13 +92,13 @@ def untuned(problem: Problem, hardware: Hardware, unmeasured: Unmeasured = "base
     step would run unmeasured is the product as written (``method="xla"``): cmtune's own baseline runs in a
     ``shard_map`` that XLA's windowed einsum does not touch, so answering it would undo what XLA does there."""
     if unmeasured == "costmodel":
-        from collective_matmul.costmodel import model_choice, no_figures
+        from collective_matmul.planning.costmodel import model_choice, no_figures
 
         choice = model_choice(problem, hardware)
         if choice is not None:
             return "model", choice, f"{NOT_MEASURED}: the cost model's choice, as asked (unmeasured=costmodel)"
         return "baseline", Decomposition.baseline(), f"{NOT_MEASURED}, and {no_figures(hardware)}: the baseline"
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul.planning.xla_options import windowed_einsum
 
     if windowed_einsum(hardware.platform, "on") is not None:
         return ("baseline", Decomposition.xla(),

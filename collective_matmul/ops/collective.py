@@ -1,7 +1,7 @@
 """Collective matmul ops on global arrays (wrapping the per-shard kernels in `shard_map`).
 
 Each op's backward runs its own configs (``grad_input``, ``grad_weight``): see
-`collective_matmul.ring` and ``docs/decompositions.md``.
+`collective_matmul.ops.ring` and ``docs/decompositions.md``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-from collective_matmul.problem import Problem
-from collective_matmul.reference import baseline_allgather_matmul_shard, baseline_matmul_reduce_scatter_shard
-from collective_matmul.ring import (
+from collective_matmul.ops.baseline import baseline_allgather_matmul_shard, baseline_matmul_reduce_scatter_shard
+from collective_matmul.ops.ring import (
     allgather_grad_weight_shard,
     allgather_matmul_keep_grads_shard,
     allgather_matmul_keep_shard,
     allgather_matmul_shard,
     matmul_reduce_scatter_shard,
 )
-from collective_matmul.share import Group
+from collective_matmul.ops.share import Group
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+from collective_matmul.planning.problem import Problem
 
 BatchAxis = str | tuple[str, ...] | None
 
@@ -94,7 +94,7 @@ def allgather_matmul_keep(
     product of the same activation needs no collective.  With a ``group``, the input gradients of the
     `gathered_matmul` calls of that group join this op's ONE reduce-scatter ring as one product of the summed N
     (its config ``group.grad_input(N)`` where given); any other cotangent of the gathered ``x`` is added to it
-    (`collective_matmul.share`).  Nothing reuses it: XLA drops the copy and the zero it adds.
+    (`collective_matmul.ops.share`).  Nothing reuses it: XLA drops the copy and the zero it adds.
 
     Raises:
         ValueError: as `allgather_matmul`; and for ``method="xla"``, which has no gathered value to hand on.
@@ -335,7 +335,7 @@ def plain_baseline(
 ) -> jax.Array:
     """The baseline collective matmul in plain JAX: no custom VJP, JAX's autodiff makes the backward.
 
-    What a user has without cmtune (``shard_map`` of the `collective_matmul.reference` kernel);
+    What a user has without cmtune (``shard_map`` of the `collective_matmul.ops.baseline` kernel);
     the reference of a step measurement.  Same layouts and errors as `allgather_matmul` /
     `matmul_reduce_scatter`.
     """

@@ -1,7 +1,7 @@
 """A reader for HLO module text: instructions, the call graph, loop trip counts and stack frames.
 
 Just enough of the HLO text format to find collective matmuls in a partitioned module
-(`collective_matmul.discovery`): each instruction's shape, opcode, operands and attributes, which
+(`collective_matmul.programs.discovery`): each instruction's shape, opcode, operands and attributes, which
 computations a ``while`` runs how often, the replica groups of a collective in every format XLA
 prints (explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, and mesh axes ``mesh['axis_0'=2,...]
 {'axis_1'}``), and the stack frames of an instruction's metadata.  Pure text: no JAX.

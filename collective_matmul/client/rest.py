@@ -20,8 +20,7 @@ import httpx
 from pydantic import BaseModel
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from collective_matmul.lookup import Unmeasured
-from collective_matmul.problem import Hardware, Problem, Software
+from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     WORKER_HEADER,
     ConfigAnswer,
@@ -41,8 +40,9 @@ from collective_matmul.wire import (
     WorkerPublic,
     WorkerRegistered,
 )
+from collective_matmul.wire.lookup import Unmeasured
 
-log = logging.getLogger("collective_matmul.api")
+log = logging.getLogger("collective_matmul.client.rest")
 
 TRANSIENT = (502, 503, 504)  # the service is away, restarting or overloaded: worth another try
 

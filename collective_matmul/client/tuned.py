@@ -1,18 +1,18 @@
 """`Tuned`: how training code gets tuned configs and runs the ops with them.
 
 Look-ups fall back in a stated order and say which they used: the model's per-role override
-(`collective_matmul.overrides`), the server's answer (exact, stale or nearest), the bundle's (the
+(`collective_matmul.client.overrides`), the server's answer (exact, stale or nearest), the bundle's (the
 same, its stacks compared with this process's), then the baseline, "not measured on this hardware"
-(`collective_matmul.sources`): a ring no one measured never runs unless the client asks for the
+(`collective_matmul.client.sources`): a ring no one measured never runs unless the client asks for the
 cost model's choice (``unmeasured="costmodel"``).  Every look-up sends this process's software stack
-(`collective_matmul.problem.Software`): a config measured on another stack answers ``stale`` and the
+(`collective_matmul.planning.problem.Software`): a config measured on another stack answers ``stale`` and the
 report says which stack measured it; an override of another stack is still applied, and noted so.
 Each (problem, hardware, stack) is looked up once per process; a server that is down or errs is
 reported by one warning and never breaks the training step, and a served config that does not fit
 its problem is skipped and reported, never raised inside the step.
 
 Every call site the process traces is recorded — applied (problem, config, match, source) or fell
-back (why) — and `Tuned.report` lists them (`collective_matmul.report`); the first trace of each role
+back (why) — and `Tuned.report` lists them (`collective_matmul.client.report`); the first trace of each role
 logs one line on the ``collective_matmul`` logger.  The same interface serves the step variants
 `cmtune verify` times: `Tuned.variant` edits every call's configs (the baseline everywhere, one role
 set back, ...), and `Tuned.pinned` replays what process 0 resolved on the other processes of a group.
@@ -27,18 +27,18 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from collective_matmul import flax as drop_in
-from collective_matmul import roles
-from collective_matmul.bundle import Bundle
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.lookup import Unmeasured
-from collective_matmul.models import SLOTS, ring_hardware, slot_problems
-from collective_matmul.ops import OPS, BatchAxis, problem_of
-from collective_matmul.overrides import Override, Overrides
-from collective_matmul.problem import Hardware, Problem
-from collective_matmul.report import CallSite, Pins, Record, Report
-from collective_matmul.sources import BundleSource, Lookup, ServiceSource, Sources, WarnOnce
+from collective_matmul.client import flax as drop_in
+from collective_matmul.client.overrides import Override, Overrides
+from collective_matmul.client.report import CallSite, Pins, Record, Report
+from collective_matmul.client.sources import BundleSource, Lookup, ServiceSource, Sources, WarnOnce
+from collective_matmul.ops.collective import OPS, BatchAxis, problem_of
+from collective_matmul.planning.decomposition import OpConfigs
+from collective_matmul.planning.models import SLOTS, ring_hardware, slot_problems
+from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.programs import roles
 from collective_matmul.wire import Pin
+from collective_matmul.wire.bundle import Bundle
+from collective_matmul.wire.lookup import Unmeasured
 
 __all__ = ["CallSite", "Lookup", "Report", "Tuned", "VariantError", "ring_hardware"]
 
@@ -53,7 +53,7 @@ class VariantError(ValueError):
 
 
 class Tuned:
-    """Tuned collective matmuls for training code (a `collective_matmul.block.ConfigSource`).
+    """Tuned collective matmuls for training code (a `collective_matmul.client.sources.ConfigSource`).
 
     Args:
         server: base URL of a cmtune service (optional).
@@ -68,7 +68,7 @@ class Tuned:
         ValueError: if ``unmeasured`` is neither.
     """
 
-    share = True  # the drop-in's column calls of one activation share one gather (`collective_matmul.share`)
+    share = True  # the drop-in's column calls of one activation share one gather (`collective_matmul.ops.share`)
 
     def __init__(self, server: str | None = None, *, token: str | None = None, bundle: str | Path | None = None,
                  model: str | None = None, timeout_s: float = 2.0, unmeasured: Unmeasured = "baseline"):
@@ -114,11 +114,13 @@ class Tuned:
         return self._record.pins()
 
     def lookup(self, problem: Problem, hardware: Hardware) -> Lookup:
-        """The config for ``problem`` on ``hardware`` (`collective_matmul.sources.Sources.lookup`), kept per process."""
+        """The config for ``problem`` on ``hardware`` (`collective_matmul.client.sources.Sources.lookup`), kept per
+        process."""
         return self._sources.lookup(problem, hardware)
 
     def override(self, role: str, hardware: Hardware) -> Override | None:
-        """This model's override of ``role`` on ``hardware`` (server, then bundle; `collective_matmul.overrides`)."""
+        """This model's override of ``role`` on ``hardware`` (server, then bundle:
+        `collective_matmul.client.overrides`)."""
         return self._overrides.match(role, hardware, self._record.matched)
 
     @property
@@ -163,12 +165,12 @@ class Tuned:
 
     def dot_general(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
                     kernel_axes: tuple | None = None, **options):
-        """The Flax drop-in: a ``dot_general`` running these configs (see `collective_matmul.flax.dot_general`)."""
+        """The Flax drop-in: a ``dot_general`` running these configs (`collective_matmul.client.flax.dot_general`)."""
         return drop_in.dot_general(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
     def dot_general_cls(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
                         kernel_axes: tuple | None = None, **options):
-        """For linen's ``dot_general_cls=``: a factory of `dot_general` (see `collective_matmul.flax`)."""
+        """For linen's ``dot_general_cls=``: a factory of `dot_general` (see `collective_matmul.client.flax`)."""
         return drop_in.dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
@@ -181,7 +183,8 @@ class Tuned:
             role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
             collective, x, w, mesh, axis, batch_axis: as for the op (arrays, tracers or shape structs).
             source, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
-            gathered_by: the role of the call whose gather this one reuses (`collective_matmul.share`), for `report`.
+            gathered_by: the role of the call whose gather this one reuses (`collective_matmul.ops.share`), for
+                `report`.
             members: the roles of a group of calls of one gathered activation whose summed input gradient this is
                 (``w``: their weights side by side): its ``grad_input`` is what runs, and what `report` shows.
 

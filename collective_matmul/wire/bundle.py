@@ -10,12 +10,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
-from collective_matmul import bounds as _bounds
-from collective_matmul.bounds import OverlapVerdict
-from collective_matmul.decomposition import Decomposition, OpConfigs
-from collective_matmul.models import MAX_ROLES, SLOTS, ModelName, Role
-from collective_matmul.problem import Hardware, Problem, Software, Version, log_distance
-from collective_matmul.text import label, message
+from collective_matmul.planning.decomposition import Decomposition, OpConfigs
+from collective_matmul.planning.models import MAX_ROLES, SLOTS, ModelName, Role
+from collective_matmul.planning.problem import Hardware, Problem, Software, Version, log_distance
+from collective_matmul.planning.text import label, message
+from collective_matmul.wire import bounds as _bounds
+from collective_matmul.wire.bounds import OverlapVerdict
 
 log = logging.getLogger(__name__)
 BUNDLE_FORMAT = "cmtune.bundle"
@@ -66,8 +66,8 @@ class TunedConfig(BaseModel):
                                description="the stack that measured it, part of its key (an entry of a version 1 "
                                            "or 2 bundle: its jax_version and jaxlib_version, no flags)")
     overlap: OverlapVerdict | None = Field(default=None, description="its compiled schedule's verdict "
-                                           "(collective_matmul.schedule): does a product run while each of its "
-                                           "permutes is in flight (None: not recorded, a bundle before version 4)")
+                                           "(collective_matmul.programs.schedule): does a product run while each of "
+                                           "its permutes is in flight (None: not recorded, a bundle before version 4)")
     memory_bytes: int | None = Field(default=None, ge=0, le=1 << 60,
                                      description="its compiled program's memory per device (None: not recorded)")
 
@@ -133,7 +133,7 @@ class TunedConfig(BaseModel):
         return self.bounds.bound_s if self.bounds is not None else None
 
     @computed_field(description="(baseline − tuned) / (baseline − bound), each against its own round's baseline "
-                                "(collective_matmul.bounds); None: nothing to hide or no bounds; 0: the baseline "
+                                "(collective_matmul.wire.bounds); None: nothing to hide or no bounds; 0: the baseline "
                                 "won")
     @property
     def hidden_fraction(self) -> float | None:
@@ -180,7 +180,8 @@ class RoleOverride(BaseModel):
 
     model: ModelName = Field(description="the model's name (TransformerBlock.name, or the name a user's step "
                                          "was verified under)")
-    role: Role = Field(description="the reference block's role, or a user's projection (collective_matmul.roles)")
+    role: Role = Field(description="the reference block's role, or a user's projection "
+                                   "(collective_matmul.programs.roles)")
     hardware: Hardware = Field(description="identity only")
     configs: OpConfigs
     reason: Reason

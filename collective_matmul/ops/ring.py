@@ -1,6 +1,6 @@
 """Ring decompositions of the collective matmuls (per shard) and their custom VJPs.
 
-Call these inside `jax.shard_map` over ``axis``; `collective_matmul.ops` wraps them for global
+Call these inside `jax.shard_map` over ``axis``; `collective_matmul.ops.collective` wraps them for global
 arrays.  The algorithm (Wang et al., ASPLOS 2023):
 
 1. Split the collective into ``P-1`` CollectivePermutes round the ring of ``P`` devices.
@@ -44,14 +44,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from collective_matmul.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-from collective_matmul.models import slot_collective
-from collective_matmul.problem import check_decomposition, resolved_accumulate, ring_hops
-from collective_matmul.reference import (
+from collective_matmul.ops.baseline import (
     baseline_allgather_grad_weight_shard,
     baseline_allgather_matmul_shard,
     baseline_matmul_reduce_scatter_shard,
 )
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
+from collective_matmul.planning.models import slot_collective
+from collective_matmul.planning.problem import check_decomposition, resolved_accumulate, ring_hops
 
 Pieces = tuple[jax.Array, ...]
 
@@ -101,8 +101,8 @@ def allgather_matmul_keep_shard(
 ) -> tuple[jax.Array, jax.Array]:
     """The forward of `allgather_matmul_shard` that also returns the gathered ``x``, for other products of it to
     reuse.  The gathered ``x`` is a by-product (the all-gather, or the blocks the ring moved).  Its backward is
-    `allgather_matmul_keep_grads_shard` (the group's one reduce-scatter; `collective_matmul.ops` pairs the two
-    in a custom VJP over the global arrays, where the group's calls meet: `collective_matmul.share`).
+    `allgather_matmul_keep_grads_shard` (the group's one reduce-scatter; `collective_matmul.ops.collective` pairs the
+    two in a custom VJP over the global arrays, where the group's calls meet: `collective_matmul.ops.share`).
 
     Returns:
         ``(all_gather(x) @ w, all_gather(x))``: ``[..., M, N/P]`` and ``[..., M, K]``.
@@ -399,7 +399,7 @@ def _contract(u: jax.Array, v: jax.Array, preferred=None) -> jax.Array:
 def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: jax.Array | None = None,
                            others: tuple[tuple[jax.Array, jax.Array], ...] = ()) -> jax.Array:
     """``psum_scatter(x @ w + Σ x_i @ w_i + addend)`` over the M rows (checked by the caller).  ``others``: more
-    products ``(x_i, w_i)`` of the same rows and N (a group's input gradients, `collective_matmul.share`), computed
+    products ``(x_i, w_i)`` of the same rows and N (a group's input gradients, `collective_matmul.ops.share`), computed
     piece by piece with ``x @ w`` at every step of the ring: no concatenated copy of their operands; ``addend``
     (``[..., M, N]``) is added to this device's partial product before the sum."""
     pairs = ((x, w), *others)

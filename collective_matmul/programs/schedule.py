@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collective_matmul.bounds import OverlapVerdict
-from collective_matmul.discovery import is_product
-from collective_matmul.hlo import Module, parse_module
+from collective_matmul.programs.discovery import is_product
+from collective_matmul.programs.hlo import Module, parse_module
+from collective_matmul.wire.bounds import OverlapVerdict
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Override matching: a model's per-role decisions (from its step measurement) for the calls of those roles.
 
 The overrides of a model on one hardware are fetched once, from the bundle and then the server (the
-server's win).  A call's role matches an override's when the two agree (`collective_matmul.roles.agree`);
+server's win).  A call's role matches an override's when the two agree (`collective_matmul.programs.roles.agree`);
 each of the override's configs is checked against its problem: one that does not fit is skipped, noted
 on the call and warned about once, and the look-up decides that slot instead.  An override decided
 on another software stack is still applied, and noted so.
@@ -14,15 +14,15 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from collective_matmul import roles
-from collective_matmul.bundle import RoleOverride
-from collective_matmul.decomposition import OpConfigs
-from collective_matmul.lookup import override_note, whole_op
-from collective_matmul.problem import Hardware, Problem, Software
-from collective_matmul.sources import Lookup, Sources, WarnOnce
+from collective_matmul.client.sources import Lookup, Sources, WarnOnce
+from collective_matmul.planning.decomposition import OpConfigs
+from collective_matmul.planning.problem import Hardware, Problem, Software
+from collective_matmul.programs import roles
+from collective_matmul.wire.bundle import RoleOverride
+from collective_matmul.wire.lookup import override_note, whole_op
 
 if TYPE_CHECKING:
-    from collective_matmul.report import Record
+    from collective_matmul.client.report import Record
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Overrides:
     def answers(self, role: str | None, call: tuple, hardware: Hardware, problems: dict[str, Problem],
                 notes: list[str], record: Record) -> dict[str, Lookup]:
         """Each slot's answer to one call: ``role``'s override where its config fits (`decide`), else the look-up
-        (`collective_matmul.sources.Sources.answer`), once per ``call`` and slot of ``record``."""
+        (`collective_matmul.client.sources.Sources.answer`), once per ``call`` and slot of ``record``."""
         decided, skipped = self.decide(role, hardware, problems, notes, record.matched) if role else ({}, set())
         found = {}
         for slot, problem in problems.items():

@@ -1,23 +1,25 @@
 """Where `Tuned` gets configs: a cmtune service over HTTP, a bundle file, and the look-up order over them.
 
 A source answers one problem on one hardware for one software stack with a `Lookup` (or None), and
-lists a model's per-role overrides.  `ServiceSource` asks a server through `collective_matmul.api`:
+lists a model's per-role overrides.  `ServiceSource` asks a server through `collective_matmul.client.rest`:
 a server that is down or errs is reported by one warning (`WarnOnce`) and answers nothing, so the
 training step goes on.  `BundleSource` answers from a bundle file, indexed once per hardware.
-`Sources` asks both in the look-up order of `collective_matmul.lookup` (measured answers first, the
+`Sources` asks both in the look-up order of `collective_matmul.wire.lookup` (measured answers first, the
 server's before the bundle's at the same match; then the baseline, or the cost model where the
-client asked for it) and keeps each answer for the process.  Nothing here imports JAX.
+client asked for it) and keeps each answer for the process.  `ConfigSource` is what the block and the
+drop-ins call on any source of configs.  Nothing here imports JAX.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from collective_matmul.bundle import Bundle, RoleOverride, TunedConfig
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.lookup import (
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, Software
+from collective_matmul.wire.bundle import Bundle, RoleOverride, TunedConfig
+from collective_matmul.wire.lookup import (
     MATCHES,
     MEASURED,
     Unmeasured,
@@ -28,12 +30,45 @@ from collective_matmul.lookup import (
     untuned,
     weight_gradient,
 )
-from collective_matmul.problem import Hardware, Problem, Software
 
 if TYPE_CHECKING:
-    from collective_matmul.api import ApiClient
+    from jax.sharding import Mesh
+
+    from collective_matmul.client.rest import ApiClient
+    from collective_matmul.ops.collective import BatchAxis
+    from collective_matmul.planning.decomposition import OpConfigs
 
 MAX_LOOKUPS = 1 << 16  # answers kept per client (a bounded in-process cache)
+
+
+@runtime_checkable
+class ConfigSource(Protocol):
+    """What the block and the Flax drop-in (`collective_matmul.client.flax`) call on a source of configs, at trace time.
+
+    Implemented by `FixedConfigs`, `AS_WRITTEN` and `collective_matmul.Tuned` (and its step variants).
+    """
+
+    def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
+                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
+        """The forward, ``grad_input`` and ``grad_weight`` configs of one op call.
+
+        Args:
+            role: the call's role: one of `ROLES` in the block; a Flax module path, named scope or
+                source location in the drop-in; None where the call has none.
+            collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
+            x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`: the shapes matter).
+            mesh, axis, batch_axis: as for the op.
+            source: ``file:line`` of the call (the drop-in gives it), for a report of the calls.
+            via: how the call came: ``op`` (the block, `Tuned`'s ops) or ``dot_general`` (the drop-in).
+
+        Raises:
+            ValueError: if the call does not fit ``collective`` (a source may check it).
+        """
+        ...
+
+    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+        """A call the drop-in ran as plain ``lax.dot_general``: ``reason`` says why, ``source`` is its ``file:line``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +114,7 @@ class ServiceSource:
     @property
     def api(self) -> ApiClient:
         if self._api is None:
-            from collective_matmul.api import ApiClient
+            from collective_matmul.client.rest import ApiClient
 
             self._api = ApiClient(self.server, self.token, timeout=self.timeout_s)
         return self._api
@@ -102,7 +137,7 @@ class ServiceSource:
             return []
 
     def _lost(self, exc: Exception) -> None:
-        from collective_matmul.api import ApiError
+        from collective_matmul.client.rest import ApiError
 
         why = str(exc) if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         self.warn("server", f"cmtune server {self.server} unavailable ({why}); falling back to the bundle, then "
@@ -120,7 +155,7 @@ class BundleSource:
 
     def __init__(self, bundle: Bundle):
         self.bundle = bundle
-        # hardware key -> problem key -> its configs, one per stack (`collective_matmul.lookup.by_problem`)
+        # hardware key -> problem key -> its configs, one per stack (`collective_matmul.wire.lookup.by_problem`)
         self._index: dict[str, dict[str, list[TunedConfig]]] = {}
 
     def answer(self, problem: Problem, hardware: Hardware, software: Software | None = None) -> Lookup | None:
@@ -144,12 +179,12 @@ class BundleSource:
 
 
 class Sources:
-    """A client's sources asked in the look-up order (`collective_matmul.lookup`), each answer kept per process.
+    """A client's sources asked in the look-up order (`collective_matmul.wire.lookup`), each answer kept per process.
 
     Args:
         service: the server's answers (optional).
         bundle: a bundle's answers (optional).
-        unmeasured: what answers where nothing measured does (`collective_matmul.lookup.untuned`): ``baseline``
+        unmeasured: what answers where nothing measured does (`collective_matmul.wire.lookup.untuned`): ``baseline``
             or ``costmodel``.
 
     Raises:
@@ -174,7 +209,7 @@ class Sources:
         return found
 
     def answer(self, slot: str, problem: Problem, hardware: Hardware) -> Lookup:
-        """`lookup`, and for a ``grad_weight`` slot what `collective_matmul.lookup.weight_gradient` makes of it."""
+        """`lookup`, and for a ``grad_weight`` slot what `collective_matmul.wire.lookup.weight_gradient` makes of it."""
         found = self.lookup(problem, hardware)
         if slot != "grad_weight":
             return found
@@ -182,7 +217,7 @@ class Sources:
 
     def _resolve(self, problem: Problem, hardware: Hardware, software: Software | None) -> Lookup:
         """The first answer in the look-up order: the measured ones (the server's first at the same match),
-        then `collective_matmul.lookup.untuned`'s, which says why."""
+        then `collective_matmul.wire.lookup.untuned`'s, which says why."""
         measured = [a for a in (s.answer(problem, hardware, software) for s in (self.service, self.bundle)
                                 if s is not None)
                     if a is not None and a.match in MEASURED and problem.accepts(a.decomposition)]

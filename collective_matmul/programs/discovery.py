@@ -11,15 +11,15 @@ will do), takes the module as XLA's SPMD partitioner left it, and `scan` finds i
 - in the backward, the dots of the same role: its input gradient (a dot with the forward's weight
   as an operand) and its weight gradient (a dot of two activations, contracting the rows, whose
   result has the weight's shape).  Their problems come from the one rule of
-  `collective_matmul.models.slot_problems`, applied to the forward call.
+  `collective_matmul.planning.models.slot_problems`, applied to the forward call.
 
-Each problem gets its slot, its role (`collective_matmul.roles`) and how often it runs per step
+Each problem gets its slot, its role (`collective_matmul.programs.roles`) and how often it runs per step
 (a ``scan`` over layers counts its trip count; remat's recomputation is not counted again).
 Gathers that feed no activation × weight product (attention's K/V, FSDP weight gathers) and
 all-reduces that are not scattered are listed as skipped, with the reason.  The asynchronous
 ``all-gather-start`` / ``-done`` pairs of accelerator backends are read too.
 
-Global sizes follow the sequence-parallel layout the ops use (`collective_matmul.ops`): m is the
+Global sizes follow the sequence-parallel layout the ops use (`collective_matmul.ops.collective`): m is the
 rows one ring sees (the batch of one data shard times the sequence), k and n the full matmul.
 """
 
@@ -37,9 +37,9 @@ from unittest import mock
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.hlo import EIGHT_BIT, Instruction, Module, parse_module
-from collective_matmul.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
-from collective_matmul.roles import group_label, label, source_of
+from collective_matmul.planning.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
+from collective_matmul.programs.hlo import EIGHT_BIT, Instruction, Module, parse_module
+from collective_matmul.programs.roles import group_label, label, source_of
 from collective_matmul.wire import StepProblem
 
 # Ops a value passes through unchanged on its way between a collective and a dot.
@@ -81,7 +81,7 @@ class Discovery(BaseModel):
     mesh: dict[str, int] = Field(default_factory=dict)
     groups: list[list[Role]] = Field(default_factory=list, description="the roles whose products read one gathered "
                                      "activation (q/k/v, gate/up), each group in the module's order: XLA gathers "
-                                     "once for them, and so does the drop-in (collective_matmul.share)")
+                                     "once for them, and so does the drop-in (collective_matmul.ops.share)")
     seen: dict[str, int] = Field(default_factory=dict, description="what the module read holds, per step: its matrix "
                                  "products ('products') and its collectives by opcode, so that an empty answer says "
                                  "what was looked at")
@@ -217,7 +217,7 @@ def _gathered_convolutions(module: Module, tally: _Tally) -> None:
 
 def _summed_input_gradient(roles: list[Role], tally: _Tally) -> StepProblem | None:
     """The input gradient of a group (the products of one gathered activation) as the drop-in runs it when it
-    shares the gather (`collective_matmul.share`): one reduce-scatter ring of the summed product, N the sum of
+    shares the gather (`collective_matmul.ops.share`): one reduce-scatter ring of the summed product, N the sum of
     the group's, listed under the group's label.  None where a member's backward or shapes do not allow it."""
     forwards = []
     for role in roles:
@@ -542,7 +542,7 @@ def _xla_loops(module: Module, axes: Mapping[str, set[frozenset[int]]] | None = 
     or ``_rs``): a ring of collective-permutes and partial products, with the problem each decomposes where
     its shapes say it (a gather: m = the rows of all steps, n = the local columns times the ring; a scatter:
     m = a step's rows times the ring, k = the local contraction times the ring)."""
-    from collective_matmul.problem import Problem
+    from collective_matmul.planning.problem import Problem
 
     loops = []
     for name, (times, _exact) in module.executions.items():
@@ -881,7 +881,7 @@ def discover(step, args: Sequence, mesh=None, *, kwargs: Mapping | None = None) 
     Returns:
         A `Discovery`: problems with slot, role and runs per step; skipped collectives and why; what XLA decomposes.
     """
-    from collective_matmul.xla_options import windowed_einsum
+    from collective_matmul.planning.xla_options import windowed_einsum
 
     text, note = partitioned_module(step, args, kwargs=kwargs)
     shape = {str(name): int(size) for name, size in mesh.shape.items()} if mesh is not None else None

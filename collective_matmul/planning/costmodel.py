@@ -1,5 +1,5 @@
 """Analytic cost model of the decompositions: orders and seeds the search, and answers a look-up nothing
-measured answers where the caller asks for it (`collective_matmul.lookup.untuned`).
+measured answers where the caller asks for it (`collective_matmul.wire.lookup.untuned`).
 
 The model, per problem on a ring of P devices:
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.decomposition import Decomposition
-from collective_matmul.problem import Hardware, Problem, resolved_accumulate, ring_hops
+from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Hardware, Problem, resolved_accumulate, ring_hops
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -200,7 +200,7 @@ def rank(problem: Problem, configs, profile: HardwareProfile) -> list[Decomposit
 
 def model_choice(problem: Problem, hardware: Hardware) -> Decomposition | None:
     """The model's favourite for ``problem`` on ``hardware``'s published profile (None: no profile)."""
-    from collective_matmul.space import candidates
+    from collective_matmul.planning.space import candidates
 
     profile = profile_for(hardware)
     return rank(problem, candidates(problem), profile)[0] if profile is not None else None

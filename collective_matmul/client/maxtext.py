@@ -2,7 +2,7 @@
 
 `step_spec` builds the step MaxText's ``train_compile`` builds, from MaxText's own config arguments::
 
-    from collective_matmul import maxtext as cm_maxtext
+    from collective_matmul.client import maxtext as cm_maxtext
 
     ARGV = ["model_name=default", "ici_tensor_sequence_parallelism=8", "scan_layers=false"]
 
@@ -47,7 +47,7 @@ def config(argv: Sequence[str], *, devices: Sequence | None = None, base_output_
     import jax
     from maxtext.configs import pyconfig
 
-    from collective_matmul.topology import compile_only
+    from collective_matmul.programs.topology import compile_only
 
     devices = list(devices) if devices is not None else jax.devices()
     base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
@@ -79,7 +79,7 @@ def step_spec(argv: Sequence[str], *, tuned=None, devices: Sequence | None = Non
     from maxtext.trainers.pre_train import train, train_compile
     from maxtext.utils import maxtext_utils, sharding
 
-    from collective_matmul.topology import compile_only
+    from collective_matmul.programs.topology import compile_only
 
     devices = list(devices) if devices is not None else jax.devices()
     abstract = compile_only(devices) if abstract is None else abstract
@@ -141,7 +141,7 @@ def tensor_names(rules, axis: str) -> tuple[str, ...]:
 def dense_layers(source=None, *, mesh=None, axis: str | None = None, tensor_names: Sequence[str] = ()):
     """Inside, every MaxText ``linears.DenseGeneral`` call runs under a name scope of its module path
     (``decoder/layers_0/self_attention/query``, which discovery reads as its role) and, given a config ``source``,
-    its product through cmtune's drop-in (`collective_matmul.flax.DotGeneral`, the layer's own ``kernel_axes``
+    its product through cmtune's drop-in (`collective_matmul.client.flax.DotGeneral`, the layer's own ``kernel_axes``
     telling column from row).
 
     The hook is MaxText 0.2.5's: ``DenseGeneral.__call__`` (the layer and its kernel axes) and the module function
@@ -157,7 +157,7 @@ def dense_layers(source=None, *, mesh=None, axis: str | None = None, tensor_name
     import jax
     from flax import nnx
 
-    from collective_matmul.flax import DotGeneral
+    from collective_matmul.client.flax import DotGeneral
 
     linears, models = _hooks()
     transformer_call, dense_call = models.Transformer.__call__, linears.DenseGeneral.__call__

@@ -12,12 +12,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from collective_matmul.decomposition import (
+from collective_matmul.planning.decomposition import (
     ALLGATHER_ACCUMULATE,
     REDUCE_SCATTER_ACCUMULATE,
     Decomposition,
 )
-from collective_matmul.text import as_label, label
+from collective_matmul.planning.text import as_label, label
 
 Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -289,7 +289,7 @@ def platform_version_of(text: str) -> str:
 class Software(BaseModel):
     """The software stack that compiles and runs a program: part of a tuned config's identity.
 
-    A config measured on one stack is ``stale`` on another (see `collective_matmul.lookup`).  `key` is
+    A config measured on one stack is ``stale`` on another (see `collective_matmul.wire.lookup`).  `key` is
     the short stable key the service stores configs under (tuned_configs.software_key).
     """
 
@@ -357,7 +357,7 @@ class Hardware(BaseModel):
     part of, where it is not the whole machine (None: the ring is the whole machine).  A worker of N devices
     tunes a ring of each size dividing N, all of that size at once (`rings`).
     ``jax_version``/``jaxlib_version`` and ``software`` travel with results but are not part of `key`
-    (a tuned config carries its stack beside its hardware: `collective_matmul.bundle.TunedConfig`).
+    (a tuned config carries its stack beside its hardware: `collective_matmul.wire.bundle.TunedConfig`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -406,9 +406,10 @@ class Hardware(BaseModel):
     def ring(self, size: int) -> Hardware:
         """The hardware of a ring of ``size`` of these devices (itself for ``size`` = `device_count`).
 
-        The rings lie as `collective_matmul.topology.mesh_of` lays the last axis of a mesh of ``(devices / size,
-        size)``: on neighbouring devices, so that the first spans the processes its devices fill when each process
-        holds an equal run of them (``ceil(size * process_count / device_count)``, what `detect` finds there).
+        The rings lie as `collective_matmul.programs.topology.mesh_of` lays the last axis of a mesh of
+        ``(devices / size, size)``: on neighbouring devices, so that the first spans the processes its devices fill
+        when each process holds an equal run of them (``ceil(size * process_count / device_count)``, what `detect`
+        finds there).
 
         Raises:
             ValueError: ``size`` does not divide `device_count`.
