@@ -48,7 +48,7 @@ def main() -> None:
     from collective_matmul import Decomposition, Problem
     from collective_matmul.planning.costmodel import profile_for
     from collective_matmul.planning.problem import Hardware
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     console = Console()
     devices = jax.local_devices()[:8]
@@ -66,7 +66,7 @@ def main() -> None:
             rings = [c for c in searcher.by_model if c.method == "ring"][:args.rings]
             configs = [Decomposition.baseline(), *([Decomposition.xla()] if platform in ("tpu", "gpu") else []),
                        *rings]
-            session = Session(problem, protocol=Protocol(repeats=args.repeats), mesh=ring_mesh(devices))
+            session = Session(problem, protocol=MeasurementProtocol(repeats=args.repeats), mesh=ring_mesh(devices))
             results = [session.measure(config) for config in configs]
             bounds = session.bounds()
             for record in [*results, bounds]:

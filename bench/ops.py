@@ -50,11 +50,11 @@ def run_mode(args) -> None:
         jax.config.update("jax_num_cpu_devices", 8)
     import jax
 
-    from cmtune.workers.measure import Protocol, Session
+    from cmtune.workers.measure import MeasurementProtocol, Session
     from cmtune.workers.sweep import sweep
     from collective_matmul import Problem
 
-    protocol = Protocol(repeats=args.repeats, warmup=args.warmup)
+    protocol = MeasurementProtocol(repeats=args.repeats, warmup=args.warmup)
     lines = []
     for spec in args.problems:
         problem = Problem.parse(spec)

@@ -75,9 +75,9 @@ class Replay:
 def replayed(recorded, problem, hardware, settings):
     """One study of ``problem`` to its end over the recorded measurements (the engine, an in-memory store)."""
     from cmtune.workers.local import LocalTuner
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
-    return LocalTuner(Replay(recorded)).tune(problem, hardware, settings, Protocol(repeats=1))
+    return LocalTuner(Replay(recorded)).tune(problem, hardware, settings, MeasurementProtocol(repeats=1))
 
 
 def trials_to_within(trials, best_ratio: float, tolerance: float = TOLERANCE) -> int:
@@ -131,12 +131,13 @@ def record(specs, args):
 
     jax.config.update("jax_num_cpu_devices", 8)
     from cmtune.workers.sweep import sweep
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     recorded, sweep_s = {}, {}
     for problem in specs:
         started = time.perf_counter()
-        recorded[problem.key] = {m.decomposition: m for m in sweep(problem, protocol=Protocol(repeats=args.repeats))}
+        recorded[problem.key] = {m.decomposition: m for m in sweep(problem,
+                                                                   protocol=MeasurementProtocol(repeats=args.repeats))}
         sweep_s[problem.key] = time.perf_counter() - started
         print(f"swept {problem.key} in {sweep_s[problem.key]:.0f} s", file=sys.stderr, flush=True)
     return recorded, sweep_s
@@ -244,7 +245,7 @@ def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:
     from cmtune.tuner.searching import study_settings
     from cmtune.tuner.warm import seeds
     from cmtune.workers.local import LocalTuner
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     out = {}
     for name in ("cold", "warm"):
@@ -253,7 +254,7 @@ def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:
             known = [k for k in (o.known() for o in outcomes) if k is not None]
             chosen = seeds(problem, hardware, known) if name == "warm" else ()
             settings = study_settings(problem, hardware, trials=DEMO_TRIALS, seeds=chosen).model_copy(update=rule)
-            outcomes.append(tuner.tune(problem, hardware, settings, Protocol(repeats=1)))
+            outcomes.append(tuner.tune(problem, hardware, settings, MeasurementProtocol(repeats=1)))
         out[name] = [dict(problem=o.study.problem.key, trials=len(o.search), stop=o.study.stop_reason,
                           tuned=o.tuned.decomposition.id if o.tuned else None, seeds=len(o.study.settings.seeds))
                      for o in outcomes]
@@ -263,12 +264,12 @@ def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:
 def live(problem, outcome, args) -> dict:
     """The tuned study's confirmation set timed again on the devices (15 interleaved runs): what a user gets."""
     from cmtune.workers.runner import LocalRunner
-    from collective_matmul.wire import Protocol, TrialKind, TrialTask
+    from collective_matmul.wire import MeasurementProtocol, TrialKind, TrialTask
 
     contenders = [c for c in outcome.trials if c.kind == TrialKind.CONFIRM]
     configs = list(contenders[-1].decompositions) if contenders else [outcome.tuned.decomposition]
     task = TrialTask(id=0, study_id=0, kind=TrialKind.CONFIRM, problem=problem, decomposition=None,
-                     decompositions=configs, protocol=Protocol(repeats=15))
+                     decompositions=configs, protocol=MeasurementProtocol(repeats=15))
     result = LocalRunner().run(task)  # a confirmation: its measurements, then the problem's bounds
     winner = min((m for m in result.measurements if m.ok), key=lambda m: m.ratio)
     return dict(tuned=winner.decomposition.id, tuned_speedup=1 / winner.ratio, tuned_speedup_iqr=winner.speedup_iqr)

@@ -38,7 +38,7 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     from cmtune.workers.measure import Session
     from collective_matmul import Decomposition, Problem
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     problem, ring = Problem.parse(args.problem), Decomposition.from_id(args.ring)
     session = Session(problem)
@@ -47,7 +47,7 @@ def main() -> None:
     for i in range(args.runs):
         order = ("one call", "K calls") if i % 2 == 0 else ("K calls", "one call")
         for name in order:
-            protocol = Protocol(repeats=args.repeats, warmup=3, calls=1 if name == "one call" else None)
+            protocol = MeasurementProtocol(repeats=args.repeats, warmup=3, calls=1 if name == "one call" else None)
             runs[name].append(session.measure(ring, protocol))
     overhead = session.overhead_s
     print(f"{time.strftime('%Y-%m-%d')}, {problem.key}: {args.ring} against the baseline on 8 virtual CPU devices, "

@@ -108,11 +108,11 @@ def block_session(block, repeats: int):
 
     from cmtune.workers.step import StepSession, step_layout
     from collective_matmul.planning.models import MeshSpec
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
     return layout, StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                               protocol=Protocol(repeats=repeats, warmup=2))
+                               protocol=MeasurementProtocol(repeats=repeats, warmup=2))
 
 
 def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, search: tuple[int, int]) -> None:

@@ -249,9 +249,9 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
     with ``decide``, the step search on it (`decide_user_step`)."""
     from cmtune.workers.cluster import Group
-    from cmtune.workers.userstep import AsWritten, Built, UserStepSession, step_variants
+    from cmtune.workers.userstep import Built, CompiledWith, UserStepSession, step_variants
     from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import Protocol, StepCalls
+    from collective_matmul.wire import MeasurementProtocol, StepCalls
 
     if decide and bundle is None:
         raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
@@ -270,7 +270,8 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     with spec_errors():
         reference = Built.of(fn, None, spec=str(ref))
         session = UserStepSession(fn, reference, model=model, spec=str(ref),
-                                  protocol=Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout))
+                                  protocol=MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed,
+                                                               timeout_s=timeout))
         traced = session.built(tuned)
     message = None
     if group.leader:
@@ -299,7 +300,7 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     else:
         platform = reference.mesh.devices.flat[0].platform
         variants = step_variants(tuned, platform, shared=message.shared)
-        if not any(isinstance(source, AsWritten) for source in variants.values()):
+        if not any(isinstance(source, CompiledWith) for source in variants.values()):
             say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
         say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
         result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))

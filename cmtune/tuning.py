@@ -114,10 +114,10 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
     from cmtune.workers.measure import Session
     from cmtune.workers.sweep import sweep
     from collective_matmul.planning.space import candidates
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     leader = jax.process_index() == 0
-    protocol = Protocol(repeats=repeats, warmup=warmup)
+    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup)
     session = Session(problem, protocol=protocol)
     with Progress(console=console, transient=True, disable=not leader) as progress:
         task = progress.add_task(f"timing {problem.key}", total=len(candidates(problem)) + 1)
@@ -240,7 +240,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
     from cmtune.workers.measure import ring_mesh
     from cmtune.workers.runner import LocalRunner, follow
     from collective_matmul.planning.models import ring_hardware
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
     from collective_matmul.wire.bundle import Bundle
 
     if mesh is None and jax.device_count() % ring:
@@ -268,7 +268,7 @@ def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol,
                                           sampler=sampler, seed=seed, seeds=warm)
                 bar = progress.add_task(problem.key, total=min(settings.max_trials, len(candidates_of(problem))) + 1)
                 tuner.on_trial = lambda _trial, bar=bar: progress.advance(bar)
-                outcomes.append(tuner.tune(problem, hardware, settings, Protocol(**protocol)))
+                outcomes.append(tuner.tune(problem, hardware, settings, MeasurementProtocol(**protocol)))
                 progress.update(bar, completed=progress.tasks[bar].total)
         finally:
             tuner.stop()
@@ -455,7 +455,7 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     from cmtune.workers.step import StepSession, standard_variants, step_layout
     from collective_matmul.block import configs_per_role
     from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import BlockConfigs, Protocol, Resolved
+    from collective_matmul.wire import BlockConfigs, MeasurementProtocol, Resolved
 
     started = time.monotonic()
     try:
@@ -483,7 +483,7 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
         f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
         f"{jax.process_count()} process(es)")
     say(roles_table(message.resolved, title="configs per role"))
-    protocol = Protocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
+    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
                           protocol=protocol)
     if search is not None:

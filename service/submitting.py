@@ -26,7 +26,7 @@ from cmtune.tuner.warm import nearest_seeds
 from collective_matmul.planning.models import PRESETS, MeshSpec, TransformerBlock, model_problems, slot_label
 from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.planning.space import has_ring, no_ring_reason
-from collective_matmul.wire import Protocol, Seed, Skipped, StudyCreate, StudyCreated, StudyState
+from collective_matmul.wire import MeasurementProtocol, Seed, Skipped, StudyCreate, StudyCreated, StudyState
 
 if TYPE_CHECKING:
     from cmtune.service.store import SqlTx
@@ -152,7 +152,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
                                       patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
                                       confirm_top=body.confirm_top,
                                       seeds=_seeds(tx, problem, ring, shapes) if body.warm_start else ())
-            protocol = Protocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
+            protocol = MeasurementProtocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
             study = engine.create_study(tx, problem=problem, hardware=ring, settings=settings, protocol=protocol,
                                         now=now)
             created.append(study)
@@ -165,7 +165,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
     if model is not None and body.step.measure:  # a user's step is measured where it runs (cmtune verify)
         created.append(engine.create_step_study(
             tx, block=model, mesh=mesh, hardware=step_hardware, depends_on=depends_on, now=now,
-            protocol=Protocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
+            protocol=MeasurementProtocol(repeats=body.step.repeats, seed=body.seed, timeout_s=body.timeout_s),
             submission_id=submission_id, ablation=body.step.ablation, search_rounds=body.step.search_rounds,
             round_variants=body.step.round_variants))
     return StudyCreated(studies=studies_public(tx, created), submission_id=submission_id, skipped=skipped)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import Protocol as TypingProtocol
+from typing import Protocol
 
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.search import SearchSettings
@@ -38,7 +38,7 @@ from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     STEP_ROUND_VARIANTS,
     STEP_SEARCH_ROUNDS,
-    Protocol,
+    MeasurementProtocol,
     Status,
     StudyKind,
     StudyState,
@@ -52,7 +52,7 @@ from collective_matmul.wire.bundle import TunedConfig
 S, T = StudyState, TrialState
 
 
-class Part(TypingProtocol):
+class Part(Protocol):
     """One kind of study's part of the lifecycle: what the engine dispatches to (`part_of`).  ``study`` is
     locked by the caller's transaction and active unless said otherwise."""
 
@@ -103,7 +103,7 @@ class Engine:
     # -- creating ---------------------------------------------------------------------------
 
     def create_study(self, tx: StoreTx, *, problem: Problem, hardware: Hardware, settings: SearchSettings,
-                     protocol: Protocol, now: dt.datetime) -> StudyRecord:
+                     protocol: MeasurementProtocol, now: dt.datetime) -> StudyRecord:
         """A new search study with its first proposals queued.
 
         Raises:
@@ -127,7 +127,7 @@ class Engine:
                                                                  study_id=study_id)
 
     def create_step_study(self, tx: StoreTx, *, block: TransformerBlock, mesh: MeshSpec, hardware: Hardware,
-                          depends_on: Sequence[int], protocol: Protocol, now: dt.datetime,
+                          depends_on: Sequence[int], protocol: MeasurementProtocol, now: dt.datetime,
                           submission_id: int | None = None, ablation: bool = True,
                           search_rounds: int = STEP_SEARCH_ROUNDS, round_variants: int = STEP_ROUND_VARIANTS,
                           software: Software | None = None) -> StudyRecord:

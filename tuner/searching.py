@@ -55,7 +55,7 @@ from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     Reconfirmation,
     SearchResult,
     Seed,
@@ -137,7 +137,7 @@ class Searching:
         self.ready = ready
 
     def create(self, tx: StoreTx, *, problem: Problem, hardware: Hardware, settings: SearchSettings,
-               protocol: Protocol, now: dt.datetime) -> StudyRecord:
+               protocol: MeasurementProtocol, now: dt.datetime) -> StudyRecord:
         """A new study with its first proposals queued (`Engine.create_study`)."""
         if not has_ring(problem):
             raise InvalidError(f"{problem.key}: nothing to tune: {no_ring_reason(problem)}")
@@ -166,7 +166,7 @@ class Searching:
             raise InvalidError(f"{problem.key}: nothing to re-confirm: {no_ring_reason(problem)}")
         origin = tx.study(study_id) if study_id is not None else None
         settings = origin.settings if origin is not None else study_settings(problem, hardware)
-        protocol = origin.protocol if origin is not None else Protocol()
+        protocol = origin.protocol if origin is not None else MeasurementProtocol()
         winner = config.decomposition
         runner_up = _runner_up(tx, origin, winner) if origin is not None else None
         contenders = [Decomposition.baseline(),

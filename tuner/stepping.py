@@ -34,7 +34,7 @@ from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     STEP_ROUND_VARIANTS,
     STEP_SEARCH_ROUNDS,
-    Protocol,
+    MeasurementProtocol,
     Status,
     StepChoice,
     StepMeasurement,
@@ -58,7 +58,8 @@ class Stepping:
     """The step study's part of the lifecycle (the engine dispatches a study of kind ``step`` here)."""
 
     def create(self, tx: StoreTx, *, block: TransformerBlock, mesh: MeshSpec, hardware: Hardware,
-               depends_on: Sequence[int], protocol: Protocol, now: dt.datetime, submission_id: int | None = None,
+               depends_on: Sequence[int], protocol: MeasurementProtocol, now: dt.datetime,
+               submission_id: int | None = None,
                ablation: bool = True, search_rounds: int = STEP_SEARCH_ROUNDS,
                round_variants: int = STEP_ROUND_VARIANTS, software: Software | None = None) -> StudyRecord:
         """A new step study, its first trial queued if its search studies are final (`Engine.create_step_study`)."""

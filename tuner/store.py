@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Protocol as TypingProtocol
+from typing import Protocol
 
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
@@ -25,7 +25,7 @@ from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     Reconfirmation,
     Status,
     StepChoice,
@@ -98,7 +98,7 @@ class StudyRecord:
     problem: Problem | None  # None for a step study
     hardware: Hardware
     settings: SearchSettings
-    protocol: Protocol
+    protocol: MeasurementProtocol
     space_size: int
     state: StudyState
     created_at: dt.datetime
@@ -152,11 +152,11 @@ class TrialRecord:
         return self.decomposition.id if self.kind == TrialKind.SEARCH else f"confirm:{len(self.decompositions)}"
 
 
-class StoreTx(TypingProtocol):
+class StoreTx(Protocol):
     """One transaction of a store: what the engine reads and writes."""
 
     def add_study(self, *, problem: Problem | None, hardware: Hardware, settings: SearchSettings,
-                  protocol: Protocol, space_size: int, now: dt.datetime, kind: StudyKind = StudyKind.SEARCH,
+                  protocol: MeasurementProtocol, space_size: int, now: dt.datetime, kind: StudyKind = StudyKind.SEARCH,
                   step: StepSpec | None = None, submission_id: int | None = None, software: Software | None = None,
                   reconfirm: Reconfirmation | None = None) -> StudyRecord: ...
 
@@ -245,7 +245,7 @@ def refuse_state(changes: dict) -> dict:
     return changes
 
 
-class Store(TypingProtocol):
+class Store(Protocol):
     def transaction(self, *, write: bool = False) -> AbstractContextManager[StoreTx]: ...
 
 

@@ -22,10 +22,10 @@ from jax.sharding import PartitionSpec as P
 from cmtune.workers.measure import (
     classify_failure,
     compiled_memory,
+    compiler_options_of,
     default_program,
     error_message,
     operand_shapes,
-    xla_options,
 )
 from collective_matmul.ops.collective import input_shardings
 from collective_matmul.planning.decomposition import Decomposition
@@ -61,7 +61,7 @@ class CompileSession:
         except ValueError as exc:
             return CompiledCandidate(**record, status="compile_error", message=f"invalid decomposition: {exc}")
         return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis),
-                              xla_options(config, self.mesh) or {})
+                              compiler_options_of(config, self.mesh) or {})
 
     def as_written(self, windowed: str | None = None) -> CompiledCandidate:
         """The product as a user writes it (a plain ``jnp`` product, GSPMD placing the collective), with XLA's

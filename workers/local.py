@@ -14,7 +14,7 @@ from cmtune.tuner.store import InMemoryStore, StudyRecord, TrialRecord, utcnow
 from cmtune.tuner.warm import Known, best_ring
 from cmtune.workers.runner import Runner, Watchdog
 from collective_matmul.planning.problem import Hardware, Problem
-from collective_matmul.wire import GroupMessage, Protocol, TrialKind
+from collective_matmul.wire import GroupMessage, MeasurementProtocol, TrialKind
 from collective_matmul.wire.bundle import TunedConfig
 
 
@@ -54,7 +54,8 @@ class LocalTuner:
         self.engine = engine or Engine(ready=1)
         self.store = InMemoryStore()
 
-    def tune(self, problem: Problem, hardware: Hardware, settings: SearchSettings, protocol: Protocol) -> Outcome:
+    def tune(self, problem: Problem, hardware: Hardware, settings: SearchSettings,
+             protocol: MeasurementProtocol) -> Outcome:
         """Run one study to its end; returns the study, its trials and its tuned config."""
         with self.store.transaction(write=True) as tx:
             study = self.engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,

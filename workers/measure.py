@@ -41,7 +41,7 @@ from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.planning.text import as_message
 from collective_matmul.programs.schedule import overlap
 from collective_matmul.programs.topology import mesh_of
-from collective_matmul.wire import BoundsMeasurement, Measurement, Protocol, Status, Timing, quartiles
+from collective_matmul.wire import BoundsMeasurement, Measurement, MeasurementProtocol, Status, Timing, quartiles
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
 RING_AXIS = "ring"
@@ -157,7 +157,8 @@ def ring_mesh_of(devices, ring: int, *, axis_types: AxisType = AxisType.Auto) ->
     return mesh_of(devices, (len(devices) // ring, ring), (RINGS_AXIS, RING_AXIS), axis_types=axis_types)
 
 
-def failure(problem: Problem, config: Decomposition, protocol: Protocol, status: Status, message: str) -> Measurement:
+def failure(problem: Problem, config: Decomposition, protocol: MeasurementProtocol, status: Status,
+            message: str) -> Measurement:
     """The record of a candidate that could not be timed (on the hardware of its rings here, where they fit)."""
     try:
         hardware = ring_hardware(ring_mesh(None, problem.axis_size), RING_AXIS)
@@ -229,7 +230,7 @@ class Session:
         self,
         problem: Problem,
         *,
-        protocol: Protocol = Protocol(),
+        protocol: MeasurementProtocol = MeasurementProtocol(),
         mesh: Mesh | None = None,
         axis: str | None = None,
         devices=None,
@@ -263,11 +264,12 @@ class Session:
     def _compile(self, config: Decomposition):
         program = self.build(self.problem, config, self.mesh, self.axis)
         start = time.perf_counter()
-        compiled = jax.jit(program).lower(self.x, self.w).compile(compiler_options=xla_options(config, self.mesh))
+        options = compiler_options_of(config, self.mesh)
+        compiled = jax.jit(program).lower(self.x, self.w).compile(compiler_options=options)
         seconds = time.perf_counter() - start
         return compiled, seconds, compiled_memory(compiled)
 
-    def measure(self, config: Decomposition, protocol: Protocol | None = None) -> Measurement:
+    def measure(self, config: Decomposition, protocol: MeasurementProtocol | None = None) -> Measurement:
         """Run the protocol for ``config``; failures come back as a `Measurement` status.
 
         ``protocol`` may change the warm-up, repeats and timeout (not the seed: the inputs are
@@ -319,7 +321,7 @@ class Session:
             ratio_iqr=q3 - q1,
         )
 
-    def _time_pair(self, compiled, started: float, protocol: Protocol
+    def _time_pair(self, compiled, started: float, protocol: MeasurementProtocol
                    ) -> tuple[list[float], list[float], bool, int]:
         (cand, base), timed_out, calls = _time_rounds([lambda: compiled(self.x, self.w), self._run_baseline],
                                                       started, protocol, self.mesh, lambda: self.overhead_s)
@@ -334,7 +336,7 @@ class Session:
     def _run_baseline(self) -> jax.Array:
         return self._baseline_program(self.x, self.w)
 
-    def bounds(self, protocol: Protocol | None = None) -> BoundsMeasurement:
+    def bounds(self, protocol: MeasurementProtocol | None = None) -> BoundsMeasurement:
         """Time the problem's bounds (`bound_programs`): compute, communication and the baseline in turn, each
         round, by the protocol; failures come back as the record's status.
 
@@ -409,7 +411,7 @@ def _trivial(mesh: Mesh):
     return jax.jit(lambda: jnp.zeros((mesh.size,), jnp.float32), out_shardings=NamedSharding(mesh, P(axes)))
 
 
-def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: Protocol, mesh: Mesh,
+def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: MeasurementProtocol, mesh: Mesh,
                  overhead: Callable[[], float]) -> tuple[list[list[float]], bool, int]:
     """Warm up, then each of ``runs`` in turn per round (a barrier before each sample, `block_until_ready` after
     its last call); the per-call samples of each (the slowest process's), whether the timeout stopped the rounds
@@ -444,12 +446,13 @@ def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: 
     return [slowest_process(s) for s in samples], timed_out, calls
 
 
-def measure(problem: Problem, config: Decomposition, protocol: Protocol = Protocol()) -> Measurement:
+def measure(problem: Problem, config: Decomposition,
+            protocol: MeasurementProtocol = MeasurementProtocol()) -> Measurement:
     """Measure one candidate on all devices, as rings of its size (a one-off `Session`)."""
     return Session(problem, protocol=protocol).measure(config)
 
 
-def xla_options(config: Decomposition, mesh: Mesh) -> dict | None:
+def compiler_options_of(config: Decomposition, mesh: Mesh) -> dict | None:
     """The compile options ``config`` needs: XLA's windowed einsum on for ``method="xla"`` (None otherwise, and on a
     backend without one)."""
     if config.method != "xla":

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Protocol as TypingProtocol
+from typing import Protocol
 
 from cmtune.workers.cluster import EXIT_HUNG
 from collective_matmul.planning.problem import Problem
@@ -21,7 +21,7 @@ from collective_matmul.planning.text import as_message
 from collective_matmul.wire import (
     BoundsMeasurement,
     GroupMessage,
-    Protocol,
+    MeasurementProtocol,
     Status,
     StepResult,
     TrialKind,
@@ -31,7 +31,7 @@ from collective_matmul.wire import (
 )
 
 
-class Runner(TypingProtocol):
+class Runner(Protocol):
     def run(self, task: TrialTask) -> TrialResult:
         """Time every decomposition of ``task`` (a confirmation: then the problem's bounds too), or its step;
         failures come back as measurement statuses."""
@@ -56,7 +56,7 @@ class LocalRunner:
         self._session_kwargs = session_kwargs
         self._memory: int | None = None
 
-    def session(self, problem: Problem, protocol: Protocol):
+    def session(self, problem: Problem, protocol: MeasurementProtocol):
         from cmtune.workers.measure import Session
 
         key = (problem.key, protocol.seed)

@@ -38,7 +38,7 @@ from cmtune.workers.stepmeasure import MeasurementSession
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.planning.models import MeshSpec, TransformerBlock
 from collective_matmul.planning.problem import Hardware
-from collective_matmul.wire import ChosenVariant, Protocol, Status, StepMeasurement, StepVariant
+from collective_matmul.wire import ChosenVariant, MeasurementProtocol, Status, StepMeasurement, StepVariant
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -287,7 +287,7 @@ class StepSession(MeasurementSession):
     not_checked = "not checked: the reference variant {reference!r} failed"
 
     def __init__(self, block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,
-                 protocol: Protocol = Protocol(), lr: float = 1e-3):
+                 protocol: MeasurementProtocol = MeasurementProtocol(), lr: float = 1e-3):
         import jax
         import jax.numpy as jnp
 
@@ -319,7 +319,7 @@ class StepSession(MeasurementSession):
             return []
         return [self.batch_axis] if isinstance(self.batch_axis, str) else list(self.batch_axis)
 
-    def measure(self, variants: Mapping, *, reference: str = REFERENCE, protocol: Protocol | None = None,
+    def measure(self, variants: Mapping, *, reference: str = REFERENCE, protocol: MeasurementProtocol | None = None,
                 on_event: Callable[[str], None] | None = None) -> StepMeasurement:
         """Run the protocol for every variant; failures come back as variant statuses.
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from collective_matmul.planning.decomposition import OpConfigs
-from collective_matmul.wire import Protocol, Status, StepVariant, Timing, quartiles
+from collective_matmul.wire import MeasurementProtocol, Status, StepVariant, Timing, quartiles
 
 MAX_COMPILED = 32  # compiled step programs a session keeps
 
@@ -87,7 +87,7 @@ class MeasurementSession:
 
     # ---- the protocol ----------------------------------------------------------------------------
 
-    def measure_variants(self, variants: Mapping, *, reference: str, protocol: Protocol,
+    def measure_variants(self, variants: Mapping, *, reference: str, protocol: MeasurementProtocol,
                          on_event: Callable[[str], None] | None = None) -> list[StepVariant]:
         """Run the protocol for every variant (name -> config source), in the order given.
 
@@ -199,7 +199,7 @@ def _agreed(ok: bool, record: dict) -> bool:
 
 
 def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,
-               protocol: Protocol, say: Callable[[str], None]) -> None:
+               protocol: MeasurementProtocol, say: Callable[[str], None]) -> None:
     """Warm up, then call each of ``runs`` once a round, each round in its own order (one synchronised step per
     call); fill in the records.
 

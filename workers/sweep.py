@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterable
 from cmtune.workers.measure import Session
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.space import candidates
-from collective_matmul.wire import Measurement, Protocol
+from collective_matmul.wire import Measurement, MeasurementProtocol
 
 
 def sweep(
     problem: Problem,
     *,
-    protocol: Protocol = Protocol(),
+    protocol: MeasurementProtocol = MeasurementProtocol(),
     configs: Iterable[Decomposition] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
     session: Session | None = None,

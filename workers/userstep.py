@@ -44,7 +44,7 @@ from pathlib import Path
 from cmtune.tuner.variants import REFERENCE
 from cmtune.workers.stepmeasure import MeasurementSession
 from collective_matmul.planning.decomposition import OpConfigs
-from collective_matmul.wire import Protocol, Status, StepMeasurement
+from collective_matmul.wire import MeasurementProtocol, Status, StepMeasurement
 
 # The share of an updated leaf's elements that may miss the reference's update.  An optimizer that
 # normalises the gradient (Adam: g / (|g| + eps)) turns float rounding in a gradient near eps into a
@@ -207,7 +207,7 @@ def pair_outputs(args: tuple, outputs) -> dict[int, int]:
 
 
 @dataclass(frozen=True, eq=False)
-class AsWritten:
+class CompiledWith:
     """The step as written, compiled with XLA ``options`` (a variant's config source)."""
 
     options: Mapping[str, object]
@@ -222,7 +222,7 @@ def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -
     them (`cmtune.steps.decide_user_step`)."""
     from collective_matmul.planning.xla_options import windowed_einsum
 
-    einsum = {f"as-written-windowed-einsum-{s}": AsWritten(windowed_einsum(platform, s)) for s in ("off", "on")
+    einsum = {f"as-written-windowed-einsum-{s}": CompiledWith(windowed_einsum(platform, s)) for s in ("off", "on")
               if platform and windowed_einsum(platform, s) is not None}
     variants = {REFERENCE: None, **einsum, "baseline": tuned.variant("baseline", lambda role, c: OpConfigs()),
                 "tuned": tuned}
@@ -257,7 +257,8 @@ class UserStepSession(MeasurementSession):
         SpecError: if an argument is abstract (verify needs NAME's own initialisation).
     """
 
-    def __init__(self, fn: Callable, reference: Built, *, model: str, protocol: Protocol = Protocol(),
+    def __init__(self, fn: Callable, reference: Built, *, model: str,
+                 protocol: MeasurementProtocol = MeasurementProtocol(),
                  spec: str = "NAME"):
         import jax
 
@@ -300,18 +301,18 @@ class UserStepSession(MeasurementSession):
                                reference=reference, variants=results)
 
     def _lowering(self, source) -> Callable[[], object]:
-        """NAME with the variant's source (the step as written for None or `AsWritten`)."""
-        as_written = source is None or isinstance(source, AsWritten)
+        """NAME with the variant's source (the step as written for None or `CompiledWith`)."""
+        as_written = source is None or isinstance(source, CompiledWith)
         step = self.reference.step if as_written else self.built(source).step
         self._built.pop(id(source), None)
         return lambda: step.lower(*self.args)
 
     def _compiler_options(self, source) -> Mapping[str, object] | None:
-        return source.options if isinstance(source, AsWritten) else None
+        return source.options if isinstance(source, CompiledWith) else None
 
     def _used(self, source) -> dict[str, OpConfigs]:
         # a `Tuned` client or one of its variants; the step as written uses none
-        per_role = source.per_role() if source is not None and not isinstance(source, AsWritten) else {}
+        per_role = source.per_role() if source is not None and not isinstance(source, CompiledWith) else {}
         return {role: configs[0] for role, configs in per_role.items() if configs}
 
     def _check_run(self, executable, record: dict, expected):

@@ -25,20 +25,21 @@ rows one ring sees (the batch of one data shard times the sequence), k and n the
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.planning.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
-from collective_matmul.programs.hlo import EIGHT_BIT, Instruction, Module, parse_module
+from collective_matmul.programs.hlo import EIGHT_BIT, Computation, Instruction, Module, parse_module
 from collective_matmul.programs.roles import group_label, label, source_of
 from collective_matmul.wire import StepProblem
 
@@ -106,8 +107,18 @@ class _Scattered:
 
 
 @dataclass
+class _Seen:
+    """A forward problem of one role: its slots' problems, how often a step runs it, its mesh axis and source."""
+
+    slots: dict
+    count: int
+    axis: str | None
+    source: str
+
+
+@dataclass
 class _Tally:
-    problems: dict[tuple, list] = field(default_factory=dict)  # (role, key) -> [slot problems, count, axis, source]
+    problems: dict[tuple, _Seen] = field(default_factory=dict)  # (role, forward problem key) -> what was seen
     skipped: dict[tuple, int] = field(default_factory=dict)
     backward: dict[str, set[str]] = field(default_factory=dict)  # role -> slots its backward computes
     weights: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # role -> forward weight shapes
@@ -117,6 +128,22 @@ class _Tally:
         """Count a collective not decomposed, ``times`` per step, under its role and reason."""
         key = (role, what, reason)
         self.skipped[key] = self.skipped.get(key, 0) + times
+
+    def found(self, role: str, slots: dict, times: int, axis: str | None, source: str) -> None:
+        """Count a forward collective matmul of ``role`` (its slots' problems), ``times`` per step."""
+        key = (role, slots["forward"].key)
+        if key in self.problems:
+            self.problems[key].count += times
+        else:
+            self.problems[key] = _Seen(slots, times, axis, source)
+
+    def read(self, role: str, module: Module, computation: str, gather: Instruction) -> None:
+        """``role`` reads the activation ``gather`` gathers (one all-gather, or several of one value before XLA
+        merges them): the readers of one are a group."""
+        readers = self.gathers.setdefault((computation, gather.operands, gather.ints("dimensions"),
+                                           tuple(gather.replica_groups(module.num_partitions) or ())), [])
+        if role not in readers:
+            readers.append(role)
 
 
 def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discovery:
@@ -150,21 +177,18 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
             warnings.append(f"{loop.what}: XLA's windowed einsum, whose problem could not be read ({loop.reason}); "
                             "compile the step with XLA's windowed einsum off to list it")
             continue
-        key = (loop.role, loop.problem.key)
-        if key in tally.problems:
-            tally.problems[key][1] += loop.times
-        else:
-            slots = slot_problems(loop.problem.collective, m=loop.problem.m, k=loop.problem.k, n=loop.problem.n,
-                                  dtype=loop.problem.dtype, axis_size=loop.problem.axis_size)
-            tally.problems[key] = [slots, loop.times, loop.axis, loop.source]
+        problem = loop.problem
+        tally.found(loop.role, slot_problems(problem.collective, m=problem.m, k=problem.k, n=problem.n,
+                                             dtype=problem.dtype, axis_size=problem.axis_size),
+                    loop.times, loop.axis, loop.source)
     problems = []
     shapes_per_role: dict[str, set[str]] = {}
-    for (role, key), (slots, count, axis, source) in tally.problems.items():
+    for (role, key), seen in tally.problems.items():
         shapes_per_role.setdefault(role, set()).add(key)
         for slot in SLOTS:
             if slot == "forward" or slot in tally.backward.get(role, ()):
-                problems.append(StepProblem(role=role, slot=slot, problem=slots[slot], count=count, axis=axis,
-                                            source=source))
+                problems.append(StepProblem(role=role, slot=slot, problem=seen.slots[slot], count=seen.count,
+                                            axis=seen.axis, source=seen.source))
     for role, keys in shapes_per_role.items():
         if len(keys) > 1:
             warnings.append(f"role {role!r} runs {len(keys)} different problems ({', '.join(sorted(keys))}): give each "
@@ -219,146 +243,249 @@ def _summed_input_gradient(roles: list[Role], tally: _Tally) -> StepProblem | No
     """The input gradient of a group (the products of one gathered activation) as the drop-in runs it when it
     shares the gather (`collective_matmul.ops.share`): one reduce-scatter ring of the summed product, N the sum of
     the group's, listed under the group's label.  None where a member's backward or shapes do not allow it."""
-    forwards = []
+    members = []
     for role in roles:
-        found = [(slots, count, axis, source) for (r, _), (slots, count, axis, source) in tally.problems.items()
-                 if r == role]
+        found = [seen for (r, _), seen in tally.problems.items() if r == role]
         if len(found) != 1 or "grad_input" not in tally.backward.get(role, ()):
             return None
-        forwards.append(found[0])
-    first, count, axis, source = forwards[0]
-    first = first["forward"]
-    if any((s["forward"].m, s["forward"].k, s["forward"].dtype, s["forward"].axis_size, a) !=
-           (first.m, first.k, first.dtype, first.axis_size, axis) for s, _, a, _ in forwards):
+        members.append(found[0])
+    lead = members[0]
+    first = lead.slots["forward"]
+    if any((m.slots["forward"].m, m.slots["forward"].k, m.slots["forward"].dtype, m.slots["forward"].axis_size,
+            m.axis) != (first.m, first.k, first.dtype, first.axis_size, lead.axis) for m in members):
         return None
-    n = sum(s["forward"].n for s, *_ in forwards)
+    n = sum(m.slots["forward"].n for m in members)
     problem = slot_problems(COLUMN, m=first.m, k=first.k, n=n, dtype=first.dtype,
                             axis_size=first.axis_size)["grad_input"]
-    return StepProblem(role=group_label(roles), slot="grad_input", problem=problem, count=count, axis=axis,
-                       source=source)
+    return StepProblem(role=group_label(roles), slot="grad_input", problem=problem, count=lead.count, axis=lead.axis,
+                       source=lead.source)
+
+
+@dataclass(frozen=True)
+class _Skip:
+    """A collective next to a product that cmtune does not decompose: what it is, and why."""
+
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A forward collective matmul: its collective over a ring (and the ring's mesh axis), the global product."""
+
+    collective: str
+    ring: int
+    axis: str | None
+    m: int
+    k: int
+    n: int
+    what: str
+    slots: dict | None = None  # each slot's problem (`slot_problems`), once the shapes are checked
+
+
+@dataclass(frozen=True)
+class _Product:
+    """One product of a module with what feeds it and what it feeds: the facts the rules read."""
+
+    module: Module
+    comp: Computation
+    dot: Instruction
+    lhs: Instruction
+    rhs: Instruction
+    lhs_c: tuple[int, ...]
+    rhs_c: tuple[int, ...]
+    lhs_b: tuple[int, ...]
+
+    @classmethod
+    def of(cls, module: Module, dot: Instruction) -> _Product | None:
+        comp = module.computations[dot.computation]
+        if len(dot.operands) != 2:
+            return None
+        lhs, rhs = (comp.instructions.get(o) for o in dot.operands)
+        if lhs is None or rhs is None:
+            return None
+        return cls(module, comp, dot, lhs, rhs, dot.ints("lhs_contracting_dims"), dot.ints("rhs_contracting_dims"),
+                   dot.ints("lhs_batch_dims"))
+
+    @functools.cached_property
+    def gathered_lhs(self) -> _Gathered | None:
+        return _gathered(self.module, self.comp, self.lhs)
+
+    @functools.cached_property
+    def gathered_rhs(self) -> _Gathered | None:
+        return _gathered(self.module, self.comp, self.rhs)
+
+    @functools.cached_property
+    def scattered(self) -> _Scattered | None:
+        return _scattered(self.module, self.comp, self.dot)
+
+    @property
+    def exchanged(self) -> Instruction | None:
+        """The all-to-all that feeds an operand (expert or sequence parallelism's exchange), if one does."""
+        return next((i for i in (_through(self.comp, o) for o in (self.lhs, self.rhs)) if i.opcode == "all-to-all"),
+                    None)
+
+    @property
+    def projection(self) -> bool:
+        """An activation times a weight: no batch dimensions, no exchange before it."""
+        return not self.lhs_b and self.exchanged is None
+
+    def size(self, dims: Sequence[int], operand: Instruction) -> int:
+        """The product of ``operand``'s ``dims`` (its local rows, features or columns)."""
+        return math.prod(operand.shape.dims[d] for d in dims)
 
 
 def _classify(module: Module, dot: Instruction, times: int, axes: dict, tally: _Tally, *, backward: bool) -> None:
     """Tally one dot: a forward collective matmul, a skipped collective, or backward evidence."""
-    comp = module.computations[dot.computation]
+    product = _Product.of(module, dot)
+    if product is None:
+        return
     frames = [(f.file, f.line) for f in module.stack(dot.stack_frame_id)]
     role = label(dot.op_name.rpartition("/")[0], frames)  # the op_name without its primitive
-    source = source_of(frames)
-    lhs_c, rhs_c = dot.ints("lhs_contracting_dims"), dot.ints("rhs_contracting_dims")
-    lhs_b = dot.ints("lhs_batch_dims")
-    if len(dot.operands) != 2:
+    if backward:
+        _backward_evidence(product, role, tally)
         return
-    lhs, rhs = (comp.instructions.get(o) for o in dot.operands)
-    if lhs is None or rhs is None:
-        return
-    if backward:  # which gradients this role's calls compute
-        weights = tally.weights.get(role, ())
-        if any(operand.shape.dims in weights for operand in (lhs, rhs)):
-            tally.backward.setdefault(role, set()).add("grad_input")  # dy times the weight
-        elif any(sorted(dot.shape.dims) == sorted(w) for w in weights):
-            tally.backward.setdefault(role, set()).add("grad_weight")  # activations contracted to its shape
-        return
-    gathered_lhs, gathered_rhs = _gathered(module, comp, lhs), _gathered(module, comp, rhs)
-    scattered = _scattered(module, comp, dot)
+    if product.projection:
+        tally.weights.setdefault(role, []).append(product.rhs.shape.dims)
+    finding = _finding(product, axes)
+    if isinstance(finding, _Skip):
+        tally.skip(role, finding.what, finding.reason, times)
+    elif finding is not None:
+        tally.found(role, finding.slots, times, finding.axis, source_of(frames))
+        if finding.collective == COLUMN:  # the products one gathered activation feeds: one group
+            tally.read(role, module, dot.computation, product.gathered_lhs.collective)
 
-    def skip(what: str, reason: str) -> None:
-        tally.skip(role, what, reason, times)
 
-    def axis_of(inst: Instruction) -> str | None:
-        groups = inst.replica_groups(module.num_partitions)
-        if groups is None:
-            return None
-        wanted = {frozenset(g) for g in groups}
-        return next((name for name, g in axes.items() if g == wanted), None)
+def _backward_evidence(product: _Product, role: str, tally: _Tally) -> None:
+    """Which gradients a role's backward computes: dy times its weight, or activations contracted to its shape."""
+    weights = tally.weights.get(role, ())
+    if any(operand.shape.dims in weights for operand in (product.lhs, product.rhs)):
+        tally.backward.setdefault(role, set()).add("grad_input")
+    elif any(sorted(product.dot.shape.dims) == sorted(w) for w in weights):
+        tally.backward.setdefault(role, set()).add("grad_weight")
 
-    exchanged = next((o for o in (lhs, rhs) if _through(comp, o).opcode == "all-to-all"), None)
-    if exchanged is not None:
-        a2a = _through(comp, exchanged)
-        skip(f"all-to-all {a2a.name} -> {dot.name}",
-             "an all-to-all feeds the product (the exchange of expert or sequence parallelism): not a collective "
-             "matmul cmtune decomposes")
-        return
-    if lhs_b and (gathered_lhs or gathered_rhs):
-        collective = (gathered_lhs or gathered_rhs).collective
-        skip(f"{collective.opcode} {collective.name} -> {dot.name}",
-             "a product with batch dimensions (attention-like: both operands are activations), not an "
-             "activation x weight projection")
-        return
-    if lhs_b:
-        return
-    tally.weights.setdefault(role, []).append(rhs.shape.dims)
-    dtype = lhs.shape.dtype_name
-    if gathered_lhs and gathered_rhs:
-        skip(f"{gathered_lhs.collective.opcode} {gathered_lhs.collective.name}, {gathered_rhs.collective.opcode} "
-             f"{gathered_rhs.collective.name} -> {dot.name}",
-             "both operands are gathered (the weight too: FSDP with sequence parallelism): not the layout of "
-             "cmtune's ops, whose weight stays sharded")
-        return
-    if gathered_rhs:
-        where = "contracting" if gathered_rhs.dim in rhs_c else "output"
-        skip(f"{gathered_rhs.collective.opcode} {gathered_rhs.collective.name} -> {dot.name}",
-             f"XLA gathers the weight (on its {where} dimension) over a ring of {gathered_rhs.ring}: FSDP, or a "
-             "weight smaller than the activation; the activation stays sharded, so there is no activation "
-             "all-gather to overlap (shard the activation on its rows and the weight on its output columns)")
-        return
-    lhs_rows = [d for d in range(len(lhs.shape.dims)) if d not in lhs_c]
-    rhs_cols = [d for d in range(len(rhs.shape.dims)) if d not in rhs_c]
-    k_local = math.prod(lhs.shape.dims[d] for d in lhs_c)
-    m_local = math.prod(lhs.shape.dims[d] for d in lhs_rows)
-    n_local = math.prod(rhs.shape.dims[d] for d in rhs_cols)
-    if gathered_lhs:
-        what = f"{gathered_lhs.collective.opcode} {gathered_lhs.collective.name} -> {dot.name}"
-        if gathered_lhs.dim in lhs_c:
-            skip(what, "gathers the activation's contracting dimension (the activation is sharded on its features), "
-                       "not its rows")
-            return
-        if lhs_c != (len(lhs.shape.dims) - 1,):
-            skip(what, f"the product contracts the gathered operand's dimensions {set(lhs_c)}, not its last (its "
-                       "features): a weight gradient of another layout than cmtune's, not a projection")
-            return
-        collective, ring, axis = COLUMN, gathered_lhs.ring, axis_of(gathered_lhs.collective)
-        m, k, n = m_local, k_local, n_local * ring
-    elif scattered is not None:
-        what = f"{dot.name} -> {scattered.collective.opcode} {scattered.collective.name}"
-        if scattered.kind == "all-reduce":
-            if scattered.ring > 1:
-                skip(what, "the product is all-reduced, not scattered: tensor parallelism without sequence "
-                           "parallelism (the result is wanted whole on every device of the ring)")
-            return
-        if scattered.dim is None or scattered.dim >= len(lhs_rows):
-            skip(what, "the product is scattered on the weight's output dimension, not on its rows")
-            return
-        collective, ring, axis = ROW, scattered.ring, axis_of(scattered.collective)
-        m, k, n = m_local, k_local * ring, n_local
-    else:
-        return
-    if ring < 2:
-        return
-    eight = _dequantized(comp, lhs) or _dequantized(comp, rhs)
+
+def _finding(product: _Product, axes: dict) -> _Skip | _Found | None:
+    """What one forward product is: a skip (the first rule that refuses it), a collective matmul, or nothing to say
+    (no collective next to it, a ring of one)."""
+    for rule in _REFUSALS:
+        skip = rule(product)
+        if skip is not None:
+            return skip
+    if product.lhs_b:
+        return None
+    found = _column(product, axes) if product.gathered_lhs else _row(product, axes) if product.scattered else None
+    if not isinstance(found, _Found) or found.ring < 2:
+        return found if isinstance(found, _Skip) else None
+    return _operand_types(product, found) or _with_slots(product, found)
+
+
+def _exchange(product: _Product) -> _Skip | None:
+    a2a = product.exchanged
+    if a2a is None:
+        return None
+    return _Skip(f"all-to-all {a2a.name} -> {product.dot.name}",
+                 "an all-to-all feeds the product (the exchange of expert or sequence parallelism): not a collective "
+                 "matmul cmtune decomposes")
+
+
+def _batched(product: _Product) -> _Skip | None:
+    gathered = product.gathered_lhs or product.gathered_rhs
+    if not product.lhs_b or gathered is None:
+        return None
+    return _Skip(f"{gathered.collective.opcode} {gathered.collective.name} -> {product.dot.name}",
+                 "a product with batch dimensions (attention-like: both operands are activations), not an "
+                 "activation x weight projection")
+
+
+def _both_gathered(product: _Product) -> _Skip | None:
+    lhs, rhs = product.gathered_lhs, product.gathered_rhs
+    if product.lhs_b or lhs is None or rhs is None:
+        return None
+    return _Skip(f"{lhs.collective.opcode} {lhs.collective.name}, {rhs.collective.opcode} {rhs.collective.name} -> "
+                 f"{product.dot.name}",
+                 "both operands are gathered (the weight too: FSDP with sequence parallelism): not the layout of "
+                 "cmtune's ops, whose weight stays sharded")
+
+
+def _weight_gathered(product: _Product) -> _Skip | None:
+    rhs = product.gathered_rhs
+    if product.lhs_b or rhs is None or product.gathered_lhs is not None:
+        return None
+    where = "contracting" if rhs.dim in product.rhs_c else "output"
+    return _Skip(f"{rhs.collective.opcode} {rhs.collective.name} -> {product.dot.name}",
+                 f"XLA gathers the weight (on its {where} dimension) over a ring of {rhs.ring}: FSDP, or a weight "
+                 "smaller than the activation; the activation stays sharded, so there is no activation all-gather "
+                 "to overlap (shard the activation on its rows and the weight on its output columns)")
+
+
+_REFUSALS = (_exchange, _batched, _both_gathered, _weight_gathered)
+
+
+def _column(product: _Product, axes: dict) -> _Skip | _Found:
+    """A product of a gathered activation: an all-gather matmul, if the activation is gathered on its rows."""
+    gathered, lhs, rhs = product.gathered_lhs, product.lhs, product.rhs
+    what = f"{gathered.collective.opcode} {gathered.collective.name} -> {product.dot.name}"
+    if gathered.dim in product.lhs_c:
+        return _Skip(what, "gathers the activation's contracting dimension (the activation is sharded on its "
+                           "features), not its rows")
+    if product.lhs_c != (len(lhs.shape.dims) - 1,):
+        return _Skip(what, f"the product contracts the gathered operand's dimensions {set(product.lhs_c)}, not its "
+                           "last (its features): a weight gradient of another layout than cmtune's, not a projection")
+    rows = [d for d in range(len(lhs.shape.dims)) if d not in product.lhs_c]
+    cols = [d for d in range(len(rhs.shape.dims)) if d not in product.rhs_c]
+    return _Found(COLUMN, gathered.ring, _axis_of(product.module, gathered.collective, axes),
+                  m=product.size(rows, lhs), k=product.size(product.lhs_c, lhs),
+                  n=product.size(cols, rhs) * gathered.ring, what=what)
+
+
+def _row(product: _Product, axes: dict) -> _Skip | _Found | None:
+    """A product whose result is reduced over a ring: a matmul reduce-scatter, if it is scattered on its rows."""
+    scattered, lhs, rhs = product.scattered, product.lhs, product.rhs
+    what = f"{product.dot.name} -> {scattered.collective.opcode} {scattered.collective.name}"
+    rows = [d for d in range(len(lhs.shape.dims)) if d not in product.lhs_c]
+    if scattered.kind == "all-reduce":
+        return _Skip(what, "the product is all-reduced, not scattered: tensor parallelism without sequence "
+                           "parallelism (the result is wanted whole on every device of the ring)") \
+            if scattered.ring > 1 else None
+    if scattered.dim is None or scattered.dim >= len(rows):
+        return _Skip(what, "the product is scattered on the weight's output dimension, not on its rows")
+    cols = [d for d in range(len(rhs.shape.dims)) if d not in product.rhs_c]
+    return _Found(ROW, scattered.ring, _axis_of(product.module, scattered.collective, axes),
+                  m=product.size(rows, lhs), k=product.size(product.lhs_c, lhs) * scattered.ring,
+                  n=product.size(cols, rhs), what=what)
+
+
+def _operand_types(product: _Product, found: _Found) -> _Skip | None:
+    """A product whose operand types cmtune's ops do not take: dequantized 8-bit values, or two types."""
+    eight = _dequantized(product.comp, product.lhs) or _dequantized(product.comp, product.rhs)
     if eight is not None:
-        skip(what, f"the product reads {eight} values dequantized by a scale: cmtune's ops take float32, bfloat16 "
-                   "or float16 operands, so XLA keeps this one")
-        return
-    if dtype is None or rhs.shape.dtype != lhs.shape.dtype:
-        skip(what, f"operands of types {lhs.shape.dtype} and {rhs.shape.dtype}: cmtune's ops take one dtype of "
-                   "float32, bfloat16 or float16")
-        return
+        return _Skip(found.what, f"the product reads {eight} values dequantized by a scale: cmtune's ops take "
+                                 "float32, bfloat16 or float16 operands, so XLA keeps this one")
+    lhs, rhs = product.lhs.shape, product.rhs.shape
+    if lhs.dtype_name is None or rhs.dtype != lhs.dtype:
+        return _Skip(found.what, f"operands of types {lhs.dtype} and {rhs.dtype}: cmtune's ops take one dtype of "
+                                 "float32, bfloat16 or float16")
+    return None
+
+
+def _with_slots(product: _Product, found: _Found) -> _Skip | _Found:
+    """``found`` with its slots' problems, or a skip where its shapes make none (they do not divide over the ring)."""
     try:
-        slots = slot_problems(collective, m=m, k=k, n=n, dtype=dtype, axis_size=ring)
+        slots = slot_problems(found.collective, m=found.m, k=found.k, n=found.n, dtype=product.lhs.shape.dtype_name,
+                              axis_size=found.ring)
     except ValueError as exc:
-        skip(what, str(exc))
-        return
-    key = (role, slots["forward"].key)
-    if key in tally.problems:
-        tally.problems[key][1] += times
-    else:
-        tally.problems[key] = [slots, times, axis, source]
-    if collective == COLUMN:  # the products one gathered activation feeds: one group
-        gather = gathered_lhs.collective  # one all-gather, or (before XLA merges them) several of one value
-        readers = tally.gathers.setdefault((dot.computation, gather.operands, gather.ints("dimensions"),
-                                            tuple(gather.replica_groups(module.num_partitions) or ())), [])
-        if role not in readers:
-            readers.append(role)
+        return _Skip(found.what, str(exc))
+    return replace(found, slots=slots)
+
+
+def _axis_of(module: Module, inst: Instruction, axes: dict) -> str | None:
+    """The mesh axis whose device groups are ``inst``'s replica groups (None: no one axis's)."""
+    groups = inst.replica_groups(module.num_partitions)
+    if groups is None:
+        return None
+    wanted = {frozenset(g) for g in groups}
+    return next((name for name, g in axes.items() if g == wanted), None)
 
 
 # ---- the products of a module, in every form a backend prints them ----------------------------

@@ -3,8 +3,9 @@
 The service, the worker daemon, the command line, the `Tuned` client, the dashboard's API and the
 tests all speak these types, so a field means the same thing everywhere:
 
-- keys: `Problem`, `Hardware`, `Decomposition` (defined beside the ops, re-exported here);
-- the measurement record: `Protocol`, `Timing`, `Measurement`, `Status`, a confirmation's `BoundsMeasurement`;
+- keys: `Problem`, `Hardware`, `Decomposition` (defined in `collective_matmul.planning`, re-exported here);
+- the measurement record: `MeasurementProtocol`, `Timing`, `Measurement`, `Status`, a confirmation's
+  `BoundsMeasurement`;
 - the lifecycle: `StudyState`, `TrialState`, `TrialKind` (the database checks the same values), `StopReason`;
 - tuned configs and bundles: `TunedConfig`, `Bundle`;
 - the REST API's bodies: ``XCreate`` in, ``XPublic`` out, and the worker's lease and result.
@@ -114,7 +115,7 @@ from collective_matmul.wire.records import (
     BoundsMeasurement,
     CompiledCandidate,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     Speedup,
     StepChoice,
     StepMeasurement,
@@ -148,7 +149,7 @@ __all__ = [
     # stats
     "Quartiles", "paired_quartiles", "quartiles",
     # records
-    "MAX_STEP_VARIANTS", "BoundsMeasurement", "CompiledCandidate", "Measurement", "Protocol", "Speedup",
+    "MAX_STEP_VARIANTS", "BoundsMeasurement", "CompiledCandidate", "Measurement", "MeasurementProtocol", "Speedup",
     "StepChoice", "StepMeasurement", "StepSetting", "StepVariant", "StepVariants", "Timing",
     # bodies
     "EXAMPLE_HARDWARE", "EXAMPLE_PROBLEM", "MAX_BATCH", "STEP_ROUND_VARIANTS", "STEP_SEARCH_ROUNDS", "Budget",

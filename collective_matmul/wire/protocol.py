@@ -18,7 +18,7 @@ from collective_matmul.wire.records import (
     MAX_STEP_VARIANTS,
     BoundsMeasurement,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     StepMeasurement,
     StepVariants,
 )
@@ -98,7 +98,7 @@ class TrialTask(BaseModel):
     problem: Problem | None = Field(description="the problem of a search or confirmation trial")
     decomposition: Decomposition | None = Field(description="the candidate of a search trial")
     decompositions: list[Decomposition]
-    protocol: Protocol
+    protocol: MeasurementProtocol
     step: StepTask | None = None
 
 

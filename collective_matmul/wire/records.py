@@ -16,7 +16,7 @@ from collective_matmul.wire.states import Status
 from collective_matmul.wire.stats import Quartiles, agrees, check_ratio, check_rounds, quartiles
 
 
-class Protocol(BaseModel):
+class MeasurementProtocol(BaseModel):
     """How one trial is measured."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -120,7 +120,7 @@ class Measurement(_Timed, BaseModel):
                                            "permute is in flight?")
     overlap_note: Message = Field(default="", description="the verdict in words: how many permutes hide behind "
                                                           "a product")
-    protocol: Protocol = Protocol()
+    protocol: MeasurementProtocol = MeasurementProtocol()
 
     @model_validator(mode="after")
     def _consistent(self) -> Measurement:
@@ -168,7 +168,7 @@ class BoundsMeasurement(BaseModel):
     compute: Timing | None = Field(default=None, description="each device's local product alone (no collective)")
     communication: Timing | None = Field(default=None, description="the collective alone: the same bytes, no matmul")
     baseline: Timing | None = Field(default=None, description="the baseline op, in the same rounds")
-    protocol: Protocol = Protocol()
+    protocol: MeasurementProtocol = MeasurementProtocol()
 
     @model_validator(mode="after")
     def _consistent(self) -> BoundsMeasurement:
@@ -246,7 +246,7 @@ class StepMeasurement(BaseModel):
     batch_axes: list[ShortText] = Field(default_factory=list, max_length=8,
                                         description="the mesh axes sharding the batch")
     hardware: Hardware
-    protocol: Protocol
+    protocol: MeasurementProtocol
     reference: ShortText = Field(
         default="as-written", description="the variant every other is checked and timed against: the step as written "
                                        "(records before 0.3 call it 'autodiff')")

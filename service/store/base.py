@@ -24,7 +24,7 @@ from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
     BoundsMeasurement,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     Reconfirmation,
     StepChoice,
     StepMeasurement,
@@ -78,7 +78,7 @@ class Fixed:
     hardware_id: int
     problem_id: int | None
     settings: SearchSettings
-    protocol: Protocol
+    protocol: MeasurementProtocol
     space_size: int
     created_at: dt.datetime
     kind: StudyKind
@@ -91,7 +91,8 @@ class Fixed:
     def of(cls, row) -> Fixed:
         """From a row of the `FIXED`, `PROBLEM` and `HARDWARE` columns above."""
         return cls(problem_of(row) if row.problem_id is not None else None, hardware_of(row), row.hardware_id,
-                   row.problem_id, SearchSettings.model_validate(row.settings), Protocol.model_validate(row.protocol),
+                   row.problem_id, SearchSettings.model_validate(row.settings),
+                   MeasurementProtocol.model_validate(row.protocol),
                    row.space_size, row.created_at, StudyKind(row.kind),
                    StepSpec.from_json(row.step) if row.step else None, row.submission_id,
                    Software.of(row.software) if row.software is not None else None,

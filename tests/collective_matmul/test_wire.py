@@ -17,7 +17,7 @@ from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     ResultIn,
     SearchResult,
     StepMeasurement,
@@ -78,7 +78,8 @@ def bounds() -> BoundsMeasurement:
 def step() -> StepMeasurement:
     variants = [StepVariant(name=name, status="ok", timing=Timing.of([seconds] * 2), ratio=seconds, ratio_iqr=0.0)
                 for name, seconds in (("as-written", 1.0), ("tuned", 0.9))]
-    return StepMeasurement(model="mine", mesh={"model": 8}, tensor_axis="model", hardware=HW, protocol=Protocol(),
+    return StepMeasurement(model="mine", mesh={"model": 8}, tensor_axis="model", hardware=HW,
+                           protocol=MeasurementProtocol(),
                            variants=variants)
 
 

@@ -32,10 +32,16 @@ def _problems(devices: str) -> dict:
     return json.loads(run.stdout[run.stdout.index("{"):])
 
 
-def test_maxtexts_step_lists_its_collective_matmuls_by_module_path_on_cpu_devices():
+@pytest.fixture(scope="module")
+def on_cpu() -> dict:
+    """``cmtune problems --json`` of the tiny decoder on 8 CPU devices."""
+    return _problems("virtual:8")
+
+
+def test_maxtexts_step_lists_its_collective_matmuls_by_module_path_on_cpu_devices(on_cpu):
     """The tiny decoder (2 layers, ici_tensor_sequence_parallelism=8) under MaxText's own mesh and axis rules:
     every projection of both layers is a problem with its three slots, named by its module path."""
-    found = _problems("virtual:8")
+    found = on_cpu
     forward = {p["role"]: p["problem"] for p in found["problems"] if p["slot"] == "forward"}
     assert set(forward) == set(PROJECTIONS), sorted(forward)
     assert forward["decoder/layers_0/mlp/wi_0"]["collective"] == "allgather_matmul"
@@ -54,10 +60,10 @@ def _listed(found: dict) -> tuple[set, list, list]:
     return problems, sorted((s["role"], s["reason"]) for s in found["skipped"]), sorted(map(sorted, found["groups"]))
 
 
-def test_maxtexts_step_compiled_for_a_tpu_slice_lists_what_cpu_devices_list():
+def test_maxtexts_step_compiled_for_a_tpu_slice_lists_what_cpu_devices_list(on_cpu):
     """The same spec, its mesh built on a v5e 2x4 slice's devices (abstract arguments, XLA's TPU compiler): the same
     problems, skips and groups as on 8 CPU devices."""
-    on_cpu, on_tpu = _problems("virtual:8"), _problems("tpu:v5e:2x4")
+    on_tpu = _problems("tpu:v5e:2x4")
     assert on_tpu["mesh"]["tensor_sequence"] == 8
     assert _listed(on_tpu) == _listed(on_cpu)
     assert len(_listed(on_tpu)[0]) == 3 * len(PROJECTIONS) + 4  # three slots each, and the groups' input gradients

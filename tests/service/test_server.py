@@ -23,7 +23,7 @@ from cmtune.service.store import SqlStore
 from cmtune.workers.measure import Session
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.problem import Software
-from collective_matmul.wire import Protocol
+from collective_matmul.wire import MeasurementProtocol
 from tests.cli import bare, says
 from tests.service.conftest import HARDWARE, PROBLEM, create_tokens, register, reset_postgres, run_trial
 
@@ -85,7 +85,7 @@ def test_real_measurement_round_trip_over_http(tmp_path):
         while (response := worker.post(f"/v1/workers/{worker}/lease")).status_code == 200:
             grant = response.json()
             task = grant["trial"]
-            protocol = Protocol.model_validate(task["protocol"])
+            protocol = MeasurementProtocol.model_validate(task["protocol"])
             key = (task["problem"]["m"], protocol.seed)
             session = sessions.setdefault(key, Session(Problem.model_validate(task["problem"]), protocol=protocol))
             results = [session.measure(Decomposition.model_validate(d), protocol).model_dump(mode="json")

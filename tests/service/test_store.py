@@ -17,7 +17,7 @@ from cmtune.tuner.errors import ConflictError
 from cmtune.tuner.searching import study_settings
 from collective_matmul import Hardware, Problem
 from collective_matmul.planning.problem import Software
-from collective_matmul.wire import Protocol, TrialState
+from collective_matmul.wire import MeasurementProtocol, TrialState
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
@@ -35,7 +35,7 @@ def store(database_url):
 def test_a_lease_claims_only_along_trial_moves(store, monkeypatch):
     with store.write() as tx:
         study = Engine().create_study(tx, problem=PROBLEM, hardware=HW, settings=study_settings(PROBLEM, HW),
-                                      protocol=Protocol(), now=NOW)
+                                      protocol=MeasurementProtocol(), now=NOW)
         worker_id, _ = tx.workers.add(name="w", hardware=HW, software=Software(), memory_bytes=None, now=NOW)
     monkeypatch.setitem(states.TRIAL_MOVES, TrialState.PENDING, frozenset({TrialState.CANCELLED}))
     with pytest.raises(ConflictError, match="cannot become leased"), store.write() as tx:
@@ -58,9 +58,9 @@ def test_a_worker_leases_the_trials_of_its_rings_in_one_claim(store):
     with store.write() as tx:
         engine = Engine()
         other = engine.create_study(tx, problem=problem, hardware=alone, settings=study_settings(problem, alone),
-                                    protocol=Protocol(), now=NOW)
+                                    protocol=MeasurementProtocol(), now=NOW)
         study = engine.create_study(tx, problem=problem, hardware=ring, settings=study_settings(problem, ring),
-                                    protocol=Protocol(), now=NOW)
+                                    protocol=MeasurementProtocol(), now=NOW)
         worker_id, _ = tx.workers.add(name="w", hardware=machine, software=Software(), memory_bytes=None, now=NOW)
     assert other.id < study.id and other.hardware.key == "cpu:cpu:4:1" and study.hardware.key == "cpu:cpu:4:1/8"
     with store.write() as tx:

@@ -13,7 +13,7 @@ from sqlalchemy import JSON, column, create_engine, select, table, text
 from cmtune.service import migrate
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.problem import Software
-from collective_matmul.wire import Protocol
+from collective_matmul.wire import MeasurementProtocol
 from collective_matmul.wire.lookup import NO_STACK, NOT_MEASURED
 from tests.service.conftest import HARDWARE, PROBLEM, cost, make_api, register, run_trial, step_result
 
@@ -231,7 +231,7 @@ def test_a_real_measurement_reconfirms_a_config_on_the_stack_that_runs_it(tmp_pa
         while (response := worker.post(f"/v1/workers/{worker}/lease")).status_code == 200:
             grant = response.json()
             task = grant["trial"]
-            protocol = Protocol.model_validate(task["protocol"])
+            protocol = MeasurementProtocol.model_validate(task["protocol"])
             session = sessions.setdefault(protocol.seed, Session(Problem.model_validate(task["problem"]),
                                                                  protocol=protocol))
             results = []

@@ -34,7 +34,7 @@ from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,
     Measurement,
-    Protocol,
+    MeasurementProtocol,
     SearchResult,
     Status,
     StepMeasurement,
@@ -108,7 +108,7 @@ class Driver:
     def create(self, settings: SearchSettings, problem: Problem = PROBLEM) -> int:
         with self.store.transaction(write=True) as tx:
             return self.engine.create_study(tx, problem=problem, hardware=HW, settings=settings,
-                                            protocol=Protocol(repeats=3), now=self.tick()).id
+                                            protocol=MeasurementProtocol(repeats=3), now=self.tick()).id
 
     def claim(self, study_id: int):
         with self.store.transaction(write=True) as tx:
@@ -240,7 +240,7 @@ def test_a_claim_on_a_machine_serves_it_and_the_rings_its_devices_split_into_old
         for name, hardware in on.items():
             problem = Problem.parse(f"ag:256x64x128:float32:{hardware.device_count}")
             ids[name] = driver.engine.create_study(tx, problem=problem, hardware=hardware, now=driver.tick(),
-                                                   settings=settings(max_trials=2), protocol=Protocol()).id
+                                                   settings=settings(max_trials=2), protocol=MeasurementProtocol()).id
     claimed = []
     with driver.store.transaction(write=True) as tx:
         while (trial := driver.engine.claim(tx, hardware=machine, now=driver.tick())) is not None:
@@ -563,7 +563,8 @@ class StepDriver(Driver):
             self.winner = tx.tuned_config(self.qkv, HW).decomposition
             self.runner_up = next(d for d in tx.best_search_trials(self.qkv, HW, limit=3) if d != self.winner)
             self.step_id = self.engine.create_step_study(
-                tx, block=TINY, mesh=TINY_MESH, hardware=HW, depends_on=[searched], protocol=Protocol(repeats=4),
+                tx, block=TINY, mesh=TINY_MESH, hardware=HW, depends_on=[searched],
+                protocol=MeasurementProtocol(repeats=4),
                 now=self.tick(), **options).id
 
     def seconds(self, setting) -> float:
@@ -587,7 +588,7 @@ class StepDriver(Driver):
             timed.append(StepVariant(name=name, status="ok", configs=setting or {}, timing=Timing.of(times),
                                      ratio=times[0], ratio_iqr=0.0))
         return StepResult(step=StepMeasurement(block=TINY, mesh=TINY_MESH.axes, tensor_axis="model", hardware=HW,
-                                               protocol=Protocol(repeats=4), variants=timed))
+                                               protocol=MeasurementProtocol(repeats=4), variants=timed))
 
     def run_step(self, abandon: int | None = None) -> list:
         """Claim and report the step study's trials until it is final (abandon trial number ``abandon``)."""

@@ -7,7 +7,7 @@ import pytest
 
 from cmtune.tuner.rounds import faster, grading_rounds, ratio_quartiles, speedup, timed
 from collective_matmul import Hardware
-from collective_matmul.wire import Protocol, StepMeasurement, StepVariant, Timing, paired_quartiles
+from collective_matmul.wire import MeasurementProtocol, StepMeasurement, StepVariant, Timing, paired_quartiles
 
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
 
@@ -27,7 +27,7 @@ def variants(samples: dict[str, list[float] | None]) -> list[StepVariant]:
 
 def step(samples: dict, fresh: dict | None = None) -> StepMeasurement:
     return StepMeasurement(model="mine", mesh={"model": 8}, tensor_axis="model", hardware=HW,
-                           protocol=Protocol(repeats=4), variants=variants(samples),
+                           protocol=MeasurementProtocol(repeats=4), variants=variants(samples),
                            confirmation=variants(fresh) if fresh else [])
 
 

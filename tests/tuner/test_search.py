@@ -16,7 +16,7 @@ from cmtune.workers.local import LocalTuner
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.planning.costmodel import PROFILES
 from collective_matmul.planning.space import candidates
-from collective_matmul.wire import Measurement, Protocol, Timing, result_of
+from collective_matmul.wire import Measurement, MeasurementProtocol, Timing, result_of
 
 PROBLEM = Problem.parse("ag:1024x256x1024:float32:8")  # 49 candidates
 HW = Hardware(platform="cpu", device_kind="cpu", device_count=8)
@@ -26,7 +26,7 @@ PROFILE = PROFILES["cpu"]
 def tune(problem, runner, settings, clock=None):
     """One study to its end with the engine over the in-memory store."""
     tuner = LocalTuner(runner, clock=clock or (lambda: dt.datetime.now(dt.UTC)))
-    return tuner.tune(problem, HW, settings.model_copy(update={"profile": "cpu"}), Protocol(repeats=3))
+    return tuner.tune(problem, HW, settings.model_copy(update={"profile": "cpu"}), MeasurementProtocol(repeats=3))
 
 
 def record(problem, config, ratio, status="ok"):
@@ -251,7 +251,7 @@ def test_measurements_serialise():
     assert m.speedup == pytest.approx(1 / 0.9)
     failed = record(PROBLEM, Decomposition(), None, status="oom")
     assert Measurement.model_validate_json(failed.model_dump_json()).status == "oom"
-    assert Protocol.model_validate_json(Protocol(repeats=3).model_dump_json()).repeats == 3
+    assert MeasurementProtocol.model_validate_json(MeasurementProtocol(repeats=3).model_dump_json()).repeats == 3
 
 
 def test_on_a_platform_with_a_windowed_einsum_xlas_own_is_timed_after_the_baseline_and_can_win():

@@ -13,7 +13,14 @@ from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition, Hardware, OpConfigs
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT
 from collective_matmul.planning.models import SLOTS, TransformerBlock
-from collective_matmul.wire import MAX_VARIANT_NAME, Protocol, StepMeasurement, StepVariant, Timing, quartiles
+from collective_matmul.wire import (
+    MAX_VARIANT_NAME,
+    MeasurementProtocol,
+    StepMeasurement,
+    StepVariant,
+    Timing,
+    quartiles,
+)
 
 D = Decomposition.from_id
 BLOCK = TransformerBlock(name="small", d_model=64, d_ff=128, heads=8, head_dim=8, gated_mlp=True, seq_len=64,
@@ -85,7 +92,7 @@ def measure(variants, time=seconds, rounds: int = 4) -> StepMeasurement:
                                  ratio=median, ratio_iqr=q3 - q1))
     return StepMeasurement(block=BLOCK, mesh={"model": 8}, tensor_axis="model",
                            hardware=Hardware(platform="cpu", device_kind="cpu", device_count=8),
-                           protocol=Protocol(repeats=rounds), variants=timed)
+                           protocol=MeasurementProtocol(repeats=rounds), variants=timed)
 
 
 def run(search: StepSearch, time=seconds):

@@ -17,7 +17,7 @@ from cmtune.tuner.warm import Known, nearest_seeds, seeds
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.planning.costmodel import PROFILES
 from collective_matmul.planning.space import candidates
-from collective_matmul.wire import Protocol, Seed, StudyState, TrialKind, TrialState
+from collective_matmul.wire import MeasurementProtocol, Seed, StudyState, TrialKind, TrialState
 from collective_matmul.wire.bundle import TunedConfig
 from tests.tuner.test_engine import HW, START, Driver, store  # noqa: F401 - the contract suite's store fixture
 from tests.tuner.test_engine import PROBLEM as ENGINE_PROBLEM
@@ -206,20 +206,20 @@ def test_a_local_run_seeds_each_study_from_those_before_it():
     from cmtune.workers.local import LocalTuner
 
     tuner = LocalTuner(KnownCosts(costs))
-    outcome = tuner.tune(first, HW, study_settings(first, HW), Protocol(repeats=3))
+    outcome = tuner.tune(first, HW, study_settings(first, HW), MeasurementProtocol(repeats=3))
     known = outcome.known()
     assert known.source == "local" and known.best_ring == min(
         (t.decomposition for t in outcome.search if t.decomposition.method == "ring"), key=costs.get)
     warm = seeds(second, HW, [known])
     assert warm and warm[0].decomposition == outcome.tuned.decomposition and warm[0].source == "local"
-    result = tuner.tune(second, HW, study_settings(second, HW, seeds=warm), Protocol(repeats=3))
+    result = tuner.tune(second, HW, study_settings(second, HW, seeds=warm), MeasurementProtocol(repeats=3))
     assert result.search[1].decomposition == next(s.decomposition for s in warm if s.decomposition != BASELINE)
 
 
 def test_the_engine_refuses_a_seed_that_is_no_candidate_of_the_problem():
     small = Problem.parse("ag:16x256x1024:float32:8")
     with InMemoryStore().transaction(write=True) as tx, pytest.raises(InvalidError, match="ring-uni-c4"):
-        Engine().create_study(tx, problem=small, hardware=HW, protocol=Protocol(),
+        Engine().create_study(tx, problem=small, hardware=HW, protocol=MeasurementProtocol(),
                               settings=SearchSettings(profile="cpu", seeds=seeded(THIRD)), now=START)
 
 

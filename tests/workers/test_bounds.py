@@ -15,7 +15,7 @@ from collective_matmul.programs.hlo import parse_module
 from collective_matmul.wire import (
     BoundsMeasurement,
     ConfirmResult,
-    Protocol,
+    MeasurementProtocol,
     SearchResult,
     Status,
     TrialKind,
@@ -26,7 +26,7 @@ COLLECTIVES = {"allgather_matmul": "all-gather", "matmul_reduce_scatter": "reduc
                "allgather_grad_weight": "all-gather"}
 COMMUNICATION = {"all-gather", "all-gather-start", "reduce-scatter", "collective-permute", "collective-permute-start",
                  "all-reduce", "all-reduce-start", "all-to-all"}
-PROTOCOL = Protocol(warmup=1, repeats=3)
+PROTOCOL = MeasurementProtocol(warmup=1, repeats=3)
 
 
 def problem(collective: str, dtype: str = "float32") -> Problem:
@@ -97,7 +97,7 @@ def test_a_bound_program_that_fails_is_a_status(monkeypatch):
 
 
 def test_bounds_over_their_timeout_keep_the_rounds_so_far():
-    b = Session(problem("allgather_matmul"), protocol=PROTOCOL).bounds(Protocol(warmup=0, repeats=50,
+    b = Session(problem("allgather_matmul"), protocol=PROTOCOL).bounds(MeasurementProtocol(warmup=0, repeats=50,
                                                                                 timeout_s=1e-6))
     assert b.status == Status.TIMEOUT and "stopped after 1 of 50" in b.message
     assert len(b.compute.samples_s) == len(b.communication.samples_s) == len(b.baseline.samples_s) == 1

@@ -15,7 +15,7 @@ from cmtune.workers.runner import LocalRunner
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.planning.costmodel import PROFILES, rank
 from collective_matmul.planning.space import candidates
-from collective_matmul.wire import Measurement, Protocol, TrialKind
+from collective_matmul.wire import Measurement, MeasurementProtocol, TrialKind
 
 PROBLEM = Problem.parse("ag:256x64x128:float32:8")
 WRONG = Decomposition(direction="bidirectional", chunks=2, unroll="full", accumulate="concat")
@@ -36,7 +36,7 @@ def sabotaged(problem, config, mesh, axis):
 
 @pytest.fixture(scope="module")
 def session():
-    return Session(PROBLEM, protocol=Protocol(warmup=1, repeats=3), build=sabotaged)
+    return Session(PROBLEM, protocol=MeasurementProtocol(warmup=1, repeats=3), build=sabotaged)
 
 
 def test_valid_candidate_is_timed_against_baseline(session):
@@ -71,7 +71,7 @@ def test_invalid_decomposition_is_never_compiled(session):
 
 def test_timeout_keeps_the_samples_so_far(session):
     m = session.measure(Decomposition(chunks=1, accumulate="concat"),
-                        Protocol(warmup=0, repeats=50, timeout_s=1e-6))
+                        MeasurementProtocol(warmup=0, repeats=50, timeout_s=1e-6))
     assert m.status == "timeout"
     assert len(m.candidate.samples_s) == 1 and "stopped after 1 of 50" in m.message
 
@@ -80,7 +80,7 @@ def test_inputs_are_seeded_normal_not_zeros(session):
     x = jnp.asarray(session.x)
     assert float(jnp.std(x)) == pytest.approx(1.0, rel=0.1)
     assert float(jnp.abs(x).min()) > 0 or float(jnp.mean(jnp.abs(x))) > 0.5
-    again = Session(PROBLEM, protocol=Protocol(seed=0))
+    again = Session(PROBLEM, protocol=MeasurementProtocol(seed=0))
     assert bool(jnp.all(again.x == session.x))
 
 
@@ -95,7 +95,7 @@ def test_study_skips_wrong_and_broken_candidates_and_goes_on():
 
     settings = SearchSettings(sampler="enumerate", max_trials=6, confirm_top=2, confirm_repeats=3, profile="cpu")
     result = LocalTuner(LocalRunner(build=build)).tune(PROBLEM, Hardware.detect(), settings,
-                                                        Protocol(warmup=1, repeats=3))
+                                                        MeasurementProtocol(warmup=1, repeats=3))
     statuses = {t.decomposition: t.status for t in result.search}
     assert statuses[wrong] == "invalid" and statuses[broken] == "compile_error"
     assert result.tuned.invalid == 1 and result.tuned.failed == 1 and len(result.search) == 6
@@ -116,7 +116,7 @@ def test_a_ring_of_part_of_the_devices_runs_on_every_ring_of_them_at_once(spec):
     """8 devices, rings of 4 (or 2): the inputs sharded over the ring axis only, replicated over the rings, every
     ring running the candidate in the same program; measured on the ring's hardware, part of a slice of 8."""
     problem = Problem.parse(spec)
-    session = Session(problem, protocol=Protocol(warmup=1, repeats=3))
+    session = Session(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
     assert dict(session.mesh.shape) == {"rings": 8 // problem.axis_size, "ring": problem.axis_size}
     assert session.hardware.key == f"cpu:cpu:{problem.axis_size}:1/8"
     assert "rings" not in str(session.x.sharding.spec) and "rings" not in str(session.w.sharding.spec)
@@ -134,7 +134,7 @@ def test_a_ring_of_part_of_the_devices_runs_on_every_ring_of_them_at_once(spec):
 
 def test_a_weight_gradient_problem_is_measured_like_the_others():
     problem = Problem.parse("gw:256x64x128:float32:8")
-    session = Session(problem, protocol=Protocol(warmup=1, repeats=3))
+    session = Session(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
     assert session.x.shape == (256, 64) and session.w.shape == (256, 128)
     m = session.measure(Decomposition(direction="bidirectional", chunks=2, accumulate="input_dtype"))
     assert m.status == "ok", m.message
@@ -154,10 +154,11 @@ def test_calls_per_sample_keep_the_overhead_from_deciding_a_sample():
 
 def test_a_sample_of_k_calls_is_recorded_per_call_with_its_k():
     from collective_matmul import Decomposition, Problem
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     session = Session(Problem.parse("ag:64x32x64:float32:8"))
-    fixed = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), Protocol(repeats=3, warmup=1, calls=3))
+    fixed = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), MeasurementProtocol(repeats=3, warmup=1,
+                                                                                               calls=3))
     assert fixed.ok and fixed.candidate.calls == fixed.baseline.calls == 3 and len(fixed.candidate.samples_s) == 3
-    chosen = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), Protocol(repeats=3, warmup=1))
+    chosen = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), MeasurementProtocol(repeats=3, warmup=1))
     assert chosen.ok and chosen.candidate.calls == chosen.baseline.calls >= 1  # one K for both: they pair

@@ -18,7 +18,7 @@ from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs
 from collective_matmul.block import FixedConfigs
 from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
 from collective_matmul.planning.problem import Software
-from collective_matmul.wire import Protocol
+from collective_matmul.wire import MeasurementProtocol
 from collective_matmul.wire.bundle import TunedConfig
 from tests.cli import cmtune, flat, says
 
@@ -71,7 +71,7 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
         "unfit": FixedConfigs({"mlp_up": OpConfigs(forward=D("ring-uni-c32-full-dus"))}),
     }
     mesh = jax.make_mesh((8,), ("model",))
-    session = StepSession(BLOCK, mesh, axis="model", protocol=Protocol(warmup=1, repeats=3))
+    session = StepSession(BLOCK, mesh, axis="model", protocol=MeasurementProtocol(warmup=1, repeats=3))
     events = []
     result = session.measure(variants, on_event=events.append)
 
@@ -131,7 +131,7 @@ def test_a_search_round_times_exactly_its_variants_and_the_next_round_reuses_the
 
     def task(number: int, variants: dict) -> TrialTask:
         return TrialTask(id=number, study_id=1, kind="step", problem=None, decomposition=None, decompositions=[],
-                         protocol=Protocol(warmup=1, repeats=2),
+                         protocol=MeasurementProtocol(warmup=1, repeats=2),
                          step=StepTask(block=BLOCK, mesh={"data": 1, "model": 8}, configs=tuned, variants=variants))
 
     runner = LocalRunner()
@@ -153,7 +153,7 @@ def test_a_2d_mesh_shards_the_batch_over_the_data_axis():
 
     block = BLOCK.model_copy(update={"heads": 4, "global_batch": 4})
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    session = StepSession(block, mesh, protocol=Protocol(warmup=0, repeats=1))
+    session = StepSession(block, mesh, protocol=MeasurementProtocol(warmup=0, repeats=1))
     assert session.batch_axis == "data" and session.x.sharding.spec == P("data", "model", None)
     variants = {"as-written": standard_variants({})["as-written"], "tuned": FixedConfigs(TUNED)}
     result = session.measure(variants)
@@ -317,7 +317,7 @@ def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
                                     ratio=median, ratio_iqr=q3 - q1))
     return StepMeasurement(block=BLOCK, mesh={"model": 8}, tensor_axis="model",
                            hardware=Hardware(platform="cpu", device_kind="cpu", device_count=8),
-                           protocol=Protocol(repeats=4), variants=variants)
+                           protocol=MeasurementProtocol(repeats=4), variants=variants)
 
 
 def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread():
@@ -385,7 +385,7 @@ def test_when_the_reference_fails_while_timing_no_ratio_is_made_up():
 
     runs = {"as-written": reference, "tuned": lambda: 2.0}
     records = {name: {"name": name, "configs": {}} for name in runs}
-    interleave(runs, records, "as-written", time.monotonic(), Protocol(warmup=1, repeats=4), lambda _: None)
+    interleave(runs, records, "as-written", time.monotonic(), MeasurementProtocol(warmup=1, repeats=4), lambda _: None)
     assert records["as-written"]["status"] == "error"
     tuned = StepVariant(**records["tuned"])
     assert tuned.status == "error" and tuned.ratio is None and "the reference as-written failed" in tuned.message
@@ -398,13 +398,14 @@ def test_each_round_runs_the_variants_in_its_own_order_the_same_on_every_process
     import time
 
     from cmtune.workers.stepmeasure import interleave, round_order
-    from collective_matmul.wire import Protocol
+    from collective_matmul.wire import MeasurementProtocol
 
     names = ["as-written", "baseline", "tuned", "always-ring", "searched"]
     ran: list[str] = []
     runs = {name: (lambda name=name: ran.append(name)) for name in names}
     records = {name: {"name": name, "configs": {}} for name in runs}
-    interleave(runs, records, "as-written", time.monotonic(), Protocol(warmup=1, repeats=12, seed=3), lambda _: None)
+    interleave(runs, records, "as-written", time.monotonic(), MeasurementProtocol(warmup=1, repeats=12, seed=3),
+               lambda _: None)
     rounds = [ran[len(names) * (i + 1):len(names) * (i + 2)] for i in range(12)]  # after the warm-up
     assert all(sorted(r) == sorted(names) for r in rounds)  # every variant once a round
     assert rounds == [round_order(names, 3, i) for i in range(12)]  # a function of the seed and the round alone

@@ -12,11 +12,19 @@ import pytest
 
 import collective_matmul.ops.ring as ring
 from cmtune.steps import save_overrides
-from cmtune.workers.userstep import AsWritten, Built, SpecError, SpecRef, UserStepSession, pair_outputs, step_variants
+from cmtune.workers.userstep import (
+    Built,
+    CompiledWith,
+    SpecError,
+    SpecRef,
+    UserStepSession,
+    pair_outputs,
+    step_variants,
+)
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned
 from collective_matmul.planning.models import slot_problems
 from collective_matmul.planning.problem import Software
-from collective_matmul.wire import Protocol, StepMeasurement
+from collective_matmul.wire import MeasurementProtocol, StepMeasurement
 from collective_matmul.wire.bundle import RoleOverride, TunedConfig
 from tests.cli import cmtune, flat, says
 from tests.steps import gspmd_mlp
@@ -53,7 +61,7 @@ def test_outputs_pair_with_the_arguments_of_their_structure():
 
 def session(fn, repeats=2):
     reference = Built.of(fn, None)
-    return UserStepSession(fn, reference, model=fn.__name__, protocol=Protocol(repeats=repeats, warmup=1))
+    return UserStepSession(fn, reference, model=fn.__name__, protocol=MeasurementProtocol(repeats=repeats, warmup=1))
 
 
 def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(monkeypatch):
@@ -102,7 +110,7 @@ def test_the_step_as_written_is_also_timed_with_xlas_windowed_einsum_off_and_on_
         variants = step_variants(Tuned(), platform)
         assert list(variants)[:3] == ["as-written", "as-written-windowed-einsum-off", "as-written-windowed-einsum-on"]
         assert variants["as-written-windowed-einsum-on"].options == windowed_einsum(platform, "on")
-    result = session(gspmd_mlp.mlp_step).measure({"as-written": None, "unknown-option": AsWritten(
+    result = session(gspmd_mlp.mlp_step).measure({"as-written": None, "unknown-option": CompiledWith(
         {"xla_no_such_option_here": 1})})
     unknown = result.variant("unknown-option")
     assert result.variant("as-written").ok and unknown.status == "compile_error"
