@@ -72,6 +72,9 @@ def step_spec(argv: Sequence[str], *, tuned=None, devices: Sequence | None = Non
         abstract: abstract arguments (discovery, compiles) or MaxText's initialised state and a synthetic batch
             (verify, runs).  Default: abstract only for devices that cannot run here (a TPU topology); give
             True for a model too large to initialise on this host.
+
+    Raises:
+        ValueError: for a ``tuned`` source on a mesh with two tensor-parallel axes larger than 1 (`tensor_axis`).
     """
     import jax
     from flax import nnx
@@ -93,7 +96,7 @@ def step_spec(argv: Sequence[str], *, tuned=None, devices: Sequence | None = Non
         params_shardings)
     step = jax.jit(func, in_shardings=in_shard, out_shardings=out_shard, static_argnums=static_argnums,
                    donate_argnums=donate_argnums)
-    ring = tensor_axis(mesh)
+    ring = tensor_axis(mesh) if tuned is not None else None  # the step as written needs no ring
     names = tensor_names(cfg.logical_axis_rules, ring) if ring else ()
 
     def context():
