@@ -114,6 +114,19 @@ class StepDecision:
     summary: str
     record: StepChoice | None = None  # what is stored and served (None: no decision could be made)
 
+    @classmethod
+    def failed(cls, summary: str, *, variant: str = "tuned") -> StepDecision:
+        """No decision: ``variant`` runs as it is, with no overrides, and ``summary`` says why."""
+        return cls(ok=False, variant=variant, ratio=None, overrides={}, reasons={}, summary=summary)
+
+    @classmethod
+    def made(cls, record: StepChoice, *, overrides: dict[str, OpConfigs], reasons: dict[str, str]) -> StepDecision:
+        """The decision ``record`` holds, its summary naming the roles it overrides."""
+        summary = record.summary + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
+        record = record.model_copy(update={"summary": summary[:2000]})
+        return cls(ok=True, variant=record.variant, ratio=record.ratio, overrides=overrides, reasons=reasons,
+                   summary=summary, record=record)
+
     def role_overrides(self, model: str, hardware: Hardware,
                        problems: dict[str, dict[str, Problem]] | None = None, *,
                        software: Software | None = None) -> list[RoleOverride]:
@@ -153,11 +166,10 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
     try:
         reference, tuned_variant = measurement.variant(measurement.reference), measurement.variant("tuned")
     except KeyError as exc:
-        return StepDecision(False, "tuned", None, {}, {}, f"the step measurement is incomplete: {exc}")
+        return StepDecision.failed(f"the step measurement is incomplete: {exc}")
     if not (reference.ok and tuned_variant.ok):
         bad = next(v for v in (reference, tuned_variant) if not v.ok)
-        return StepDecision(False, "tuned", None, {}, {},
-                            f"the step could not be measured: {bad.name} {bad.status}: {bad.message}")
+        return StepDecision.failed(f"the step could not be measured: {bad.name} {bad.status}: {bad.message}")
     contenders = [v.name for v in measurement.variants if _changes(v, tuned)]
     found = _fastest(measurement, "tuned", contenders)
     chosen, overrides, reasons = "tuned", {}, {}
@@ -168,9 +180,7 @@ def step_decision(measurement: StepMeasurement, tuned: dict[str, OpConfigs]) -> 
                          f"{_does(role, configs)} for {measurement.name}" for role, configs in overrides.items()}
     graded = grading_rounds(measurement, chosen)  # report from fresh rounds where the worker ran them
     record = _choice(graded, chosen, fresh=graded is not measurement, overrides=reasons)
-    summary = record.summary + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
-    record = record.model_copy(update={"summary": summary[:2000]})
-    return StepDecision(True, chosen, record.ratio, overrides, reasons, summary, record)
+    return StepDecision.made(record, overrides=overrides, reasons=reasons)
 
 
 def _changes(variant: StepVariant, tuned: dict[str, OpConfigs]) -> dict[str, OpConfigs]:
@@ -558,13 +568,13 @@ class StepSearch:
             a decision that is not ``ok`` if the search failed.
         """
         if self.failure is not None or self.incumbent is None:
-            return StepDecision(False, "tuned", None, {}, {}, self.failure or "the step search has no round")
+            return StepDecision.failed(self.failure or "the step search has no round")
         chosen, fresh = self.incumbent, True
         usable = [m for m in ([graded] if graded is not None else []) + [r for _, r in reversed(self.rounds) if r]
                   if timed(m, m.reference) and timed(m, chosen)]
         measurement = usable[0] if usable else None
         if measurement is None:
-            return StepDecision(False, chosen, None, {}, {}, f"no round timed {chosen} and the step as written")
+            return StepDecision.failed(f"no round timed {chosen} and the step as written", variant=chosen)
         fresh = measurement is graded
         slower = self._fixed_faster(graded, chosen) if fresh else None
         if slower is not None:  # the rounds that chose it favoured it; the fresh ones put a fixed setting ahead
@@ -585,9 +595,7 @@ class StepSearch:
         if slower is not None:
             record = record.model_copy(update={"summary": f"{record.summary}; the search's choice {self.incumbent} "
                                                f"was slower than {chosen} in the fresh rounds, so {chosen} runs"})
-        summary = record.summary + (f"; overrides: {', '.join(sorted(overrides))}" if overrides else "")
-        record = record.model_copy(update={"summary": summary[:2000]})
-        return StepDecision(True, chosen, record.ratio, overrides, reasons, summary, record)
+        return StepDecision.made(record, overrides=overrides, reasons=reasons)
 
     def _fixed_faster(self, graded: StepMeasurement, chosen: str) -> tuple[str, Quartiles] | None:
         """The fixed setting the grading's fresh rounds timed faster than ``chosen`` in the median (the fastest such,
