@@ -187,21 +187,20 @@ def dense_layers(source=None, *, mesh=None, axis: str | None = None, tensor_name
     def product(inputs, kernel, axes, contract_ind, matmul_precision, quant_dot_general, initializing,
                 out_sharding=None, kernel_scale=None, **kwargs):
         layer = current.get()
-        plain = (inputs, kernel, axes, contract_ind, matmul_precision, quant_dot_general, initializing, out_sharding)
-        if layer is None:
-            return compute(*plain, kernel_scale=kernel_scale, **kwargs)
-        if quant_dot_general is not None or kernel_scale is not None or inputs.dtype != kernel.dtype:
-            source.fell_back(layer._cmtune_role, "a quantized product (MaxText's quant): it runs MaxText's own")
-            return compute(*plain, kernel_scale=kernel_scale, **kwargs)
-        if axis is None:
-            source.fell_back(layer._cmtune_role, f"no tensor-parallel axis of size > 1 in the mesh "
-                                                 f"{dict(mesh.shape)} ({', '.join(TENSOR_AXES)})")
-            return compute(*plain, kernel_scale=kernel_scale, **kwargs)
-        drop_in = DotGeneral(source, mesh=mesh, axis=axis, kernel_axes=layer.kernel_axes, tensor_names=tensor_names,
-                             role=layer._cmtune_role)
-        kept = {"out_sharding": out_sharding} if out_sharding is not None else {}
-        return drop_in(inputs, kernel, ((tuple(axes), tuple(contract_ind)), ((), ())),
-                       precision=jax.lax.Precision(matmul_precision), **kept)
+        if layer is not None:
+            if quant_dot_general is not None or kernel_scale is not None or inputs.dtype != kernel.dtype:
+                why = "a quantized product (MaxText's quant): it runs MaxText's own"
+            elif axis is None:
+                why = f"no tensor-parallel axis of size > 1 in the mesh {dict(mesh.shape)} ({', '.join(TENSOR_AXES)})"
+            else:
+                drop_in = DotGeneral(source, mesh=mesh, axis=axis, kernel_axes=layer.kernel_axes,
+                                     tensor_names=tensor_names, role=layer._cmtune_role)
+                kept = {"out_sharding": out_sharding} if out_sharding is not None else {}
+                return drop_in(inputs, kernel, ((tuple(axes), tuple(contract_ind)), ((), ())),
+                               precision=jax.lax.Precision(matmul_precision), **kept)
+            source.fell_back(layer._cmtune_role, why)
+        return compute(inputs, kernel, axes, contract_ind, matmul_precision, quant_dot_general, initializing,
+                       out_sharding, kernel_scale=kernel_scale, **kwargs)
 
     models.Transformer.__call__, linears.DenseGeneral.__call__ = named, scoped
     if source is not None:

@@ -319,7 +319,7 @@ class _Product:
     def scattered(self) -> _Scattered | None:
         return _scattered(self.module, self.comp, self.dot)
 
-    @property
+    @functools.cached_property
     def exchanged(self) -> Instruction | None:
         """The all-to-all that feeds an operand (expert or sequence parallelism's exchange), if one does."""
         return next((i for i in (_through(self.comp, o) for o in (self.lhs, self.rhs)) if i.opcode == "all-to-all"),
