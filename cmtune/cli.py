@@ -2,7 +2,8 @@
 
 `cmtune.tuning` (tune, bench, problems, verify on local devices; their `--step` paths in
 `cmtune.steps`), `cmtune.worker` (worker), `cmtune.serving` (serve, token, db), `cmtune.submit`
-(submit, status: clients of the REST API, needing neither the service nor JAX) and `cmtune.demo`;
+(submit, status: clients of the REST API, needing neither the service nor JAX), `cmtune.gpus`
+(gpu-card: the cards of compiles without a GPU) and `cmtune.demo`;
 what they share is in `cmtune.common` (the console, the server and token options).  Each group's
 module imports only Typer and `cmtune.common` at its top, so `cmtune --help` runs on every host.
 """
@@ -13,10 +14,10 @@ from typing import Annotated
 
 import typer
 
-from cmtune import demo, serving, submit, tuning, worker
+from cmtune import demo, gpus, serving, submit, tuning, worker
 
 app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True)
-for group in (demo, submit, tuning, worker, serving):
+for group in (demo, submit, tuning, worker, serving, gpus):
     app.add_typer(group.app)
 
 VERBOSE = typer.Option("--verbose", "-v", help="log everything, the full validation errors of a bad file included")

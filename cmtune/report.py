@@ -223,10 +223,14 @@ def compiled_table(results, *, title: str) -> Table:
     for name, justify in (("program", "left"), ("status", "left"), ("compile", "right"), ("memory / device", "right"),
                           ("overlap", "left"), ("why", "left")):
         table.add_column(name, justify=justify)
+    from collective_matmul.planning.xla_options import windowed_einsum
+
     for r in results:
         name = r.decomposition.id
-        if r.decomposition.method == "baseline" and (r.xla_options or r is results[0]):
-            name = f"as written (XLA windowed einsum {'off' if r.xla_options else 'default'})"
+        off = windowed_einsum(r.hardware.platform, "off") or {}
+        is_off = bool(off) and off.items() <= r.xla_options.items()
+        if r.decomposition.method == "baseline" and (is_off or r is results[0]):
+            name = f"as written (XLA windowed einsum {'off' if is_off else 'default'})"
         elif r.decomposition.method == "xla":
             name = "xla (the product as written, XLA's windowed einsum on)"
         colour = {"overlaps": "green", "serialised": "red", "partly": "yellow"}.get(r.overlap or "", "")

@@ -36,7 +36,7 @@ def prepare(devices: str) -> DeviceSpec | None:
     spec = devices_option(devices)
     if spec.kind == "auto":
         spec = DeviceSpec.parse(DEFAULT_DEVICES)
-    if spec.kind == "tpu":
+    if spec.compile_only:
         try:
             configure(spec)
         except TopologyError as exc:
@@ -74,7 +74,7 @@ def discover_step(ref: SpecRef, fn, spec: DeviceSpec | None = None):
     from cmtune.workers.userstep import Built
     from collective_matmul.programs.discovery import discover
 
-    devices = spec.tpu_devices() if spec is not None and spec.kind == "tpu" else None
+    devices = spec.compiled_devices() if spec is not None and spec.compile_only else None
     with spec_errors():
         built = Built.of(fn, None, spec=str(ref), devices=devices)
         return built, discover(built.step, built.args, built.mesh)
@@ -99,6 +99,15 @@ def show_discovery(ref: SpecRef, built, discovery) -> None:
                       "collective_matmul.ops.share)")
     for warning in discovery.warnings:
         console.print(f"[yellow]{warning}[/yellow]")
+    deviceless(built.mesh)
+
+
+def deviceless(mesh) -> None:
+    """Say what a compile for deviceless GPUs set (nothing for other devices)."""
+    from collective_matmul.programs.gpus import deviceless_note, deviceless_options
+
+    if note := deviceless_note(deviceless_options(mesh.devices.flat)):
+        console.print(note)
 
 
 def no_problems(ref: SpecRef, discovery) -> None:
@@ -185,7 +194,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
         raise typer.BadParameter("--compile-only compiles in one process: give virtual:N or tpu:TOPOLOGY",
                                  param_hint="--devices")
     ref, fn = load(step)
-    topology = spec.tpu_devices() if spec.kind == "tpu" else None
+    topology = spec.compiled_devices() if spec.compile_only else None
     tuned = verified_client(server, token, bundle, name or ref.name)
     tuned.share = share
     with spec_errors():
@@ -204,16 +213,19 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
             unshared_step = Built.of(fn, unshared(tuned), spec=str(ref), devices=topology)
         rows.append(_compiled_row("tuned-no-share", unshared_step, {}))
     show_sites(ref, sites)
-    where = f"tpu:{spec.topology}" if spec.kind == "tpu" else platform
+    where = spec.label if spec.compile_only else platform
     mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
     console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
+    deviceless(reference.mesh)
 
 
 def _compiled_row(label: str, built, options: dict) -> tuple:
     """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
     that does not compile is a row with the reason."""
+    from collective_matmul.programs.gpus import deviceless_options
     from collective_matmul.programs.schedule import overlap
 
+    options = {**deviceless_options(built.mesh.devices.flat), **options}
     started = time.monotonic()
     try:
         compiled = built.step.lower(*built.args).compile(compiler_options=options or None)

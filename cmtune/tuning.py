@@ -83,10 +83,13 @@ def _compile_sweep(problems, spec, devices=None) -> list:
     from cmtune.workers.aot import compile_all
     from cmtune.workers.measure import ring_mesh_of
     from collective_matmul.planning.space import candidates
+    from collective_matmul.programs.gpus import deviceless_note, deviceless_options
 
-    devices = list(devices) if devices is not None else spec.tpu_devices() if spec.kind == "tpu" else jax.devices()
-    where = f"tpu:{spec.topology}" if spec.kind == "tpu" else devices[0].platform
+    devices = list(devices) if devices is not None else spec.compiled_devices() if spec.compile_only else jax.devices()
+    where = spec.label if spec.compile_only else devices[0].platform
     leader, everything = jax.process_index() == 0, []
+    if leader and (note := deviceless_note(deviceless_options(devices))):
+        console.print(note)
     for problem in problems:
         try:
             mesh = ring_mesh_of(devices, problem.axis_size)
@@ -188,7 +191,7 @@ def tune(
 
         if problem or model or mesh:
             raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
-        if compile_only or devices.startswith("tpu:"):
+        if compile_only or devices.startswith(("tpu:", "gpu:")):
             return steps.tune(step, devices, lambda found, mesh, axis: _compile_sweep(
                 found, devices_option(devices), devices=list(mesh.devices.flat)))
         return steps.tune(step, devices, lambda found, mesh, axis: _tune(found, ring=mesh.shape[axis], mesh=mesh,
@@ -394,7 +397,7 @@ def verify(
 
         if model or mesh:
             raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
-        if compile_only or devices.startswith("tpu:"):
+        if compile_only or devices.startswith(("tpu:", "gpu:")):
             if decide:
                 raise typer.BadParameter("--decide times the step: it needs devices that run (not --compile-only)")
             return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name,
@@ -405,7 +408,7 @@ def verify(
                             share=share)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
-    if compile_only or devices.startswith("tpu:"):
+    if compile_only or devices.startswith(("tpu:", "gpu:")):
         raise typer.BadParameter("--compile-only verifies a step spec (--step): the reference block is timed only")
     if name:
         raise typer.BadParameter("--name is for --step (a model's overrides are stored under its name)")

@@ -33,14 +33,16 @@ def pg_url():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``tpu_aot`` compile for TPU topologies: they skip, saying what to install, where libtpu is not
-    installed (CI installs it and fails on a skip)."""
+    """Tests marked ``tpu_aot`` compile for TPU topologies, ``gpu_aot`` for GPU nodes: they skip, saying what to
+    install, where libtpu or JAX's CUDA plugin is not installed (CI installs both and fails on a skip)."""
     import importlib.util
 
-    if importlib.util.find_spec("libtpu") is not None:
-        return
-    skip = pytest.mark.skip(reason="no libtpu: pip install 'cmtune[tpu]' (JAX's TPU build) to compile for TPU "
-                                   "topologies")
+    missing = {}
+    if importlib.util.find_spec("libtpu") is None:
+        missing["tpu_aot"] = "no libtpu: pip install 'cmtune[tpu]' (JAX's TPU build) to compile for TPU topologies"
+    if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        missing["gpu_aot"] = "no JAX CUDA plugin: pip install 'cmtune[gpu]' to compile for GPU nodes"
     for item in items:
-        if "tpu_aot" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in missing.items():
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,4 +1,4 @@
-"""Compiling candidates for devices that cannot run them here (a TPU slice compiled ahead of time).
+"""Compiling candidates for devices that cannot run them here (a TPU slice or a GPU node compiled ahead of time).
 
 `CompileSession` is the measurement protocol without its timing: each candidate of a problem is lowered for
 abstract inputs laid out as the problem says, compiled by the backend's real compiler, and recorded as a
@@ -33,6 +33,7 @@ from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Problem
 from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
+from collective_matmul.programs.gpus import deviceless_options
 from collective_matmul.programs.schedule import overlap
 from collective_matmul.wire import CompiledCandidate
 
@@ -71,6 +72,7 @@ class CompileSession:
         return self._compiled(record, plain_program(self.problem, self.mesh, self.axis), options or {})
 
     def _compiled(self, record: dict, program, options: dict) -> CompiledCandidate:
+        options = {**deviceless_options(self.mesh.devices.flat), **options}
         started = time.perf_counter()
         try:
             compiled = jax.jit(program).lower(*self.args).compile(compiler_options=options or None)

@@ -81,17 +81,21 @@ def join(spec: ClusterSpec) -> None:
 
 DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N (N local gloo processes), "
                 "processes:PxD[@PLATFORM] (P processes of D devices each: CPU devices over gloo by default, @gpu: D "
-                "GPUs each) or tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, compiled for ahead of time: needs "
-                "libtpu, nothing runs)")
+                "GPUs each), tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, compiled for ahead of time: needs "
+                "libtpu, nothing runs) or gpu:CARD:D / gpu:CARD:HxD (H hosts of D NVIDIA GPUs such as gpu:h100:8, "
+                "compiled for ahead of time: needs cmtune[gpu], nothing runs)")
 _TOPOLOGY = re.compile(r"[a-z][a-z0-9]*:\d+(x\d+)*")
+_GPU_NODE = re.compile(r"(?P<card>[a-z0-9][a-z0-9_.-]*):(?:(?P<hosts>\d+)x)?(?P<per_host>\d+)")
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """``auto``, ``virtual:N``, ``processes:N``, ``processes:PxD`` or ``tpu:TOPOLOGY`` as given on the command line.
+    """``auto``, ``virtual:N``, ``processes:N``, ``processes:PxD``, ``tpu:TOPOLOGY`` or ``gpu:CARD:HxD`` as given on
+    the command line.
 
-    ``local`` is D of ``processes:PxD`` (devices per process), 0 where the command decides; ``topology`` is a TPU
-    slice's name as libtpu takes it (``v5p:2x2x1``): its devices are compiled for, never run.
+    ``local`` is D of ``processes:PxD`` and ``gpu:CARD:HxD`` (devices per process or host), 0 where the command
+    decides; ``count`` is P or H.  ``topology`` is a TPU slice's name as libtpu takes it (``v5p:2x2x1``) or a GPU
+    card's (``h100``): their devices are compiled for, never run.
     """
 
     kind: str
@@ -117,6 +121,13 @@ class DeviceSpec:
                 raise ValueError(f"{text!r}: expected tpu:TOPOLOGY, a TPU slice as libtpu names it (tpu:v5p:2x2x1, "
                                  "tpu:v5e:2x2, tpu:v4:4x4x4)")
             return cls("tpu", topology=topology)
+        if text.startswith("gpu:"):
+            node = _GPU_NODE.fullmatch(text.removeprefix("gpu:"))
+            if node is None or int(node["per_host"]) < 1 or (node["hosts"] is not None and int(node["hosts"]) < 1):
+                raise ValueError(f"{text!r}: expected gpu:CARD:D or gpu:CARD:HxD, D GPUs on each of H hosts "
+                                 "(gpu:h100:8, gpu:b200:2x8)")
+            return cls("gpu", count=int(node["hosts"] or 1), local=int(node["per_host"]), topology=node["card"],
+                       platform="gpu")
         kind, _, count = text.partition(":")
         local = ""
         if kind == "processes" and "x" in count:
@@ -130,11 +141,30 @@ class DeviceSpec:
 
     @property
     def compile_only(self) -> bool:
-        """True for a TPU topology: programs are compiled for its devices and checked, never timed."""
-        return self.kind == "tpu"
+        """True for a TPU slice or a GPU node: programs are compiled for its devices and checked, never timed."""
+        return self.kind in ("tpu", "gpu")
 
-    def tpu_devices(self) -> list:
-        """The devices of ``tpu:TOPOLOGY`` (`collective_matmul.programs.topology.tpu_devices`)."""
+    @property
+    def label(self) -> str:
+        """What the devices are called in output: the spec for compile-only ones (``gpu:h100:1x8``)."""
+        if self.kind == "gpu":
+            return f"gpu:{self.topology}:{self.count}x{self.local}"
+        return f"tpu:{self.topology}" if self.kind == "tpu" else self.kind
+
+    def compiled_devices(self) -> list:
+        """The devices of ``tpu:TOPOLOGY`` or ``gpu:CARD:HxD``, compiled for ahead of time here
+        (`collective_matmul.programs.topology.tpu_devices`, `collective_matmul.programs.gpus.gpu_devices`).
+
+        Raises:
+            ValueError: the spec is not compile-only; `TopologyError` or `GpuError` (both ValueErrors) when the
+                compiler or the card's config is not there (the message says how to get it).
+        """
+        if self.kind == "gpu":
+            from collective_matmul.programs.gpus import gpu_devices
+
+            return gpu_devices(self.topology, self.count, self.local)
+        if self.kind != "tpu":
+            raise ValueError(f"{self.label}: not a compile-only device spec")
         from collective_matmul.programs.topology import tpu_devices
 
         return tpu_devices(self.topology)
@@ -149,7 +179,7 @@ class DeviceSpec:
         """The devices this spec sets up in all, where it says (virtual:N, processes:PxD)."""
         if self.kind == "virtual":
             return self.count
-        if self.kind == "processes" and self.local:
+        if self.kind in ("processes", "gpu") and self.local:
             return self.count * self.local
         return None
 
@@ -203,10 +233,10 @@ def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
         return
     import jax
 
-    if spec.kind in ("virtual", "tpu") and not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")  # a TPU plugin installed for compiles must not start up
-    if spec.kind == "tpu":
-        spec.tpu_devices()  # libtpu is there and takes the name, or the command says what to do
+    if (spec.kind == "virtual" or spec.compile_only) and not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # a TPU or GPU plugin installed for compiles must not start up
+    if spec.compile_only:
+        spec.compiled_devices()  # the compiler is there and takes the name, or the command says what to do
         return
     count = spec.count if spec.kind == "virtual" else auto_virtual if spec.kind == "auto" else 0
     if count > 0:

@@ -956,11 +956,14 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None,
     """
     import jax
 
+    from collective_matmul.programs.gpus import deviceless_options
+
     jitted = step if hasattr(step, "lower") else jax.jit(step)
     lowered = jitted.lower(*args, **(kwargs or {}))
+    options = {**deviceless_options(_devices_of(args)), **(options or {})}
     with tempfile.TemporaryDirectory(prefix="cmtune-discover-") as directory, past_persistent_cache():
         compiled = lowered.compile(compiler_options={"xla_dump_to": directory,
-                                                     "xla_dump_hlo_pass_re": "spmd-partitioning", **(options or {})})
+                                                     "xla_dump_hlo_pass_re": "spmd-partitioning", **options})
         dumps = sorted(f for f in os.listdir(directory)
                        if re.search(r"after_(tpu-)?spmd-partitioning", f) and f.endswith(".txt"))
         if dumps:
@@ -970,6 +973,17 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None,
     # collectives, fused
     return compiled.as_text(), ("XLA wrote no partitioned module (one device: nothing to partition): the optimized "
                                 "module was read instead")
+
+
+def _devices_of(args: Sequence) -> list:
+    """The devices the first sharded argument of ``args`` is laid out on (none without one)."""
+    import jax
+
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and hasattr(sharding, "device_set"):
+            return sorted(sharding.device_set, key=lambda d: d.id)
+    return []
 
 
 @contextmanager

@@ -22,7 +22,7 @@ TPU_EXTRA = "pip install 'cmtune[tpu]' (JAX's TPU build, jax[tpu], with the libt
 
 
 class TopologyError(ValueError):
-    """A TPU topology that cannot be had here: libtpu is missing, or libtpu does not know the name."""
+    """Devices that cannot be compiled for here: the compiler is missing, or it does not know the name."""
 
 
 def tpu_devices(topology: str) -> list:

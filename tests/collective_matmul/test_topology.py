@@ -39,6 +39,26 @@ def test_a_malformed_topology_is_refused_with_what_to_give(text):
         DeviceSpec.parse(text)
 
 
+@pytest.mark.parametrize("text, card, hosts, per_host, label", [
+    ("gpu:h100:8", "h100", 1, 8, "gpu:h100:1x8"), ("gpu:b200:2x8", "b200", 2, 8, "gpu:b200:2x8"),
+    ("gpu:my-h100_nvl.2:4", "my-h100_nvl.2", 1, 4, "gpu:my-h100_nvl.2:1x4")])
+def test_a_gpu_device_spec_names_a_card_and_a_node_and_only_compiles(text, card, hosts, per_host, label):
+    spec = DeviceSpec.parse(text)
+    assert (spec.kind, spec.topology, spec.count, spec.local, spec.label) == ("gpu", card, hosts, per_host, label)
+    assert spec.compile_only and not spec.needs_group and spec.total == hosts * per_host
+
+
+@pytest.mark.parametrize("text", ["gpu:", "gpu:h100", "gpu:h100:0", "gpu:h100:0x8", "gpu:H100:8", "gpu:h100:2x"])
+def test_a_malformed_gpu_node_is_refused_with_what_to_give(text):
+    with pytest.raises(ValueError, match="expected gpu:CARD:D or gpu:CARD:HxD"):
+        DeviceSpec.parse(text)
+
+
+def test_compiled_devices_of_a_spec_that_runs_is_refused():
+    with pytest.raises(ValueError, match="not a compile-only device spec"):
+        DeviceSpec.parse("virtual:8").compiled_devices()
+
+
 @pytest.mark.parametrize("text, platform, local", [("processes:2x4", "cpu", 4), ("processes:2x4@cpu", "cpu", 4),
                                                    ("processes:2x4@gpu", "gpu", 4), ("processes:2x4@cuda", "gpu", 4)])
 def test_a_process_group_names_its_platform_in_one_grammar(text, platform, local):

@@ -1,0 +1,173 @@
+"""GPU without a GPU: programs compiled for NVIDIA nodes by XLA's real GPU compiler (JAX's CUDA plugin), nothing run.
+
+The cards' target configs come from the installed plugin (the XLA revision of the jaxlib in use) or from a card
+file written from devices; every candidate family compiles for H100 and B200 nodes with its memory and its
+schedule's verdict, read both ways (the rolled ring XLA keeps overlapped, the unrolled one it makes synchronous);
+discovery on a GPU compile lists what it lists on CPU devices.  Marked ``gpu_aot``: skipped, saying what to
+install, where the plugin is not installed (CI installs it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cmtune.workers.aot import CompileSession, compile_all
+from cmtune.workers.cluster import DeviceSpec
+from cmtune.workers.measure import ring_mesh_of
+from collective_matmul import Decomposition, Problem, allgather_matmul
+from collective_matmul.planning.space import candidates
+from collective_matmul.programs import gpus
+from collective_matmul.programs.schedule import overlap
+from collective_matmul.programs.topology import compile_only
+from tests.cli import cmtune
+
+pytestmark = pytest.mark.gpu_aot
+CARDS = ["h100", "b200"]
+D = Decomposition.from_id
+FAMILIES = ["ag:1024x512x1024:bfloat16:4", "rs:1024x512x1024:bfloat16:4", "gw:1024x512x1024:bfloat16:4"]
+
+
+@pytest.fixture(scope="module", params=CARDS)
+def devices(request):
+    return gpus.gpu_devices(request.param, 1, 4)
+
+
+def test_a_card_gives_devices_that_only_compile_numbered_host_by_host():
+    devices = gpus.gpu_devices("h100", 2, 4)
+    assert len(devices) == 8 and compile_only(devices) and {d.platform for d in devices} == {"gpu"}
+    assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}
+    assert [d.process_index for d in devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert gpus.is_deviceless_gpu(devices) and not gpus.is_deviceless_gpu(jax.devices())
+    assert DeviceSpec.parse("gpu:h100:2x4").compiled_devices()[7].device_kind == "NVIDIA H100 80GB HBM3"
+
+
+def test_the_plugin_has_a_config_for_every_card_cmtune_names():
+    kinds = gpus.embedded_kinds()
+    assert {card.device_kind for card in gpus.CARDS.values()} <= set(kinds)
+    assert 'device_description_str: "NVIDIA B200"' in gpus.target_config("b200")
+    with pytest.raises(gpus.GpuError, match="no GPU card 'h900'.*cmtune gpu-card save"):
+        gpus.gpu_devices("h900")
+
+
+def test_a_card_file_written_from_devices_compiles_for_any_node_shape(tmp_path, monkeypatch):
+    """`save_card` writes the topology XLA serializes for the devices (here a deviceless node's, on a GPU host
+    this host's GPUs); read back for another node shape, it gives that many devices of the same card."""
+    monkeypatch.setenv(gpus.ENV_CARD_DIR, str(tmp_path))
+    path = gpus.save_card("my-h200", gpus.gpu_devices("h200", 1, 8))
+    assert path == tmp_path / "my-h200.topology" and path.stat().st_size > 100
+    devices = gpus.gpu_devices("my-h200", 2, 2)
+    assert len(devices) == 4 and {d.device_kind for d in devices} == {"NVIDIA H200 141GB HBM3e"}
+    assert [d.process_index for d in devices] == [0, 0, 1, 1]
+    mesh = ring_mesh_of(devices, 4)
+    assert CompileSession(Problem.parse("ag:512x256x512:bfloat16:4"), mesh).compile(D("ring-uni-c1-u1-dus")).status \
+        == "compiled"
+    with pytest.raises(gpus.GpuError, match="lower-case letters"):
+        gpus.save_card("../evil", devices)
+    with pytest.raises(gpus.GpuError, match="written from GPU devices; these are cpu"):
+        gpus.save_card("cpu-card", jax.devices())
+
+
+def test_a_deviceless_compile_uses_cublas_unless_autotuning_results_are_given(monkeypatch):
+    devices = gpus.gpu_devices("h100", 1, 2)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    options = gpus.deviceless_options(devices)
+    assert options["xla_gpu_enable_triton_gemm"] is False and options["xla_gpu_multi_streamed_windowed_einsum"] is False
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is True  # as a GPU worker runs
+    assert "cuBLAS" in gpus.deviceless_note(options)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_load_autotune_results_from=/results.textproto "
+                                    "--xla_gpu_enable_latency_hiding_scheduler=false")
+    options = gpus.deviceless_options(devices)
+    assert "xla_gpu_enable_triton_gemm" not in options and "xla_gpu_enable_latency_hiding_scheduler" not in options
+    assert gpus.deviceless_options(jax.devices()) == {}
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_every_family_compiles_with_its_memory_and_a_verdict_both_ways(devices, key):
+    """A sample of each family's space compiles for the node, each with its memory per device and a verdict; the
+    rolled unidirectional ring overlaps (XLA keeps the permute of its loop body beside the product), the fully
+    unrolled one does not (XLA's GPU passes make most of its permutes synchronous)."""
+    problem = Problem.parse(key)
+    session = CompileSession(problem, ring_mesh_of(devices, 4))
+    space = candidates(problem, platform="gpu")
+    sample = [space[0], *space[1::9], space[-1]]
+    records = [session.compile(config) for config in sample]
+    assert all(r.status == "compiled" and r.memory_bytes and r.compile_s for r in records), [
+        (r.decomposition.id, r.message) for r in records]
+    assert records[0].overlap == "no permutes"  # cmtune's baseline: a plain collective, then the product
+    rolled = session.compile(D("ring-uni-c2-u1-" + ("dus" if problem.collective == "allgather_matmul" else "f32")))
+    unrolled = session.compile(D("ring-uni-c2-full-" + ("dus" if problem.collective == "allgather_matmul" else "f32")))
+    assert rolled.overlap == "overlaps", rolled.overlap_note
+    assert unrolled.overlap in ("synchronous", "serialised", "partly") and unrolled.overlap_note, unrolled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("card", CARDS)
+@pytest.mark.parametrize("key", FAMILIES)
+def test_every_candidate_of_every_family_compiles_for_h100_and_b200(card, key):
+    problem = Problem.parse(key)
+    session = CompileSession(problem, ring_mesh_of(gpus.gpu_devices(card, 1, 4), 4))
+    records = [session.compile(c) for c in candidates(problem, platform="gpu")]
+    assert not [(r.decomposition.id, r.message) for r in records if r.status != "compiled"]
+    assert any(r.overlap == "overlaps" for r in records)
+
+
+def test_a_fused_backward_compiles_for_a_gpu_node(devices):
+    """The backward of an all-gather matmul whose input-gradient and weight-gradient rings share one rolled loop:
+    in chunks of 2 a product sits beside a permute of the fused loop; in one chunk the fused loop's permutes have
+    nothing beside them (serialised on both cards, as compiled with jaxlib 0.12.0.1)."""
+    mesh = ring_mesh_of(devices, 4)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("ring", None)))
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ring")))
+
+    def compiled(chunks: int):
+        def loss(x, w):
+            y = allgather_matmul(x, w, mesh=mesh, axis="ring", config=D("ring-uni-c1-u1-dus"),
+                                 grad_input=D(f"ring-uni-c{chunks}-u1-f32"),
+                                 grad_weight=D(f"ring-uni-c{chunks}-u1-f32-fuse"))
+            return jnp.sum(y.astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile(gpus.deviceless_options(devices))
+
+    chunked, whole = compiled(2), compiled(1)
+    assert overlap(chunked.as_text()).verdict == "partly" and chunked.memory_analysis().temp_size_in_bytes > 0
+    assert overlap(whole.as_text()).verdict == "serialised"
+
+
+def test_xlas_windowed_einsum_compiles_for_a_gpu_node_as_a_candidate():
+    """On GPU the space holds ``method="xla"``; with the windowed einsum on (on one stream: see `gpus.DEVICELESS`)
+    a large all-gather matmul becomes XLA's loop of permutes, and with it off it stays one all-gather."""
+    problem = Problem.parse("ag:8192x4096x16384:bfloat16:8")
+    assert Decomposition.xla() in candidates(problem, platform="gpu")
+    default, off, xla = compile_all(problem, ring_mesh_of(gpus.gpu_devices("h100", 1, 8), 8), [Decomposition.xla()])
+    assert xla.status == "compiled", xla.message
+    assert xla.xla_options["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+    assert xla.xla_options["xla_gpu_multi_streamed_windowed_einsum"] is False
+    assert xla.overlap in ("overlaps", "partly", "synchronous", "serialised") and off.overlap == "no permutes"
+    assert default.overlap == "no permutes"  # XLA's default threshold leaves the product alone
+
+
+def test_bench_compile_only_on_a_gpu_node_says_what_it_set():
+    run = cmtune("bench", "--compile-only", "--devices", "gpu:h100:4", "--problem", "ag:512x256x512:bfloat16:4",
+                 timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = " ".join(run.stdout.split())
+    assert "compiled for gpu:h100:1x4" in out and "compiled without a GPU: GEMMs as cuBLAS calls" in out
+    assert "overlaps" in out and "no tuned config was written" in out
+
+
+def test_a_users_step_lists_the_same_problems_on_a_gpu_node_as_on_cpu_devices():
+    listed = []
+    for device_spec in ("gpu:h100:8", "virtual:8"):
+        run = cmtune("problems", "--step", "examples/flax_linen_llama.py:tiny_bf16_llama_step", "--devices",
+                     device_spec, "--json", timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        found = json.loads(run.stdout)
+        listed.append(sorted((p["role"], p["slot"], p["problem"]["collective"], p["problem"]["m"], p["problem"]["k"],
+                              p["problem"]["n"], p["problem"]["dtype"], p["count"]) for p in found["problems"]))
+    assert listed[0] == listed[1] and len(listed[0]) == 23  # 7 projections x 3 slots, 2 groups
