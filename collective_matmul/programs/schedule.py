@@ -63,8 +63,8 @@ class Overlap:
         if self.verdict == "no permutes":
             return "no collective-permute: nothing to overlap"
         if self.verdict == "synchronous":
-            return (f"{self.synchronous} collective-permutes run in place (the backend has no asynchronous "
-                    "permute): nothing overlaps them")
+            return (f"{self.synchronous} collective-permutes run in place (synchronous: the backend has no "
+                    "asynchronous permute, or its compiler left nothing to run beside them): nothing overlaps them")
         text = f"{hidden} of {len(self.windows)} permutes have a product scheduled while in flight"
         if self.synchronous:
             text += f"; {self.synchronous} more run in place"

@@ -104,7 +104,7 @@ function dataTable(id, columns, rows, { onclick, filter } = {}) {
     onclick: () => { state.dir = state.key === c.key ? -state.dir : 1; state.key = c.key; route(true); },
   }, c.label)));
   const body = shown.map((row) => el("tr", onclick ? { class: "clickable", onclick: () => onclick(row) } : {},
-    columns.map((c) => el("td", { class: c.num ? "num" : "" }, c.render ? c.render(row) : c.value(row) ?? "–"))));
+    columns.map((c) => el("td", { class: c.num ? "num" : c.wrap ? "wrap" : "" }, c.render ? c.render(row) : c.value(row) ?? "–"))));
   const search = el("input", { type: "search", placeholder: "filter…", value: state.filter, id: `${id}-filter`,
     oninput: (event) => { state.filter = event.target.value; route(true); } });
   return el("div", {}, el("div", { class: "toolbar" }, search, el("span", { class: "muted" }, `${shown.length} of ${rows.length}`)),
@@ -339,22 +339,24 @@ async function configsPage() {
   const have = new Set(tuned.map((c) => `${c.problem_key}|${c.hardware_key}|${c.software_key}`));
   const staleFor = (c) => [...stacks.values()].filter(({ key, w }) => key === c.hardware_key
     && !have.has(`${c.problem_key}|${c.hardware_key}|${w.software_key}`)).map(({ w }) => stack(w.software));
+  // what a config is and what it gains first (its verdict and memory beside its speedup), the bounds and its
+  // provenance after; the long keys wrap, so the table fits an ordinary window
   const columns = [
-    { key: "problem", label: "problem", value: (c) => c.problem_key },
-    { key: "hardware", label: "hardware", value: (c) => c.hardware_key },
+    { key: "problem", label: "problem", wrap: true, value: (c) => c.problem_key },
+    { key: "hardware", label: "hardware", wrap: true, value: (c) => c.hardware_key },
     { key: "decomposition", label: "decomposition", value: (c) => c.decomposition_id },
-    { key: "time", label: "time", num: true, value: (c) => c.time_s, render: (c) => ms(c.time_s) },
-    { key: "baseline", label: "baseline", num: true, value: (c) => c.baseline_s, render: (c) => ms(c.baseline_s) },
     { key: "speedup", label: "speedup", num: true, value: (c) => c.speedup, render: (c) => el("span", { class: c.speedup > 1 ? "good" : "" }, x(c.speedup)) },
-    { key: "compute", label: "compute", num: true, value: (c) => c.compute_s, render: (c) => ms(c.compute_s) },
-    { key: "communication", label: "communication", num: true, value: (c) => c.communication_s, render: (c) => ms(c.communication_s) },
-    { key: "bound", label: "bound", num: true, value: (c) => c.bound_s, render: (c) => ms(c.bound_s) },
-    { key: "hidden", label: "hidden", num: true, value: (c) => c.hidden_fraction, render: (c) => pct(c.hidden_fraction) },
     { key: "overlap", label: "overlap", value: (c) => c.overlap || "–" },
     { key: "memory", label: "memory", num: true, value: (c) => c.memory_bytes, render: (c) => mib(c.memory_bytes) },
+    { key: "time", label: "time", num: true, value: (c) => c.time_s, render: (c) => ms(c.time_s) },
+    { key: "baseline", label: "baseline", num: true, value: (c) => c.baseline_s, render: (c) => ms(c.baseline_s) },
+    { key: "hidden", label: "hidden", num: true, value: (c) => c.hidden_fraction, render: (c) => pct(c.hidden_fraction) },
+    { key: "bound", label: "bound", num: true, value: (c) => c.bound_s, render: (c) => ms(c.bound_s) },
+    { key: "compute", label: "compute", num: true, value: (c) => c.compute_s, render: (c) => ms(c.compute_s) },
+    { key: "communication", label: "comm.", num: true, value: (c) => c.communication_s, render: (c) => ms(c.communication_s) },
     { key: "trials", label: "trials", num: true, value: (c) => c.trials, render: (c) => `${c.trials} / ${c.space_size}` },
-    { key: "software", label: "measured on", value: (c) => stack(c.software) },
-    { key: "stale", label: "stale for", value: (c) => staleFor(c).join("; "),
+    { key: "software", label: "measured on", wrap: true, value: (c) => stack(c.software) },
+    { key: "stale", label: "stale for", wrap: true, value: (c) => staleFor(c).join("; "),
       render: (c) => (staleFor(c).length ? el("span", { class: "state stale" }, staleFor(c).join("; ")) : "–") },
   ];
   const field = (name, label) => el("input", { name, placeholder: label, value: params.get(name) || "" });

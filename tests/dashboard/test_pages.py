@@ -239,6 +239,24 @@ def test_laptop_width_and_no_external_assets(browser, site):
     context.close()
 
 
+@pytest.mark.parametrize("width", [1400, 2200])
+def test_the_configs_table_shows_every_configs_verdict_and_memory_at_an_ordinary_width(browser, site, width):
+    """The overlap and memory columns sit in the window, not behind the table's scroll bar (the long keys wrap);
+    at 2200 px every column does."""
+    context = browser.new_context(viewport={"width": width, "height": 900})
+    page = context.new_page()
+    page.goto(link(site["url"], "/ui/configs", site["tokens"]["reader"]))
+    page.wait_for_selector("#configs tbody tr")
+    for key in ("decomposition", "speedup", "overlap", "memory"):
+        box = page.locator(f'#configs th[data-key="{key}"]').bounding_box()
+        assert box and box["x"] + box["width"] <= width, (key, box)
+    fits = page.evaluate("(() => { const t = document.querySelector('#configs'); "
+                         "return t.parentElement.scrollWidth <= t.parentElement.clientWidth + 1; })()")
+    assert fits or width < 2200
+    shot(page, f"configs-{width}")
+    context.close()
+
+
 def test_without_a_token_the_page_asks_for_one(browser, site):
     context = browser.new_context()
     page = context.new_page()
