@@ -416,8 +416,9 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: ja
     ring = _Ring(axis, size, config)
     tiling = _Tiling((*x.shape[:-2], rows), config.chunks)
 
-    def part(offset) -> Pieces:
-        """This device's partial products for the output block ``i + offset``."""
+    def part(offset, pairs=pairs) -> Pieces:
+        """This device's partial products for the output block ``i + offset`` (of ``pairs``: the operands as the
+        step before fenced them)."""
         start = ((ring.index + offset) % size) * rows
         products = tuple(
             reduce(operator.add, (
@@ -431,31 +432,34 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: ja
             acc_dtype) for p, (*lead, row) in zip(products, tiling.offsets, strict=True))
 
     add = lambda a, b: tuple(u + v for u, v in zip(a, b, strict=True))  # noqa: E731
+    # Every step fences what it sends with the product it adds and the operands the next step multiplies
+    # (`_Ring.fence`): each step's products then wait for the step before, and no compiler merges them into one.
     if config.direction == "unidirectional":
         # Accumulator travels to i+1; at step t device i adds its part of block i-t-1.
-        acc = ring.loop(
-            lambda t, acc: add(ring.send_up(acc), part(-t - 1)),
-            part(-1),
-            1,
-            size,
-        )
+        def step(t, carry):
+            acc, operands = carry
+            sent, products, operands = ring.fence(ring.send_up(acc), part(-t - 1, operands), operands)
+            return add(sent, products), operands
+
+        acc, _ = ring.loop(step, ring.fence(part(-1), pairs), 1, size)
     else:
         # Stream A travels up (to i+1) for `hops_a` hops and ends with this device's own part;
         # stream B travels down for `hops_b` hops and only carries the other devices' parts.
         hops_a, hops_b = ring.hops
 
-        def middle(t, accs):
-            acc_a, acc_b = accs
-            return (
-                add(ring.send_up(acc_a), part(hops_a - t)),
-                add(ring.send_down(acc_b), part(t - hops_b)),
-            )
+        def middle(t, carry):
+            acc_a, acc_b, operands = carry
+            sent_a, sent_b, part_a, part_b, operands = ring.fence(
+                ring.send_up(acc_a), ring.send_down(acc_b), part(hops_a - t, operands), part(t - hops_b, operands),
+                operands)
+            return add(sent_a, part_a), add(sent_b, part_b), operands
 
-        acc_a, acc_b = ring.loop(middle, (part(hops_a), part(-hops_b)), 1, hops_b)
-        acc_a = add(ring.send_up(acc_a), part(hops_a - hops_b))
-        acc_b = ring.send_down(acc_b)
+        acc_a, acc_b, operands = ring.loop(middle, ring.fence(part(hops_a), part(-hops_b), pairs), 1, hops_b)
+        sent_a, acc_b, last, operands = ring.fence(ring.send_up(acc_a), ring.send_down(acc_b),
+                                                   part(hops_a - hops_b, operands), operands)
+        acc_a = add(sent_a, last)
         if hops_a > hops_b:
-            acc_a = add(ring.send_up(acc_a), part(0))
+            acc_a = add(ring.send_up(acc_a), part(0, operands))
         acc = add(acc_a, acc_b)
     return tiling.assemble(acc).astype(x.dtype)
 
@@ -534,6 +538,7 @@ def _gather_ring(
             cur, state = carry
             nxt = ring.send_down(cur)
             state, ys = use(state, cur, t)
+            nxt, state, ys = ring.fence(nxt, state, ys)  # the next block's products wait for this one's
             return (nxt, state), ys
 
         (cur, state), ys = ring.scan(step, (own, state), 0, size - 1)
@@ -544,18 +549,21 @@ def _gather_ring(
         hops_a, hops_b = ring.hops  # stream a brings blocks i+t, stream b brings blocks i-t
         a, b = ring.send_down(own), ring.send_up(own)
         state, mid = use(state, own, 0)
+        a, b, state, mid = ring.fence(a, b, state, mid)
 
         def step_bi(carry, t):
             a, b, state = carry
             next_a, next_b = ring.send_down(a), ring.send_up(b)
             state, ys_a = use(state, a, t)
             state, ys_b = use(state, b, -t)
-            return (next_a, next_b, state), ys_a + ys_b
+            next_a, next_b, state, ys = ring.fence(next_a, next_b, state, ys_a + ys_b)
+            return (next_a, next_b, state), ys
 
         (a, b, state), ys = ring.scan(step_bi, (a, b, state), 1, hops_b)
         last_a = ring.send_down(a) if hops_a > hops_b else None
         state, end_a = use(state, a, hops_b)
         state, end_b = use(state, b, -hops_b)
+        last_a, state, end_a, end_b = ring.fence(last_a, state, end_a, end_b)
         tail: tuple = ()
         if last_a is not None:
             state, tail = use(state, last_a, hops_a)
@@ -648,6 +656,17 @@ class _Ring:
     def send_down(self, pieces: Pieces) -> Pieces:
         """Each device sends to ``i-1`` (so it receives from ``i+1``)."""
         return tuple(lax.ppermute(p, self.axis, self._down) for p in pieces)
+
+    @staticmethod
+    def fence(*values):
+        """``values`` through one optimization barrier: what a step sends and what it computed leave it together.
+
+        Without it XLA may merge the products of an unrolled ring that share an operand into one product of the
+        concatenated blocks (its GPU pipeline's dot merger does), which then waits for every permute: the ring
+        becomes gather-then-multiply and its permutes run synchronously.  Fenced, each step's products depend on
+        the step before, so they stay one per step, each beside the next step's permute.
+        """
+        return lax.optimization_barrier(values)
 
     def loop(self, body: Callable[[Any, Any], Any], carry: Any, lower: int, upper: int) -> Any:
         """``carry = body(t, carry)`` for t in [lower, upper): Python-unrolled or `fori_loop`."""

@@ -88,10 +88,9 @@ def test_a_deviceless_compile_uses_cublas_unless_autotuning_results_are_given(mo
 
 
 @pytest.mark.parametrize("key", FAMILIES)
-def test_every_family_compiles_with_its_memory_and_a_verdict_both_ways(devices, key):
+def test_every_family_compiles_with_its_memory_and_a_verdict(devices, key):
     """A sample of each family's space compiles for the node, each with its memory per device and a verdict; the
-    rolled unidirectional ring overlaps (XLA keeps the permute of its loop body beside the product), the fully
-    unrolled one does not (XLA's GPU passes make most of its permutes synchronous)."""
+    unidirectional ring overlaps rolled and unrolled (every step's product beside the next step's permute)."""
     problem = Problem.parse(key)
     session = CompileSession(problem, ring_mesh_of(devices, 4))
     space = candidates(problem, platform="gpu")
@@ -100,10 +99,47 @@ def test_every_family_compiles_with_its_memory_and_a_verdict_both_ways(devices, 
     assert all(r.status == "compiled" and r.memory_bytes and r.compile_s for r in records), [
         (r.decomposition.id, r.message) for r in records]
     assert records[0].overlap == "no permutes"  # cmtune's baseline: a plain collective, then the product
-    rolled = session.compile(D("ring-uni-c2-u1-" + ("dus" if problem.collective == "allgather_matmul" else "f32")))
-    unrolled = session.compile(D("ring-uni-c2-full-" + ("dus" if problem.collective == "allgather_matmul" else "f32")))
-    assert rolled.overlap == "overlaps", rolled.overlap_note
-    assert unrolled.overlap in ("synchronous", "serialised", "partly") and unrolled.overlap_note, unrolled
+    accumulate = "dus" if problem.collective == "allgather_matmul" else "f32"
+    for unroll in ("u1", "full"):
+        ring = session.compile(D(f"ring-uni-c2-{unroll}-{accumulate}"))
+        assert ring.overlap == "overlaps", (unroll, ring.overlap_note)
+
+
+def test_the_verdict_both_ways_and_the_fence_that_keeps_a_rings_products_apart(devices):
+    """The same unrolled ring written plainly and with each step fenced (`collective_matmul.ops.ring._Ring.fence`):
+    plain, XLA's GPU pipeline merges its products (one cuBLAS call of the concatenated blocks) and runs every
+    permute synchronously; fenced, one GEMM per step and every permute beside a product.  A ring whose every
+    permute needs the product before it (a data dependence) is serialised."""
+    mesh = ring_mesh_of(devices, 4)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("ring", None)))
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ring")))
+    pairs = [(i, (i + 1) % 4) for i in range(4)]
+
+    def ring(fenced: bool = False, serial: bool = False):
+        def body(x, w):
+            outs, block = [], x
+            for step in range(4):
+                if serial:  # each permute needs the product before it, each product the block it brings
+                    block = jax.lax.ppermute(block + outs[-1][:, :1].astype(block.dtype) if outs else block, "ring",
+                                             pairs)
+                    outs.append(jnp.dot(block, w))
+                    continue
+                following = jax.lax.ppermute(block, "ring", pairs) if step < 3 else None
+                product = jnp.dot(block, w)
+                if fenced and following is not None:
+                    following, product = jax.lax.optimization_barrier((following, product))
+                outs.append(product)
+                block = following
+            return jnp.concatenate(outs, 0)
+
+        step = jax.shard_map(body, mesh=mesh, in_specs=(P("ring", None), P(None, "ring")), out_specs=P(None, "ring"))
+        return jax.jit(step).lower(x, w).compile(gpus.deviceless_options(devices)).as_text()
+
+    plain, fenced = ring(), ring(fenced=True)
+    assert overlap(plain).verdict == "synchronous" and plain.count('custom_call_target="__cublas') == 1
+    assert overlap(fenced).verdict == "overlaps" and fenced.count('custom_call_target="__cublas') == 4
+    assert overlap(fenced).summary() == "3 of 3 permutes have a product scheduled while in flight"
+    assert overlap(ring(serial=True)).verdict in ("serialised", "synchronous")
 
 
 @pytest.mark.slow
@@ -117,26 +153,26 @@ def test_every_candidate_of_every_family_compiles_for_h100_and_b200(card, key):
     assert any(r.overlap == "overlaps" for r in records)
 
 
-def test_a_fused_backward_compiles_for_a_gpu_node(devices):
-    """The backward of an all-gather matmul whose input-gradient and weight-gradient rings share one rolled loop:
-    in chunks of 2 a product sits beside a permute of the fused loop; in one chunk the fused loop's permutes have
-    nothing beside them (serialised on both cards, as compiled with jaxlib 0.12.0.1)."""
+def test_a_fused_backward_compiles_for_a_gpu_node_and_overlaps(devices):
+    """The backward of an all-gather matmul whose input-gradient and weight-gradient rings share one loop: rolled
+    or unrolled, unidirectional, every permute of the program has a product beside it; bidirectional, partly."""
     mesh = ring_mesh_of(devices, 4)
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("ring", None)))
     w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ring")))
 
-    def compiled(chunks: int):
+    def compiled(ring: str):
         def loss(x, w):
-            y = allgather_matmul(x, w, mesh=mesh, axis="ring", config=D("ring-uni-c1-u1-dus"),
-                                 grad_input=D(f"ring-uni-c{chunks}-u1-f32"),
-                                 grad_weight=D(f"ring-uni-c{chunks}-u1-f32-fuse"))
+            y = allgather_matmul(x, w, mesh=mesh, axis="ring", config=D(f"{ring}-dus"), grad_input=D(f"{ring}-f32"),
+                                 grad_weight=D(f"{ring}-f32-fuse"))
             return jnp.sum(y.astype(jnp.float32))
 
         return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile(gpus.deviceless_options(devices))
 
-    chunked, whole = compiled(2), compiled(1)
-    assert overlap(chunked.as_text()).verdict == "partly" and chunked.memory_analysis().temp_size_in_bytes > 0
-    assert overlap(whole.as_text()).verdict == "serialised"
+    for ring in ("ring-uni-c1-u1", "ring-uni-c1-full"):
+        program = compiled(ring)
+        assert overlap(program.as_text()).verdict == "overlaps", ring
+        assert program.memory_analysis().temp_size_in_bytes > 0
+    assert overlap(compiled("ring-bi-c1-full").as_text()).verdict == "partly"
 
 
 def test_xlas_windowed_einsum_compiles_for_a_gpu_node_as_a_candidate():
@@ -161,13 +197,16 @@ def test_bench_compile_only_on_a_gpu_node_says_what_it_set():
     assert "overlaps" in out and "no tuned config was written" in out
 
 
-def test_a_users_step_lists_the_same_problems_on_a_gpu_node_as_on_cpu_devices():
+@pytest.mark.parametrize("spec, listed_problems", [("examples/flax_nnx_gpt.py:tiny_gpt_step", 12),
+                                                    ("examples/flax_linen_llama.py:tiny_bf16_llama_step", 23)])
+def test_a_users_step_lists_the_same_problems_on_a_gpu_node_as_on_cpu_devices(spec, listed_problems):
+    """`cmtune problems --step` for an H100 node compiled ahead of time (an NNX model; a linen Llama with nn.scan
+    over remat layers, in bfloat16) lists the roles, slots, problems and counts of CPU devices of the same mesh."""
     listed = []
     for device_spec in ("gpu:h100:8", "virtual:8"):
-        run = cmtune("problems", "--step", "examples/flax_linen_llama.py:tiny_bf16_llama_step", "--devices",
-                     device_spec, "--json", timeout=600)
+        run = cmtune("problems", "--step", spec, "--devices", device_spec, "--json", timeout=600)
         assert run.returncode == 0, run.stdout + run.stderr
         found = json.loads(run.stdout)
         listed.append(sorted((p["role"], p["slot"], p["problem"]["collective"], p["problem"]["m"], p["problem"]["k"],
                               p["problem"]["n"], p["problem"]["dtype"], p["count"]) for p in found["problems"]))
-    assert listed[0] == listed[1] and len(listed[0]) == 23  # 7 projections x 3 slots, 2 groups
+    assert listed[0] == listed[1] and len(listed[0]) == listed_problems
