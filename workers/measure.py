@@ -33,6 +33,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cmtune.workers.compare import relative_error
 from cmtune.workers.rounds import Rounds, barrier, slowest_process, time_rounds
 from collective_matmul.ops.collective import OPS as MATMULS
 from collective_matmul.ops.collective import allgather_grad_weight, input_shardings
@@ -440,17 +441,6 @@ def compiled_memory(compiled) -> int | None:
         stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
         - stats.alias_size_in_bytes
     )
-
-
-@jax.jit
-def _error_terms(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.linalg.norm(a - b), jnp.linalg.norm(b)
-
-
-def relative_error(a: jax.Array, b: jax.Array) -> float:
-    diff, norm = (float(v) for v in _error_terms(a, b))
-    return diff / norm if norm else diff
 
 
 def error_message(exc: BaseException) -> str:

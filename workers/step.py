@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from cmtune.tuner.variants import REFERENCE, variant_configs
@@ -398,15 +398,10 @@ class StepSession(MeasurementSession):
     def _check_lr(self, step):
         """A learning rate whose update dwarfs every parameter, so ``p - new`` carries the gradient
         to the last bits (a power of two, from one step of the reference at lr=1)."""
-        import jax
-        import jax.numpy as jnp
+        from cmtune.workers.compare import tree_terms
 
         new, _ = step(self.params, self.x, self.target, self._scalar(1.0))
-        norms = jax.jit(lambda p, n: jax.tree.map(
-            lambda a, b: (jnp.linalg.norm(a.astype(jnp.float32)),
-                          jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))), p, n))(self.params, new)
-        ratio = max(float(size) / max(float(change), 1e-30) for size, change in jax.tree.leaves(
-            norms, is_leaf=lambda v: isinstance(v, tuple)))
+        ratio = max(t.size / max(t.diff, 1e-30) for t in tree_terms(new, self.params))
         return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
 
     def _agrees(self, record: dict, got, expected, reference: str) -> bool:
@@ -415,13 +410,13 @@ class StepSession(MeasurementSession):
         The gradient of a parameter is ``(p - new) / lr`` at the check learning rate, so the
         relative error of the gradients is ``|new - new_ref| / |p - new_ref|``.
         """
-        from cmtune.workers.measure import TOLERANCE, relative_error
+        from cmtune.workers.compare import relative_error
+        from cmtune.workers.measure import TOLERANCE
 
         (new, loss, _), (want_new, want_loss, _) = got, expected
         errors = {"loss": relative_error(loss, want_loss)}
         for name in sorted(want_new):
-            diff, size = (float(v) for v in _update_error()(self.params[name], new[name], want_new[name]))
-            errors[f"d{name}"] = diff / size if size else diff
+            errors[f"d{name}"] = relative_error(new[name], want_new[name], base=self.params[name])
         worst = max(errors, key=lambda k: errors[k] if math.isfinite(errors[k]) else math.inf)
         record["rel_error"] = errors[worst] if math.isfinite(errors[worst]) else None
         tolerance = TOLERANCE[self.block.dtype]
@@ -436,15 +431,3 @@ class StepSession(MeasurementSession):
         inputs = self._inputs
         return lambda: step(*inputs)
 
-
-@cache
-def _update_error():
-    """Jitted ``(|a - b|, |p - b|)`` in float32: the error of an update ``a`` against ``b`` from ``p``."""
-    import jax
-    import jax.numpy as jnp
-
-    def terms(p, a, b):
-        p, a, b = (v.astype(jnp.float32) for v in (p, a, b))
-        return jnp.linalg.norm(a - b), jnp.linalg.norm(p - b)
-
-    return jax.jit(terms)

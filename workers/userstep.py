@@ -339,6 +339,7 @@ class UserStepSession(MeasurementSession):
         """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
         import jax
 
+        from cmtune.workers.compare import equal, terms
         from cmtune.workers.measure import TOLERANCE
 
         (_, out, _), (_, want, pairs) = got, expected
@@ -359,16 +360,18 @@ class UserStepSession(MeasurementSession):
                 old_leaf = _numeric(old_leaves[index]) if old_leaves is not None else None
                 dtype = str(ref_leaf.dtype)
                 if dtype not in TOLERANCE:  # integers, booleans, PRNG keys (step counters, masks): exactly
-                    if not bool(_equal()(got_leaf, ref_leaf)):
+                    if not equal(got_leaf, ref_leaf):
                         failed = failed or (leaf_name, math.inf, 0.0)
                     continue
                 tolerance, eps = TOLERANCE[dtype], _eps(dtype)
                 if old_leaf is None:  # the loss, metrics: within the tolerance of their size
-                    diff, size = (float(v) for v in _value_terms()(got_leaf, ref_leaf))
+                    t = terms(got_leaf, ref_leaf)
+                    diff, size = t.diff, t.size
                     error = diff / size if size else (0.0 if diff == 0 else math.inf)
                     ok = math.isfinite(diff) and diff <= tolerance * size + eps * size
                 else:  # an updated leaf: each element within the tolerance of how far the step moved it
-                    diff, moved, off = (float(v) for v in _update_terms()(got_leaf, ref_leaf, old_leaf, tolerance, eps))
+                    t = terms(got_leaf, ref_leaf, old_leaf, tolerance=tolerance, eps=eps)
+                    diff, moved, off = t.diff, t.size, t.off
                     error = diff / moved if moved else (0.0 if diff == 0 else math.inf)
                     ok = math.isfinite(diff) and off <= STRAY_SHARE * math.prod(ref_leaf.shape)
                 if not math.isfinite(error):
@@ -447,55 +450,6 @@ def _loss(out) -> float | None:
             value = float(leaf)
             return value if math.isfinite(value) else None
     return None
-
-
-_CACHE: dict[str, Callable] = {}
-
-
-def _value_terms():
-    """Jitted ``(|got - ref|, |ref|)`` in float32."""
-    if "value" not in _CACHE:
-        import jax
-        import jax.numpy as jnp
-
-        def terms(got, ref):
-            got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
-            return jnp.linalg.norm(got - ref), jnp.linalg.norm(ref)
-
-        _CACHE["value"] = jax.jit(terms)
-    return _CACHE["value"]
-
-
-def _update_terms():
-    """Jitted ``(|got - ref|, |ref - old|, elements off)`` in float32.
-
-    An element is off when it misses the reference's by more than ``tolerance`` times how far
-    the step moved it (that element's move plus the leaf's root-mean-square move, so that an
-    element the step barely moved is not held to nothing) plus the rounding of storing it.
-    """
-    if "update" not in _CACHE:
-        import jax
-        import jax.numpy as jnp
-
-        def terms(got, ref, old, tolerance, eps):
-            got, ref, old = (v.astype(jnp.float32) for v in (got, ref, old))
-            move = jnp.abs(ref - old)
-            typical = jnp.sqrt(jnp.mean(jnp.square(move)))
-            allowed = tolerance * (move + typical) + 2 * eps * jnp.abs(ref)
-            off = jnp.sum(jnp.abs(got - ref) > allowed)
-            return jnp.linalg.norm(got - ref), jnp.linalg.norm(ref - old), off
-
-        _CACHE["update"] = jax.jit(terms)
-    return _CACHE["update"]
-
-
-def _equal():
-    if "equal" not in _CACHE:
-        import jax
-        import jax.numpy as jnp
-
-        _CACHE["equal"] = jax.jit(lambda a, b: jnp.array_equal(a, b))
-    return _CACHE["equal"]
 
 
 def _eps(dtype: str) -> float:
