@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from cmtune.common import console, devices_option, relaunch_as_group, show_step
+from cmtune.common import console, devices_option, set_up_devices, show_step
 from cmtune.workers.cluster import DeviceSpec
 from cmtune.workers.userstep import SpecError, SpecRef
 
@@ -30,26 +30,13 @@ def prepare(devices: str) -> DeviceSpec | None:
     Raises:
         typer.BadParameter: for ``processes:N`` without D, or ``auto``.
     """
-    from cmtune.workers.cluster import configure
-    from collective_matmul.programs.topology import TopologyError
-
     spec = devices_option(devices)
     if spec.kind == "auto":
         spec = DeviceSpec.parse(DEFAULT_DEVICES)
-    if spec.kind == "tpu":
-        try:
-            configure(spec)
-        except TopologyError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--devices") from None
-        return spec
     if spec.kind == "processes" and not spec.local:
         raise typer.BadParameter(f"{devices!r}: a step's mesh decides the device count; give processes:PxD "
                                  f"(e.g. processes:{spec.count}x4)", param_hint="--devices")
-    if spec.needs_group:
-        relaunch_as_group(spec.count, local_devices=spec.local, platform=spec.platform)
-        return None
-    configure(spec)
-    return spec
+    return spec if set_up_devices(spec, local_devices=spec.local) else None
 
 
 @contextmanager
@@ -212,6 +199,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
 def _compiled_row(label: str, built, options: dict) -> tuple:
     """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
     that does not compile is a row with the reason."""
+    from collective_matmul.programs.hlo import parse_module
     from collective_matmul.programs.schedule import overlap
 
     started = time.monotonic()
@@ -220,7 +208,8 @@ def _compiled_row(label: str, built, options: dict) -> tuple:
     except Exception as exc:  # noqa: BLE001 - a row with the reason
         return label, None, None, {}, None, f"{type(exc).__name__}: {exc}"[:300]
     text = compiled.as_text()
-    counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in
+    opcodes = [inst.opcode for comp in parse_module(text).computations.values() for inst in comp.instructions.values()]
+    counts = {op: opcodes.count(op) + opcodes.count(f"{op}-start") for op in
               ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")}
     return label, time.monotonic() - started, _memory(compiled), counts, overlap(text), ""
 

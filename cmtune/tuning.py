@@ -19,10 +19,10 @@ from cmtune.common import (
     devices_option,
     join_options,
     problems_from_options,
-    relaunch_as_group,
+    set_up_devices,
     show_step,
 )
-from cmtune.workers.cluster import DEVICES_HELP
+from cmtune.workers.cluster import DEVICES_HELP, is_compile_only
 from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
 app = typer.Typer(no_args_is_help=True)
@@ -54,16 +54,9 @@ def bench(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--problem") from None
     spec = devices_option(devices)
-    if spec.needs_group:
-        return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count, platform=spec.platform)
-    from cmtune.workers.cluster import configure
-    from collective_matmul.programs.topology import TopologyError
-
-    try:
-        configure(spec, auto_virtual=parsed.axis_size)
-    except TopologyError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--devices") from None
-    if compile_only or spec.compile_only:
+    if not set_up_devices(spec, local_devices=parsed.axis_size // max(spec.count, 1), auto_virtual=parsed.axis_size):
+        return None
+    if is_compile_only(devices, compile_only):
         results = _compile_sweep([parsed], spec)
         if out is not None:
             out.write_text("".join(r.model_dump_json() + "\n" for r in results))
@@ -188,7 +181,7 @@ def tune(
 
         if problem or model or mesh:
             raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
-        if compile_only or devices.startswith("tpu:"):
+        if is_compile_only(devices, compile_only):
             return steps.tune(step, devices, lambda found, mesh, axis: _compile_sweep(
                 found, devices_option(devices), devices=list(mesh.devices.flat)))
         return steps.tune(step, devices, lambda found, mesh, axis: _tune(found, ring=mesh.shape[axis], mesh=mesh,
@@ -202,18 +195,11 @@ def tune(
     if spec.total is not None and spec.total % ring:
         raise typer.BadParameter(f"rings of {ring} devices do not divide the {spec.total} devices of {devices}: give "
                                  f"a multiple of {ring}", param_hint="--devices")
-    if spec.needs_group:
-        if not spec.local and ring % spec.count:
-            raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
-        return relaunch_as_group(spec.count, local_devices=spec.local or ring // spec.count, platform=spec.platform)
-    from cmtune.workers.cluster import configure
-    from collective_matmul.programs.topology import TopologyError
-
-    try:
-        configure(spec, auto_virtual=ring)
-    except TopologyError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--devices") from None
-    if compile_only or spec.compile_only:
+    if spec.needs_group and not spec.local and ring % spec.count:
+        raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
+    if not set_up_devices(spec, local_devices=spec.local or ring // max(spec.count, 1), auto_virtual=ring):
+        return None
+    if is_compile_only(devices, compile_only):
         _compile_sweep(problems, spec)
         return
     _tune(problems, ring=ring, **options)
@@ -394,7 +380,7 @@ def verify(
 
         if model or mesh:
             raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
-        if compile_only or devices.startswith("tpu:"):
+        if is_compile_only(devices, compile_only):
             if decide:
                 raise typer.BadParameter("--decide times the step: it needs devices that run (not --compile-only)")
             return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name,
@@ -405,7 +391,7 @@ def verify(
                             share=share)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
-    if compile_only or devices.startswith("tpu:"):
+    if is_compile_only(devices, compile_only):
         raise typer.BadParameter("--compile-only verifies a step spec (--step): the reference block is timed only")
     if name:
         raise typer.BadParameter("--name is for --step (a model's overrides are stored under its name)")
@@ -428,15 +414,11 @@ def verify(
     if device_spec.kind == "virtual" and device_spec.count < ring:
         raise typer.BadParameter(f"{block.name} on {mesh} needs a ring of {ring} devices but --devices {devices} "
                                  f"gives {device_spec.count}; use --devices virtual:{ring}")
-    if device_spec.needs_group:
-        if ring % device_spec.count:
-            raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
-                                     f"use processes:N with N dividing {ring}")
-        return relaunch_as_group(device_spec.count, local_devices=ring // device_spec.count,
-                                 platform=device_spec.platform)
-    from cmtune.workers.cluster import configure
-
-    configure(device_spec, auto_virtual=ring)
+    if device_spec.needs_group and ring % device_spec.count:
+        raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
+                                 f"use processes:N with N dividing {ring}")
+    if not set_up_devices(device_spec, local_devices=ring // max(device_spec.count, 1), auto_virtual=ring):
+        return
     _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
             timeout=timeout, ablation=ablation, json_out=json_out,
             search=dict(rounds=search_rounds, per_round=round_variants) if decide else None)

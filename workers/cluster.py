@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -128,11 +129,6 @@ class DeviceSpec:
             raise ValueError(f"{text!r}: expected {DEVICES_HELP}, or auto")
         return cls(kind, int(count) if count else 0, int(local) if local else 0)
 
-    @property
-    def compile_only(self) -> bool:
-        """True for a TPU topology: programs are compiled for its devices and checked, never timed."""
-        return self.kind == "tpu"
-
     def tpu_devices(self) -> list:
         """The devices of ``tpu:TOPOLOGY`` (`collective_matmul.programs.topology.tpu_devices`)."""
         from collective_matmul.programs.topology import tpu_devices
@@ -152,6 +148,31 @@ class DeviceSpec:
         if self.kind == "processes" and self.local:
             return self.count * self.local
         return None
+
+
+def is_compile_only(devices: str, compile_only: bool = False) -> bool:
+    """Whether a command on ``--devices devices`` (with ``--compile-only`` as ``compile_only``) compiles its programs
+    and checks them, timing nothing: asked to, or on a TPU topology (``tpu:TOPOLOGY``), whose devices are compiled
+    for and never run."""
+    return compile_only or devices.startswith("tpu:")
+
+
+def set_up(spec: DeviceSpec, *, relaunch: Callable[[int, int, str], None], local_devices: int = 0,
+           auto_virtual: int = 0) -> bool:
+    """Set this process's devices up for ``spec`` (`configure`), or, where it must run as a group of processes and
+    is not in one yet, have ``relaunch(processes, local_devices, platform)`` re-run the command as that group.
+
+    Returns:
+        False if the group ran the command instead (this process has nothing left to do).
+
+    Raises:
+        collective_matmul.programs.topology.TopologyError: a TPU topology libtpu does not take.
+    """
+    if spec.needs_group:
+        relaunch(spec.count, local_devices, spec.platform)
+        return False
+    configure(spec, auto_virtual=auto_virtual)
+    return True
 
 
 def detected_cluster() -> tuple[str, int] | None:
