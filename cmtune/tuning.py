@@ -469,10 +469,11 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
                           protocol=protocol)
     if search is not None:
-        from cmtune import steps
+        from cmtune.workers.decide import block_plan, decide_step
+        from cmtune.workers.step import fixed_sources
 
-        result = steps.decide_block(group, session, block, spec, layout, configs, bundle=bundle,
-                                            ablation=ablation, say=say, **search)
+        plan = lambda: block_plan(block, spec, layout, configs, bundle, ablation=ablation)  # noqa: E731 - process 0's
+        result = decide_step(group, session, plan, fixed_sources, bundle=bundle, say=say, **search)
     else:
         result = session.measure(standard_variants(configs, ablation=ablation),
                                  on_event=lambda line: say(f"[dim]{line}[/dim]"))

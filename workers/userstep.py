@@ -219,7 +219,7 @@ def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -
     ``tuned`` (``tuned`` itself); on a ``platform`` whose XLA has a windowed einsum (TPU, GPU), the step as written
     with it forced ``off`` and ``on`` too (`collective_matmul.planning.xla_options`); where ``tuned`` ``shared`` a
     gather, ``tuned-no-share`` (its configs, every call gathering for itself: `unshared`).  ``--decide`` searches beyond
-    them (`cmtune.steps.decide_user_step`)."""
+    them (`cmtune.workers.decide.decide_step`)."""
     from collective_matmul.planning.xla_options import windowed_einsum
 
     einsum = {f"as-written-windowed-einsum-{s}": CompiledWith(windowed_einsum(platform, s)) for s in ("off", "on")
