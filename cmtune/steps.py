@@ -120,7 +120,7 @@ def tune(step: str, devices: str, tune_problems) -> None:
     mesh, all at once, as the step runs them (its configs keyed as the drop-in looks them up:
     `collective_matmul.planning.models.ring_hardware`).
 
-    ``tune_problems(problems, mesh, axis)`` runs the tuner (`cmtune.tuning._tune`).
+    ``tune_problems(problems, mesh, axis)`` runs the tuner (`cmtune.workers.local.tune_problems`).
     """
     spec = prepare(devices)
     if spec is None:
@@ -235,12 +235,11 @@ def _memory(compiled) -> int | None:
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
            name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
            json_out: Path | None, search_rounds: int = 3, round_variants: int = 3, share: bool = True) -> None:
-    """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
-    with ``decide``, the step search on it (`cmtune.workers.decide.decide_step`)."""
-    from cmtune.workers.cluster import Group
-    from cmtune.workers.userstep import Built, CompiledWith, UserStepSession, step_variants
-    from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import MeasurementProtocol, StepCalls
+    """`cmtune verify --step`: `cmtune.workers.userstep.verify_user_step`, process 0 printing."""
+    import jax
+
+    from cmtune.workers.userstep import NoDropInCall, verify_user_step
+    from collective_matmul.wire import MeasurementProtocol
 
     if decide and bundle is None:
         raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
@@ -249,54 +248,20 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     started = time.monotonic()
     ref, fn = load(step)
     model = name or ref.name
-    group = Group()
-    say = console.print if group.leader else (lambda *_: None)
-    # process 0 looks the configs up while it traces the tuned step; the others replay what it resolved.
-    # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
-    # session keeps the tuned step built here and compiles it when it measures.
-    tuned = verified_client(server, token, bundle, model) if group.leader else Tuned.pinned({})
-    tuned.share = share
-    with spec_errors():
-        reference = Built.of(fn, None, spec=str(ref))
-        session = UserStepSession(fn, reference, model=model, spec=str(ref),
-                                  protocol=MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed,
-                                                               timeout_s=timeout))
-        traced = session.built(tuned)
-    message = None
-    if group.leader:
-        traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
-        sites = tuned.report()
-        message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
-                            axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
-        show_sites(ref, sites)
-    message = group.share(message, StepCalls)
-    if not group.leader:
-        tuned.pin(message.pins)
-    per_role = message.per_role
-    if not per_role:
-        say(f"[red]{ref}: no call of the step went through the drop-in: give the Flax layers "
-            "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
-            "tuned.matmul_reduce_scatter) when NAME gets a tuned client[/red]")
-        raise typer.Exit(1)
-    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
-    import jax
-
-    if decide:
-        say(f"searching the step of {ref} on {mesh_text}, {jax.process_count()} process(es): up to "
-            f"{max(search_rounds, 1)} rounds")
-        from cmtune.workers.decide import UserSources, decide_step, user_step_plan
-
-        result = decide_step(group, session, lambda: user_step_plan(tuned, per_role, model), UserSources(tuned),
-                             bundle=bundle, rounds=search_rounds, per_round=round_variants, say=say, axis=message.axis)
-    else:
-        platform = reference.mesh.devices.flat[0].platform
-        variants = step_variants(tuned, platform, shared=message.shared)
-        if not any(isinstance(source, CompiledWith) for source in variants.values()):
-            say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
-        say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
-        result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
-    if not group.leader:
+    say = console.print if jax.process_index() == 0 else (lambda *_: None)
+    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
+    try:
+        with spec_errors():
+            result = verify_user_step(
+                fn, str(ref), lambda: verified_client(server, token, bundle, model), model=model, protocol=protocol,
+                share=share, bundle=bundle, search=dict(rounds=search_rounds, per_round=round_variants)
+                if decide else None, say=say, show_sites=lambda sites: show_sites(ref, sites))
+    except NoDropInCall as exc:
+        say(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    if result is None:  # another process of the group: process 0 reports
         return
+    mesh_text = ",".join(f"{n}={s}" for n, s in result.mesh.items())
     show_step(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} (jax "
                             f"{result.hardware.jax_version}); reference: the step as written",
               started=started, json_out=json_out)

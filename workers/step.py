@@ -181,6 +181,62 @@ def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=Non
             say(search.summary())
 
 
+def verify_block(block: TransformerBlock, spec: MeshSpec, layout: StepLayout, *, bundle, server: str | None,
+                 token: str | None,
+                 protocol: MeasurementProtocol, ablation: bool, search: dict | None, say: Callable[[str], None],
+                 show_roles: Callable[[dict], None]) -> StepMeasurement | None:
+    """`cmtune verify --model`: time ``block``'s step as submitted on ``spec``, on ``layout`` (its first ring here:
+    `step_layout`), with the configs of ``bundle`` or ``server`` against the block as written
+    (`standard_variants`); with ``search`` (the step search's ``rounds`` and ``per_round``) decide what it runs
+    (`cmtune.workers.decide.decide_step`) and write the choice's overrides into ``bundle``.
+
+    Process 0 looks the configs up and the others run what it found; ``say`` (and ``show_roles``, with each
+    role's resolved configs) are called on process 0 alone.
+
+    Returns:
+        On process 0 the step measurement; None on the others.
+    """
+    import jax
+
+    from cmtune.workers.cluster import Group
+    from collective_matmul.block import configs_per_role
+    from collective_matmul.client.tuned import Tuned
+    from collective_matmul.wire import BlockConfigs, Resolved
+
+    group = Group()
+    say = say if group.leader else (lambda *_: None)
+    message = None
+    if group.leader:  # process 0 looks the configs up; the others run what it found
+        tuned = Tuned(server, token=token, bundle=bundle, model=block.name)
+        configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
+                                   batch_axis=layout.batch_axis)
+        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=found.decomposition.id,
+                                          match=found.match, source=found.source)
+                           for slot, (problem, found) in slots.items()}
+                    for role, slots in tuned.resolved_by_role.items()}
+        message = BlockConfigs(configs=configs, resolved=resolved)
+    message = group.share(message, BlockConfigs)
+    configs = message.configs
+    mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
+    submitted = ",".join(f"{name}={size}" for name, size in spec.axes.items())
+    say(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch {layout.block.global_batch} "
+        f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
+        f"{jax.process_count()} process(es)")
+    if group.leader:
+        show_roles(message.resolved)
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=protocol)
+    if search is not None:
+        from cmtune.workers.decide import block_plan, decide_step
+
+        plan = lambda: block_plan(block, spec, layout, configs, bundle, ablation=ablation)  # noqa: E731 - process 0's
+        result = decide_step(group, session, plan, fixed_sources, bundle=bundle, say=say, **search)
+    else:
+        result = session.measure(standard_variants(configs, ablation=ablation),
+                                 on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    return result if group.leader else None
+
+
 # ---- the layout: where a step is measured ------------------------------------------------
 
 

@@ -59,6 +59,10 @@ class SpecError(ValueError):
     """A step spec that cannot be loaded or does not keep the contract; the message says what to fix."""
 
 
+class NoDropInCall(Exception):
+    """A step none of whose calls went through the drop-in: there is nothing to verify."""
+
+
 @dataclass(frozen=True)
 class SpecRef:
     """``path/to/file.py:NAME`` or ``package.module:NAME``."""
@@ -237,6 +241,71 @@ def unshared(tuned, name: str = "tuned-no-share"):
     variant = tuned.variant(name, lambda role, configs: configs)
     variant.share = False
     return variant
+
+
+def verify_user_step(fn: Callable, spec: str, client: Callable[[], object], *, model: str,
+                     protocol: MeasurementProtocol, share: bool, bundle, search: dict | None,
+                     say: Callable[[str], None], show_sites: Callable[[object], None]) -> StepMeasurement | None:
+    """`cmtune verify --step`: NAME's step as written against the drop-in with tuned configs (and at the baseline,
+    `step_variants`); with ``search`` (the step search's ``rounds`` and ``per_round``), the step search on it and
+    the choice's overrides written into ``bundle`` (`cmtune.workers.decide.decide_step`).
+
+    Process 0 looks the configs up (``client()``: a `Tuned` client) while it traces the tuned step, and the others
+    replay what it resolved; ``say`` and ``show_sites`` (with the call sites it traced) are called there alone.
+
+    Returns:
+        On process 0 the step measurement; None on the others.
+
+    Raises:
+        SpecError: NAME breaks the step spec's contract.
+        NoDropInCall: no call of the step went through the drop-in.
+    """
+    import jax
+
+    from cmtune.workers.cluster import Group
+    from collective_matmul.client.tuned import Tuned
+    from collective_matmul.wire import StepCalls
+
+    group = Group()
+    say = say if group.leader else (lambda *_: None)
+    # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
+    # session keeps the tuned step built here and compiles it when it measures.
+    tuned = client() if group.leader else Tuned.pinned({})
+    tuned.share = share
+    reference = Built.of(fn, None, spec=spec)
+    session = UserStepSession(fn, reference, model=model, spec=spec, protocol=protocol)
+    traced = session.built(tuned)
+    message = None
+    if group.leader:
+        traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
+        sites = tuned.report()
+        message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
+                            axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
+        show_sites(sites)
+    message = group.share(message, StepCalls)
+    if not group.leader:
+        tuned.pin(message.pins)
+    per_role = message.per_role
+    if not per_role:
+        raise NoDropInCall(f"{spec}: no call of the step went through the drop-in: give the Flax layers "
+                           "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
+                           "tuned.matmul_reduce_scatter) when NAME gets a tuned client")
+    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
+    if search is not None:
+        from cmtune.workers.decide import UserSources, decide_step, user_step_plan
+
+        say(f"searching the step of {spec} on {mesh_text}, {jax.process_count()} process(es): up to "
+            f"{max(search['rounds'], 1)} rounds")
+        result = decide_step(group, session, lambda: user_step_plan(tuned, per_role, model), UserSources(tuned),
+                             bundle=bundle, say=say, axis=message.axis, **search)
+    else:
+        platform = reference.mesh.devices.flat[0].platform
+        variants = step_variants(tuned, platform, shared=message.shared)
+        if not any(isinstance(source, CompiledWith) for source in variants.values()):
+            say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
+        say(f"measuring {spec} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
+        result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    return result if group.leader else None
 
 
 # ---- the session ----------------------------------------------------------------------------
