@@ -129,9 +129,9 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
     join_devices()
     import jax
 
-    from cmtune.steps import measured_configs
     from cmtune.tuner.stepsearch import SearchSpace, StepSearch
     from cmtune.tuner.variants import cost_model_configs, ring_everywhere, ring_fill
+    from cmtune.workers.decide import measured_configs
     from cmtune.workers.step import fixed_sources, search_step
     from collective_matmul import Bundle, OpConfigs, Tuned
     from collective_matmul.block import configs_per_role

@@ -94,6 +94,18 @@ def devices_option(text: str) -> DeviceSpec:
     return spec
 
 
+def set_up_devices(spec: DeviceSpec, *, local_devices: int = 0, auto_virtual: int = 0) -> bool:
+    """`cmtune.workers.cluster.set_up` for a command: a group re-runs the command (`relaunch_as_group`, False: this
+    process is done), a TPU topology libtpu does not take is a bad ``--devices``."""
+    from cmtune.workers.cluster import set_up
+    from collective_matmul.programs.topology import TopologyError
+
+    try:
+        return set_up(spec, relaunch=relaunch_as_group, local_devices=local_devices, auto_virtual=auto_virtual)
+    except TopologyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+
+
 def problems_from_options(problem: list[str] | None, model: str | None, mesh: str | None, tensor_axis: str | None):
     """The problems named by ``--problem`` (repeatable) or ``--model`` with ``--mesh``."""
     from collective_matmul import Problem

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from cmtune.common import console, devices_option, relaunch_as_group, show_step
+from cmtune.common import console, devices_option, set_up_devices, show_step
 from cmtune.workers.cluster import DeviceSpec
 from cmtune.workers.userstep import SpecError, SpecRef
 
@@ -30,26 +30,13 @@ def prepare(devices: str) -> DeviceSpec | None:
     Raises:
         typer.BadParameter: for ``processes:N`` without D, or ``auto``.
     """
-    from cmtune.workers.cluster import configure
-    from collective_matmul.programs.topology import TopologyError
-
     spec = devices_option(devices)
     if spec.kind == "auto":
         spec = DeviceSpec.parse(DEFAULT_DEVICES)
-    if spec.compile_only:
-        try:
-            configure(spec)
-        except TopologyError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--devices") from None
-        return spec
     if spec.kind == "processes" and not spec.local:
         raise typer.BadParameter(f"{devices!r}: a step's mesh decides the device count; give processes:PxD "
                                  f"(e.g. processes:{spec.count}x4)", param_hint="--devices")
-    if spec.needs_group:
-        relaunch_as_group(spec.count, local_devices=spec.local, platform=spec.platform)
-        return None
-    configure(spec)
-    return spec
+    return spec if set_up_devices(spec, local_devices=spec.local) else None
 
 
 @contextmanager
@@ -142,7 +129,7 @@ def tune(step: str, devices: str, tune_problems) -> None:
     mesh, all at once, as the step runs them (its configs keyed as the drop-in looks them up:
     `collective_matmul.planning.models.ring_hardware`).
 
-    ``tune_problems(problems, mesh, axis)`` runs the tuner (`cmtune.tuning._tune`).
+    ``tune_problems(problems, mesh, axis)`` runs the tuner (`cmtune.workers.local.tune_problems`).
     """
     spec = prepare(devices)
     if spec is None:
@@ -223,6 +210,7 @@ def _compiled_row(label: str, built, options: dict) -> tuple:
     """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
     that does not compile is a row with the reason."""
     from collective_matmul.programs.gpus import deviceless_options
+    from collective_matmul.programs.hlo import parse_module
     from collective_matmul.programs.schedule import overlap
 
     options = {**deviceless_options(built.mesh.devices.flat), **options}
@@ -232,7 +220,8 @@ def _compiled_row(label: str, built, options: dict) -> tuple:
     except Exception as exc:  # noqa: BLE001 - a row with the reason
         return label, None, None, {}, None, f"{type(exc).__name__}: {exc}"[:300]
     text = compiled.as_text()
-    counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in
+    opcodes = [inst.opcode for comp in parse_module(text).computations.values() for inst in comp.instructions.values()]
+    counts = {op: opcodes.count(op) + opcodes.count(f"{op}-start") for op in
               ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")}
     return label, time.monotonic() - started, _memory(compiled), counts, overlap(text), ""
 
@@ -258,12 +247,11 @@ def _memory(compiled) -> int | None:
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
            name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
            json_out: Path | None, search_rounds: int = 3, round_variants: int = 3, share: bool = True) -> None:
-    """`cmtune verify --step`: the step as written against the drop-in with tuned configs (and at the baseline);
-    with ``decide``, the step search on it (`decide_user_step`)."""
-    from cmtune.workers.cluster import Group
-    from cmtune.workers.userstep import Built, CompiledWith, UserStepSession, step_variants
-    from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import MeasurementProtocol, StepCalls
+    """`cmtune verify --step`: `cmtune.workers.userstep.verify_user_step`, process 0 printing."""
+    import jax
+
+    from cmtune.workers.userstep import NoDropInCall, verify_user_step
+    from collective_matmul.wire import MeasurementProtocol
 
     if decide and bundle is None:
         raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
@@ -272,208 +260,23 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     started = time.monotonic()
     ref, fn = load(step)
     model = name or ref.name
-    group = Group()
-    say = console.print if group.leader else (lambda *_: None)
-    # process 0 looks the configs up while it traces the tuned step; the others replay what it resolved.
-    # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
-    # session keeps the tuned step built here and compiles it when it measures.
-    tuned = verified_client(server, token, bundle, model) if group.leader else Tuned.pinned({})
-    tuned.share = share
-    with spec_errors():
-        reference = Built.of(fn, None, spec=str(ref))
-        session = UserStepSession(fn, reference, model=model, spec=str(ref),
-                                  protocol=MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed,
-                                                               timeout_s=timeout))
-        traced = session.built(tuned)
-    message = None
-    if group.leader:
-        traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
-        sites = tuned.report()
-        message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
-                            axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
-        show_sites(ref, sites)
-    message = group.share(message, StepCalls)
-    if not group.leader:
-        tuned.pin(message.pins)
-    per_role = message.per_role
-    if not per_role:
-        say(f"[red]{ref}: no call of the step went through the drop-in: give the Flax layers "
-            "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
-            "tuned.matmul_reduce_scatter) when NAME gets a tuned client[/red]")
-        raise typer.Exit(1)
-    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
-    import jax
-
-    if decide:
-        say(f"searching the step of {ref} on {mesh_text}, {jax.process_count()} process(es): up to "
-            f"{max(search_rounds, 1)} rounds")
-        result = decide_user_step(group, session, tuned, per_role, model=model, bundle=bundle, axis=message.axis,
-                                  rounds=search_rounds, per_round=round_variants, say=say)
-    else:
-        platform = reference.mesh.devices.flat[0].platform
-        variants = step_variants(tuned, platform, shared=message.shared)
-        if not any(isinstance(source, CompiledWith) for source in variants.values()):
-            say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
-        say(f"measuring {ref} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
-        result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
-    if not group.leader:
+    say = console.print if jax.process_index() == 0 else (lambda *_: None)
+    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
+    try:
+        with spec_errors():
+            result = verify_user_step(
+                fn, str(ref), lambda: verified_client(server, token, bundle, model), model=model, protocol=protocol,
+                share=share, bundle=bundle, search=dict(rounds=search_rounds, per_round=round_variants)
+                if decide else None, say=say, show_sites=lambda sites: show_sites(ref, sites))
+    except NoDropInCall as exc:
+        say(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    if result is None:  # another process of the group: process 0 reports
         return
+    mesh_text = ",".join(f"{n}={s}" for n, s in result.mesh.items())
     show_step(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} (jax "
                             f"{result.hardware.jax_version}); reference: the step as written",
               started=started, json_out=json_out)
-
-
-def run_search(group, search, measure, say):
-    """The step search to its grading (`cmtune.workers.step.search_step`), process 0 deciding.
-
-    Returns:
-        on process 0 ``(decision, result)``: the choice, and the first round's measurement (the fixed
-        settings) with the grading rounds as its confirmation; elsewhere ``(None, result)``.
-    """
-    from cmtune.workers.step import search_step
-
-    grading, rounds = search_step(search, measure, group=group, say=lambda line: say(f"[bold]{line}[/bold]"))
-    result = rounds[0].model_copy(update={"confirmation": grading.variants if grading is not None else []}) \
-        if rounds else None
-    return (search.decide(grading) if group.leader else None), result
-
-
-def decide_block(group, session, block, spec, layout, configs, *, bundle: Path, ablation: bool, rounds: int,
-                 per_round: int, say):
-    """`cmtune verify --model --decide`: the step search on the reference block, as the service's step study
-    runs it, with the local history of its problems (the bundle's entries for them, any hardware, as the
-    runners-up); the choice's overrides go into ``bundle``.  Returns the first round's measurement with the
-    grading rounds as its confirmation."""
-    from cmtune.tuner.stepsearch import SearchSpace, StepSearch
-    from collective_matmul.block import AS_WRITTEN, FixedConfigs
-    from collective_matmul.client.tuned import ring_hardware
-    from collective_matmul.planning.models import role_problems
-    from collective_matmul.wire.bundle import Bundle
-
-    hardware = ring_hardware(layout.mesh, layout.axis).identity()
-    search = None
-    if group.leader:
-        history = Bundle.load(bundle).configs
-        search = StepSearch(SearchSpace.of(configs, role_problems(block, spec), hardware,
-                                           measured=lambda problem: measured_configs(history, problem)),
-                            rounds=rounds, per_round=per_round, ablation=ablation, model=block.name)
-
-    def measure(variants):
-        sources = {name: AS_WRITTEN if setting is None else FixedConfigs(setting) for name, setting in variants.items()}
-        return session.measure(sources, on_event=lambda line: say(f"[dim]{line}[/dim]"))
-
-    decision, result = run_search(group, search, measure, say)
-    if decision is not None:
-        tuned = [_tuned_here(Bundle.load(bundle).configs, p, hardware) for slots in role_problems(block, spec).values()
-                 for p in slots.values()]
-        _write_decision(decision, block.name, hardware, bundle, say, tuned=tuned)
-    return result
-
-
-def _tuned_here(history, problem, hardware):
-    """``problem``'s tuned config on ``hardware`` in a bundle's entries (the one of this process's stack, else the
-    newest of any: `collective_matmul.wire.lookup.from_tuned`'s exact-or-stale), None if it has none."""
-    from collective_matmul.wire.lookup import by_problem, from_tuned
-
-    here = [c for c in history if c.hardware.key == hardware.identity().key and c.problem == problem]
-    found = from_tuned(problem, by_problem(here), hardware.software) if here else None
-    return found[1] if found is not None and found[0] in ("exact", "stale") else None
-
-
-def measured_configs(history, problem) -> list:
-    """A problem's decompositions in a bundle (its entries on every hardware), the fastest first."""
-    return [c.decomposition for c in sorted((c for c in history if c.problem == problem), key=lambda c: -c.speedup)]
-
-
-def decide_user_step(group, session, tuned, per_role, *, model: str, bundle: Path, axis: str | None, rounds: int,
-                     per_round: int, say):
-    """`cmtune verify --step --decide`: the step search on a user's step, process 0 deciding, and the choice's
-    per-role overrides (each with its role's problems) written into ``bundle``.
-
-    Each role's configs are those of its first call, as the drop-in resolved them.  A role seen with
-    several problems is not searched (no one set of configs fits them all): it runs as tuned, and is
-    only set back or put on the fixed ring whole, and gets an override only where its configs fit
-    every one of its problems.  Returns the first round's measurement with the grading as its
-    confirmation.
-    """
-    from cmtune.tuner.stepsearch import SearchSpace, StepSearch
-
-    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
-    others = {role: any(not c.is_baseline for c in configs) for role, configs in per_role.items() if len(configs) > 1}
-    search = sites = None
-    if group.leader:
-        sites = {}
-        for site in tuned.report().applied:
-            sites.setdefault(site.role, []).append(site)
-        hardware = next(iter(sites.values()))[0].hardware
-        history = tuned.bundle.configs if tuned.bundle is not None else []
-        search = StepSearch(SearchSpace.of(uniform, {role: sites[role][0].problems for role in uniform}, hardware,
-                                           measured=lambda problem: measured_configs(history, problem), others=others),
-                            rounds=rounds, per_round=per_round, model=model)
-    sources: dict[str, object] = {}
-
-    def measure(variants):
-        for name, setting in variants.items():  # one source per name: a variant timed again is not built again
-            if name not in sources:
-                sources[name] = None if setting is None else tuned if name == "tuned" else tuned.variant(
-                    name, lambda role, c, setting=setting: setting.get(role, c))
-        return session.measure({name: sources[name] for name in variants}, axis=axis,
-                               on_event=lambda line: say(f"[dim]{line}[/dim]"))
-
-    decision, result = run_search(group, search, measure, say)
-    if decision is None:
-        return result
-    if not decision.ok:
-        say(f"[red]no decision: {decision.summary}[/red]")
-        return result
-    hardware = next(iter(sites.values()))[0].hardware
-    overrides, dropped = [], []
-    for override in decision.role_overrides(model, hardware, {role: s[0].problems for role, s in sites.items()},
-                                            software=result.hardware.software):
-        calls = sites.get(override.role, [])
-        if all(p.accepts(getattr(override.configs, slot)) for site in calls for slot, p in site.problems.items()):
-            overrides.append(override)
-        else:
-            dropped.append(override.role)
-    history = tuned.bundle.configs if tuned.bundle is not None else []
-    calls = [_tuned_here(history, p, hardware) for site in tuned.report().applied
-             for p in site.problems.values()]  # each call site the step traced, once
-    _write_decision(decision, model, hardware, bundle, say, overrides=overrides, tuned=calls)
-    if dropped:
-        say(f"[yellow]not written (the decided configs do not fit every problem of the role): "
-            f"{', '.join(dropped)}[/yellow]")
-    return result
-
-
-def _write_decision(decision, model: str, hardware, bundle: Path, say, overrides=None, tuned=()) -> None:
-    """Say what the search chose, and the step against its bound (``tuned``: the tuned config of each collective
-    matmul the step runs, None where untuned), and write its overrides (``overrides``: those of ``decision``)
-    into ``bundle``."""
-    from cmtune.tuner.stepping import with_step_bound
-
-    if not decision.ok:
-        say(f"[red]no decision: {decision.summary}[/red]")
-        return
-    overrides = decision.role_overrides(model, hardware) if overrides is None else overrides
-    save_overrides(bundle, model, hardware, overrides)
-    say(f"decision: {decision.summary}")
-    record = with_step_bound(decision.record, list(tuned))
-    if record is not None and record.bound is not None:
-        say(f"against its bound (one layer): {record.bound.summary}")
-    say(f"wrote {len(overrides)} per-role override(s) of {model!r} on {hardware.key} to {bundle}"
-        + (f": {', '.join(o.role for o in overrides)}" if overrides else " (the tuned configs run as they are)"))
-
-
-def save_overrides(path: Path, model: str, hardware, overrides) -> None:
-    """Replace ``model``'s overrides on ``hardware`` in the bundle at ``path`` by ``overrides`` (a new
-    decision replaces the last one: a role it leaves alone runs its tuned configs again)."""
-    from collective_matmul.wire.bundle import Bundle
-
-    saved = Bundle.load(path) if path.exists() else Bundle()
-    saved.overrides = [o for o in saved.overrides if not (o.model == model and o.hardware.key == hardware.key)]
-    for override in overrides:
-        saved.add_override(override)
-    saved.save(path)
 
 
 def discovered_body(step: str, name: str | None):

@@ -19,10 +19,10 @@ from cmtune.common import (
     devices_option,
     join_options,
     problems_from_options,
-    relaunch_as_group,
+    set_up_devices,
     show_step,
 )
-from cmtune.workers.cluster import DEVICES_HELP
+from cmtune.workers.cluster import DEVICES_HELP, is_compile_only
 from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
 app = typer.Typer(no_args_is_help=True)
@@ -54,16 +54,9 @@ def bench(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--problem") from None
     spec = devices_option(devices)
-    if spec.needs_group:
-        return relaunch_as_group(spec.count, local_devices=parsed.axis_size // spec.count, platform=spec.platform)
-    from cmtune.workers.cluster import configure
-    from collective_matmul.programs.topology import TopologyError
-
-    try:
-        configure(spec, auto_virtual=parsed.axis_size)
-    except TopologyError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--devices") from None
-    if compile_only or spec.compile_only:
+    if not set_up_devices(spec, local_devices=parsed.axis_size // max(spec.count, 1), auto_virtual=parsed.axis_size):
+        return None
+    if is_compile_only(devices, compile_only):
         results = _compile_sweep([parsed], spec)
         if out is not None:
             out.write_text("".join(r.model_dump_json() + "\n" for r in results))
@@ -191,7 +184,7 @@ def tune(
 
         if problem or model or mesh:
             raise typer.BadParameter("--step tunes your step's own problems: leave out --problem, --model and --mesh")
-        if compile_only or devices.startswith(("tpu:", "gpu:")):
+        if is_compile_only(devices, compile_only):
             return steps.tune(step, devices, lambda found, mesh, axis: _compile_sweep(
                 found, devices_option(devices), devices=list(mesh.devices.flat)))
         return steps.tune(step, devices, lambda found, mesh, axis: _tune(found, ring=mesh.shape[axis], mesh=mesh,
@@ -205,95 +198,48 @@ def tune(
     if spec.total is not None and spec.total % ring:
         raise typer.BadParameter(f"rings of {ring} devices do not divide the {spec.total} devices of {devices}: give "
                                  f"a multiple of {ring}", param_hint="--devices")
-    if spec.needs_group:
-        if not spec.local and ring % spec.count:
-            raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
-        return relaunch_as_group(spec.count, local_devices=spec.local or ring // spec.count, platform=spec.platform)
-    from cmtune.workers.cluster import configure
-    from collective_matmul.programs.topology import TopologyError
-
-    try:
-        configure(spec, auto_virtual=ring)
-    except TopologyError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--devices") from None
-    if compile_only or spec.compile_only:
+    if spec.needs_group and not spec.local and ring % spec.count:
+        raise typer.BadParameter(f"a ring of {ring} devices does not split over {spec.count} processes")
+    if not set_up_devices(spec, local_devices=spec.local or ring // max(spec.count, 1), auto_virtual=ring):
+        return None
+    if is_compile_only(devices, compile_only):
         _compile_sweep(problems, spec)
         return
     _tune(problems, ring=ring, **options)
 
 
-def _tune(problems, *, ring, trials, minutes, patience, sampler, seed, protocol, grace_s, out, warm_start=True,
-          bundled=(), mesh=None, axis=None) -> None:
-    """Tune ``problems`` on rings of ``ring`` devices, all at once: every ring of that size the devices split into
-    (`cmtune.workers.measure.ring_mesh`), or those of ``mesh`` along ``axis`` (a user's step's); configs are keyed
-    by the first ring's hardware, part of a slice of the mesh's devices
-    (`collective_matmul.client.tuned.ring_hardware`).
-
-    With ``warm_start``, each study is seeded (`cmtune.tuner.warm.seeds`) from the studies of this run
-    before it and from the configs of ``bundled`` (the --out bundle's).
-    """
+def _tune(problems, *, out, **options) -> None:
+    """`cmtune.workers.local.tune_problems` with a progress bar a study; process 0 prints the table and adds the
+    tuned configs to the ``out`` bundle."""
     import jax
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cmtune.report import tune_table
-    from cmtune.tuner.searching import study_settings
-    from cmtune.tuner.warm import Known, seeds
-    from cmtune.workers.cluster import Group
-    from cmtune.workers.local import LocalTuner
-    from cmtune.workers.measure import ring_mesh
-    from cmtune.workers.runner import LocalRunner, follow
-    from collective_matmul.planning.models import ring_hardware
-    from collective_matmul.wire import MeasurementProtocol
-    from collective_matmul.wire.bundle import Bundle
+    from cmtune.workers.local import add_to_bundle, tune_problems
 
-    if mesh is None and jax.device_count() % ring:
-        raise typer.BadParameter(
-            f"the problems need rings of {ring} devices, which do not divide the {jax.device_count()} devices "
-            f"present; use --devices virtual:{ring} (or a multiple of {ring}), or processes:PxD with P x D a "
-            f"multiple of {ring}")
-    mesh = mesh or ring_mesh(None, ring)
-    axis = axis or mesh.axis_names[-1]
-    runner = LocalRunner(mesh=mesh, axis=axis)
-    group = Group()
-    if not group.leader:
-        follow(group, runner, grace_s=grace_s)  # process 0 decides; this process runs what it is handed
-        return
-    hardware = ring_hardware(mesh, axis)
-    outcomes = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        tuner = LocalTuner(runner, group=group, grace_s=grace_s)
+    with Progress(*columns, console=console, disable=jax.process_index() != 0) as progress:
+        def on_study(problem, total):
+            bar = progress.add_task(problem.key, total=total)
+            return lambda done=False: progress.update(bar, completed=total) if done else progress.advance(bar)
+
         try:
-            for problem in problems:
-                known = [*(o.known() for o in outcomes), *(Known(c, source="bundle") for c in bundled)]
-                warm = seeds(problem, hardware, [k for k in known if k is not None]) if warm_start else ()
-                settings = study_settings(problem, hardware, trials=trials, minutes=minutes, patience=patience,
-                                          sampler=sampler, seed=seed, seeds=warm)
-                bar = progress.add_task(problem.key, total=min(settings.max_trials, len(candidates_of(problem))) + 1)
-                tuner.on_trial = lambda _trial, bar=bar: progress.advance(bar)
-                outcomes.append(tuner.tune(problem, hardware, settings, MeasurementProtocol(**protocol)))
-                progress.update(bar, completed=progress.tasks[bar].total)
-        finally:
-            tuner.stop()
+            tuned = tune_problems(problems, on_study=on_study, **options)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    if tuned is None:  # another process of the group: process 0 reports
+        return
+    hardware, outcomes = tuned
     console.print(tune_table(outcomes, title=f"tuned on {hardware.key} (jax {hardware.jax_version})"))
-    tuned = [o.tuned for o in outcomes if o.tuned is not None]
-    if out is not None and tuned:
-        bundle = Bundle.load(out) if out.exists() else Bundle()
-        for config in tuned:
-            bundle.add(config)
-        bundle.save(out)
-        console.print(f"wrote {len(tuned)} tuned configs to {out}")
+    configs = [o.tuned for o in outcomes if o.tuned is not None]
+    if out is not None and configs:
+        add_to_bundle(out, configs)
+        console.print(f"wrote {len(configs)} tuned configs to {out}")
     failed = [o for o in outcomes if o.tuned is None]
     for outcome in failed:
         console.print(f"[red]{outcome.study.problem.key}: {outcome.study.state}: {outcome.study.message}[/red]")
     if failed:
         raise typer.Exit(1)
-
-
-def candidates_of(problem):
-    from collective_matmul.planning.space import candidates
-
-    return candidates(problem)
 
 
 @app.command()
@@ -397,7 +343,7 @@ def verify(
 
         if model or mesh:
             raise typer.BadParameter("--step times your own step: leave out --model and --mesh")
-        if compile_only or devices.startswith(("tpu:", "gpu:")):
+        if is_compile_only(devices, compile_only):
             if decide:
                 raise typer.BadParameter("--decide times the step: it needs devices that run (not --compile-only)")
             return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name,
@@ -408,7 +354,7 @@ def verify(
                             share=share)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
-    if compile_only or devices.startswith(("tpu:", "gpu:")):
+    if is_compile_only(devices, compile_only):
         raise typer.BadParameter("--compile-only verifies a step spec (--step): the reference block is timed only")
     if name:
         raise typer.BadParameter("--name is for --step (a model's overrides are stored under its name)")
@@ -431,15 +377,11 @@ def verify(
     if device_spec.kind == "virtual" and device_spec.count < ring:
         raise typer.BadParameter(f"{block.name} on {mesh} needs a ring of {ring} devices but --devices {devices} "
                                  f"gives {device_spec.count}; use --devices virtual:{ring}")
-    if device_spec.needs_group:
-        if ring % device_spec.count:
-            raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
-                                     f"use processes:N with N dividing {ring}")
-        return relaunch_as_group(device_spec.count, local_devices=ring // device_spec.count,
-                                 platform=device_spec.platform)
-    from cmtune.workers.cluster import configure
-
-    configure(device_spec, auto_virtual=ring)
+    if device_spec.needs_group and ring % device_spec.count:
+        raise typer.BadParameter(f"a ring of {ring} devices does not split over {device_spec.count} processes; "
+                                 f"use processes:N with N dividing {ring}")
+    if not set_up_devices(device_spec, local_devices=ring // max(device_spec.count, 1), auto_virtual=ring):
+        return
     _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
             timeout=timeout, ablation=ablation, json_out=json_out,
             search=dict(rounds=search_rounds, per_round=round_variants) if decide else None)
@@ -447,57 +389,26 @@ def verify(
 
 def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeout, ablation, json_out,
             search=None) -> None:
-    """Time ``block``'s step on ``spec`` (its first ring here); with ``search`` (the step search's budget) decide
-    what it runs, process 0 deciding, and write the choice's overrides into ``bundle``."""
+    """`cmtune.workers.step.verify_block`, process 0 printing."""
     import time
 
     import jax
 
     from cmtune.report import roles_table
-    from cmtune.workers.cluster import Group
-    from cmtune.workers.step import StepSession, standard_variants, step_layout
-    from collective_matmul.block import configs_per_role
-    from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import BlockConfigs, MeasurementProtocol, Resolved
+    from cmtune.workers.step import step_layout, verify_block
+    from collective_matmul.wire import MeasurementProtocol
 
     started = time.monotonic()
     try:
         layout = step_layout(block, spec, jax.devices())
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    group = Group()
-    leader = group.leader
-    say = console.print if leader else (lambda *_: None)
-    message = None
-    if leader:  # process 0 looks the configs up; the others run what it found
-        tuned = Tuned(server, token=token, bundle=bundle, model=block.name)
-        configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
-                                   batch_axis=layout.batch_axis)
-        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=found.decomposition.id,
-                                          match=found.match, source=found.source)
-                           for slot, (problem, found) in slots.items()}
-                    for role, slots in tuned.resolved_by_role.items()}
-        message = BlockConfigs(configs=configs, resolved=resolved)
-    message = group.share(message, BlockConfigs)
-    configs = message.configs
-    mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
-    submitted = ",".join(f"{name}={size}" for name, size in spec.axes.items())
-    say(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch {layout.block.global_batch} "
-        f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
-        f"{jax.process_count()} process(es)")
-    say(roles_table(message.resolved, title="configs per role"))
     protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
-    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                          protocol=protocol)
-    if search is not None:
-        from cmtune import steps
-
-        result = steps.decide_block(group, session, block, spec, layout, configs, bundle=bundle,
-                                            ablation=ablation, say=say, **search)
-    else:
-        result = session.measure(standard_variants(configs, ablation=ablation),
-                                 on_event=lambda line: say(f"[dim]{line}[/dim]"))
-    if not leader:
+    result = verify_block(block, spec, layout, bundle=bundle, server=server, token=token, protocol=protocol,
+                          ablation=ablation, search=search, say=console.print,
+                          show_roles=lambda resolved: console.print(roles_table(resolved, title="configs per role")))
+    if result is None:  # another process of the group: process 0 reports
         return
+    mesh_text = ",".join(f"{name}={size}" for name, size in result.mesh.items())
     show_step(result, title=f"training step of {block.name} on {mesh_text}, {result.hardware.key} "
                             f"(jax {result.hardware.jax_version})", started=started, json_out=json_out)

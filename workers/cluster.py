@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -84,6 +85,7 @@ DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N 
                 "GPUs each), tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, compiled for ahead of time: needs "
                 "libtpu, nothing runs) or gpu:CARD:D / gpu:CARD:HxD (H hosts of D NVIDIA GPUs such as gpu:h100:8, "
                 "compiled for ahead of time: needs cmtune[gpu], nothing runs)")
+COMPILE_ONLY_KINDS = ("tpu:", "gpu:")  # the devices kinds compiled for ahead of time, never run
 _TOPOLOGY = re.compile(r"[a-z][a-z0-9]*:\d+(x\d+)*")
 _GPU_NODE = re.compile(r"(?P<card>[a-z0-9][a-z0-9_.-]*):(?:(?P<hosts>\d+)x)?(?P<per_host>\d+)")
 
@@ -142,7 +144,7 @@ class DeviceSpec:
     @property
     def compile_only(self) -> bool:
         """True for a TPU slice or a GPU node: programs are compiled for its devices and checked, never timed."""
-        return self.kind in ("tpu", "gpu")
+        return self.kind + ":" in COMPILE_ONLY_KINDS
 
     @property
     def label(self) -> str:
@@ -182,6 +184,31 @@ class DeviceSpec:
         if self.kind in ("processes", "gpu") and self.local:
             return self.count * self.local
         return None
+
+
+def is_compile_only(devices: str, compile_only: bool = False) -> bool:
+    """Whether a command on ``--devices devices`` (with ``--compile-only`` as ``compile_only``) compiles its programs
+    and checks them, timing nothing: asked to, or on a TPU topology (``tpu:TOPOLOGY``) or a GPU node
+    (``gpu:CARD:HxD``), whose devices are compiled for and never run (`DeviceSpec.compile_only`)."""
+    return compile_only or devices.startswith(COMPILE_ONLY_KINDS)
+
+
+def set_up(spec: DeviceSpec, *, relaunch: Callable[[int, int, str], None], local_devices: int = 0,
+           auto_virtual: int = 0) -> bool:
+    """Set this process's devices up for ``spec`` (`configure`), or, where it must run as a group of processes and
+    is not in one yet, have ``relaunch(processes, local_devices, platform)`` re-run the command as that group.
+
+    Returns:
+        False if the group ran the command instead (this process has nothing left to do).
+
+    Raises:
+        collective_matmul.programs.topology.TopologyError: a TPU topology libtpu does not take.
+    """
+    if spec.needs_group:
+        relaunch(spec.count, local_devices, spec.platform)
+        return False
+    configure(spec, auto_virtual=auto_virtual)
+    return True
 
 
 def detected_cluster() -> tuple[str, int] | None:

@@ -86,3 +86,80 @@ class LocalTuner:
         """Release the other processes of the group (call once, after the last study)."""
         if self.group is not None:
             self.group.send(GroupMessage(kind="stop"))
+
+
+def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, minutes: float | None,
+                  patience: int | None, sampler: str, seed: int, protocol: dict, grace_s: float,
+                  warm_start: bool = True, bundled=(), mesh=None, axis: str | None = None,
+                  on_study: Callable[[Problem, int], Callable[..., None]] | None = None,
+                  ) -> tuple[Hardware, list[Outcome]] | None:
+    """Tune ``problems`` on rings of ``ring`` devices, all at once: every ring of that size the devices split into
+    (`cmtune.workers.measure.ring_mesh`), or those of ``mesh`` along ``axis`` (a user's step's); configs are keyed
+    by the first ring's hardware, part of a slice of the mesh's devices
+    (`collective_matmul.client.tuned.ring_hardware`).  Process 0 runs the studies; the others run what it hands
+    them (`cmtune.workers.runner.follow`).
+
+    With ``warm_start``, each study is seeded (`cmtune.tuner.warm.seeds`) from the studies of this run
+    before it and from the configs of ``bundled`` (a bundle's).
+
+    Args:
+        protocol: the `MeasurementProtocol`'s fields.
+        on_study: called on process 0 as each study starts, with its problem and its trials at most (the
+            candidates and the baseline); what it returns is called after each trial, and with ``done=True`` when
+            the study ends (progress).
+
+    Returns:
+        On process 0 the rings' hardware and each study's outcome, in order; None on the others.
+
+    Raises:
+        ValueError: rings of ``ring`` do not divide the devices.
+    """
+    import jax
+
+    from cmtune.tuner.searching import study_settings
+    from cmtune.tuner.warm import seeds
+    from cmtune.workers.cluster import Group
+    from cmtune.workers.measure import ring_mesh
+    from cmtune.workers.runner import LocalRunner, follow
+    from collective_matmul.planning.models import ring_hardware
+    from collective_matmul.planning.space import candidates
+
+    if mesh is None and jax.device_count() % ring:
+        raise ValueError(
+            f"the problems need rings of {ring} devices, which do not divide the {jax.device_count()} devices "
+            f"present; use --devices virtual:{ring} (or a multiple of {ring}), or processes:PxD with P x D a "
+            f"multiple of {ring}")
+    mesh = mesh or ring_mesh(None, ring)
+    axis = axis or mesh.axis_names[-1]
+    runner = LocalRunner(mesh=mesh, axis=axis)
+    group = Group()
+    if not group.leader:
+        follow(group, runner, grace_s=grace_s)  # process 0 decides; this process runs what it is handed
+        return None
+    hardware = ring_hardware(mesh, axis)
+    on_study = on_study or (lambda _problem, _total: lambda done=False: None)
+    outcomes: list[Outcome] = []
+    tuner = LocalTuner(runner, group=group, grace_s=grace_s)
+    try:
+        for problem in problems:
+            known = [*(o.known() for o in outcomes), *(Known(c, source="bundle") for c in bundled)]
+            warm = seeds(problem, hardware, [k for k in known if k is not None]) if warm_start else ()
+            settings = study_settings(problem, hardware, trials=trials, minutes=minutes, patience=patience,
+                                      sampler=sampler, seed=seed, seeds=warm)
+            tick = on_study(problem, min(settings.max_trials, len(candidates(problem))) + 1)
+            tuner.on_trial = lambda _trial, tick=tick: tick()
+            outcomes.append(tuner.tune(problem, hardware, settings, MeasurementProtocol(**protocol)))
+            tick(done=True)
+    finally:
+        tuner.stop()
+    return hardware, outcomes
+
+
+def add_to_bundle(path, configs: list[TunedConfig]) -> None:
+    """Add ``configs`` to the bundle file at ``path`` (a new one where there is none)."""
+    from collective_matmul.wire.bundle import Bundle
+
+    bundle = Bundle.load(path) if path.exists() else Bundle()
+    for config in configs:
+        bundle.add(config)
+    bundle.save(path)

@@ -33,6 +33,8 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cmtune.workers.compare import relative_error
+from cmtune.workers.rounds import Rounds, barrier, slowest_process, time_rounds
 from collective_matmul.ops.collective import OPS as MATMULS
 from collective_matmul.ops.collective import allgather_grad_weight, input_shardings
 from collective_matmul.planning.decomposition import Decomposition
@@ -305,27 +307,31 @@ class Session:
                 message=f"relative error {rel_error:.3g} against the baseline exceeds {tolerance:g}",
             )
         try:
-            cand, base, timed_out, calls = self._time_pair(compiled, started, protocol)
+            rounds = self._rounds({"candidate": lambda: compiled(self.x, self.w), "baseline": self._run_baseline},
+                                  started, protocol)
         except Exception as exc:  # noqa: BLE001
             return Measurement(**record, status=classify_failure(exc), message=error_message(exc))
+        cand, base = rounds.samples["candidate"], rounds.samples["baseline"]
         ratios = [c / b for c, b in zip(cand, base, strict=True)]
         q1, ratio, q3 = quartiles(ratios)
         return Measurement(
             **record,
-            status="timeout" if timed_out else "ok",
-            message=f"stopped after {len(cand)} of {protocol.repeats} runs: over "
-            f"{protocol.timeout_s:g}s" if timed_out else "",
-            candidate=Timing.of(cand, calls),
-            baseline=Timing.of(base, calls),
+            status="timeout" if rounds.timed_out else "ok",
+            message=rounds.message,
+            candidate=Timing.of(cand, rounds.calls),
+            baseline=Timing.of(base, rounds.calls),
             ratio=ratio,
             ratio_iqr=q3 - q1,
         )
 
-    def _time_pair(self, compiled, started: float, protocol: MeasurementProtocol
-                   ) -> tuple[list[float], list[float], bool, int]:
-        (cand, base), timed_out, calls = _time_rounds([lambda: compiled(self.x, self.w), self._run_baseline],
-                                                      started, protocol, self.mesh, lambda: self.overhead_s)
-        return cand, base, timed_out, calls
+    def _rounds(self, runs: dict[str, Callable[[], jax.Array]], started: float, protocol: MeasurementProtocol
+                ) -> Rounds:
+        """`time_rounds` of ``runs`` in a fixed order, K ``protocol.calls`` or chosen at warm-up by
+        `calls_per_sample` against this session's `overhead_s`."""
+        platform = self.mesh.devices.flat[0].platform
+        calls = protocol.calls if protocol.calls is not None else (
+            lambda single: calls_per_sample(single, self.overhead_s, platform))
+        return time_rounds(runs, started=started, protocol=protocol, calls=calls)
 
     @functools.cached_property
     def overhead_s(self) -> float:
@@ -359,16 +365,13 @@ class Session:
             return BoundsMeasurement(**record, status="oom" if status == "oom" else "compile_error",
                                      message=error_message(exc))
         try:
-            (compute, communication, base), timed_out, calls = _time_rounds(
-                [*runs, self._run_baseline], started, protocol, self.mesh, lambda: self.overhead_s)
+            rounds = self._rounds({**dict(zip(programs, runs, strict=True)), "baseline": self._run_baseline},
+                                  started, protocol)
         except Exception as exc:  # noqa: BLE001
             return BoundsMeasurement(**record, status=classify_failure(exc), message=error_message(exc))
         return BoundsMeasurement(
-            **record, status="timeout" if timed_out else "ok",
-            message=f"stopped after {len(base)} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
-            if timed_out else "",
-            compute=Timing.of(compute, calls), communication=Timing.of(communication, calls),
-            baseline=Timing.of(base, calls))
+            **record, status="timeout" if rounds.timed_out else "ok", message=rounds.message,
+            **{name: Timing.of(samples, rounds.calls) for name, samples in rounds.samples.items()})
 
 
 SAMPLE_OVER_OVERHEAD = 50  # a sample lasts at least this many times a barrier and a dispatch (bench/short_programs.py:
@@ -411,41 +414,6 @@ def _trivial(mesh: Mesh):
     return jax.jit(lambda: jnp.zeros((mesh.size,), jnp.float32), out_shardings=NamedSharding(mesh, P(axes)))
 
 
-def _time_rounds(runs: list[Callable[[], jax.Array]], started: float, protocol: MeasurementProtocol, mesh: Mesh,
-                 overhead: Callable[[], float]) -> tuple[list[list[float]], bool, int]:
-    """Warm up, then each of ``runs`` in turn per round (a barrier before each sample, `block_until_ready` after
-    its last call); the per-call samples of each (the slowest process's), whether the timeout stopped the rounds
-    early, and K, the calls per sample (``protocol.calls``, or chosen at warm-up by `calls_per_sample` from the
-    slowest run's single call and ``overhead()`` on ``mesh``, agreed by every process: one K for every run of the
-    round, so they pair)."""
-    warm: list[float] = []
-    for i in range(protocol.warmup):
-        for run in runs:
-            t0 = time.perf_counter()
-            run().block_until_ready()
-            if i == protocol.warmup - 1:
-                warm.append(time.perf_counter() - t0)
-    calls = protocol.calls
-    if calls is None:
-        single = max(slowest_process(warm)) if warm else 0.0
-        calls = calls_per_sample(single, overhead(), mesh.devices.flat[0].platform) if single else 1
-    samples: list[list[float]] = [[] for _ in runs]
-    timed_out = False
-    for _ in range(protocol.repeats):
-        for run, out in zip(runs, samples, strict=True):
-            barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls - 1):
-                run()
-            run().block_until_ready()
-            out.append((time.perf_counter() - t0) / calls)
-        # every process must agree to stop, or the SPMD programs would diverge
-        if any_process(time.monotonic() - started > protocol.timeout_s):
-            timed_out = True
-            break
-    return [slowest_process(s) for s in samples], timed_out, calls
-
-
 def measure(problem: Problem, config: Decomposition,
             protocol: MeasurementProtocol = MeasurementProtocol()) -> Measurement:
     """Measure one candidate on all devices, as rings of its size (a one-off `Session`)."""
@@ -475,43 +443,6 @@ def compiled_memory(compiled) -> int | None:
     )
 
 
-@jax.jit
-def _error_terms(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.linalg.norm(a - b), jnp.linalg.norm(b)
-
-
-def relative_error(a: jax.Array, b: jax.Array) -> float:
-    diff, norm = (float(v) for v in _error_terms(a, b))
-    return diff / norm if norm else diff
-
-
 def error_message(exc: BaseException) -> str:
     """What a failure says: its type and text, as a valid message (an error's text may hold anything)."""
     return as_message(f"{type(exc).__name__}: {exc}", 2000)
-
-
-def barrier() -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("cmtune-run")
-
-
-def any_process(flag: bool) -> bool:
-    """True if ``flag`` is true on any process (every process must call this together)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def slowest_process(samples: list[float]) -> list[float]:
-    """Per run, the time of the slowest process (the run is done when all are)."""
-    if jax.process_count() == 1:
-        return samples
-    from jax.experimental import multihost_utils
-
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(samples)))
-    return [float(v) for v in every.reshape(jax.process_count(), -1).max(axis=0)]

@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from cmtune.tuner.variants import REFERENCE, variant_configs
@@ -179,6 +179,62 @@ def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=Non
         if group.leader:
             search.record(message.variants, result, wall_s=time.monotonic() - started)
             say(search.summary())
+
+
+def verify_block(block: TransformerBlock, spec: MeshSpec, layout: StepLayout, *, bundle, server: str | None,
+                 token: str | None,
+                 protocol: MeasurementProtocol, ablation: bool, search: dict | None, say: Callable[[str], None],
+                 show_roles: Callable[[dict], None]) -> StepMeasurement | None:
+    """`cmtune verify --model`: time ``block``'s step as submitted on ``spec``, on ``layout`` (its first ring here:
+    `step_layout`), with the configs of ``bundle`` or ``server`` against the block as written
+    (`standard_variants`); with ``search`` (the step search's ``rounds`` and ``per_round``) decide what it runs
+    (`cmtune.workers.decide.decide_step`) and write the choice's overrides into ``bundle``.
+
+    Process 0 looks the configs up and the others run what it found; ``say`` (and ``show_roles``, with each
+    role's resolved configs) are called on process 0 alone.
+
+    Returns:
+        On process 0 the step measurement; None on the others.
+    """
+    import jax
+
+    from cmtune.workers.cluster import Group
+    from collective_matmul.block import configs_per_role
+    from collective_matmul.client.tuned import Tuned
+    from collective_matmul.wire import BlockConfigs, Resolved
+
+    group = Group()
+    say = say if group.leader else (lambda *_: None)
+    message = None
+    if group.leader:  # process 0 looks the configs up; the others run what it found
+        tuned = Tuned(server, token=token, bundle=bundle, model=block.name)
+        configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
+                                   batch_axis=layout.batch_axis)
+        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=found.decomposition.id,
+                                          match=found.match, source=found.source)
+                           for slot, (problem, found) in slots.items()}
+                    for role, slots in tuned.resolved_by_role.items()}
+        message = BlockConfigs(configs=configs, resolved=resolved)
+    message = group.share(message, BlockConfigs)
+    configs = message.configs
+    mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
+    submitted = ",".join(f"{name}={size}" for name, size in spec.axes.items())
+    say(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch {layout.block.global_batch} "
+        f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
+        f"{jax.process_count()} process(es)")
+    if group.leader:
+        show_roles(message.resolved)
+    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                          protocol=protocol)
+    if search is not None:
+        from cmtune.workers.decide import block_plan, decide_step
+
+        plan = lambda: block_plan(block, spec, layout, configs, bundle, ablation=ablation)  # noqa: E731 - process 0's
+        result = decide_step(group, session, plan, fixed_sources, bundle=bundle, say=say, **search)
+    else:
+        result = session.measure(standard_variants(configs, ablation=ablation),
+                                 on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    return result if group.leader else None
 
 
 # ---- the layout: where a step is measured ------------------------------------------------
@@ -398,15 +454,10 @@ class StepSession(MeasurementSession):
     def _check_lr(self, step):
         """A learning rate whose update dwarfs every parameter, so ``p - new`` carries the gradient
         to the last bits (a power of two, from one step of the reference at lr=1)."""
-        import jax
-        import jax.numpy as jnp
+        from cmtune.workers.compare import tree_terms
 
         new, _ = step(self.params, self.x, self.target, self._scalar(1.0))
-        norms = jax.jit(lambda p, n: jax.tree.map(
-            lambda a, b: (jnp.linalg.norm(a.astype(jnp.float32)),
-                          jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))), p, n))(self.params, new)
-        ratio = max(float(size) / max(float(change), 1e-30) for size, change in jax.tree.leaves(
-            norms, is_leaf=lambda v: isinstance(v, tuple)))
+        ratio = max(t.size / max(t.diff, 1e-30) for t in tree_terms(new, self.params))
         return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
 
     def _agrees(self, record: dict, got, expected, reference: str) -> bool:
@@ -415,13 +466,13 @@ class StepSession(MeasurementSession):
         The gradient of a parameter is ``(p - new) / lr`` at the check learning rate, so the
         relative error of the gradients is ``|new - new_ref| / |p - new_ref|``.
         """
-        from cmtune.workers.measure import TOLERANCE, relative_error
+        from cmtune.workers.compare import relative_error
+        from cmtune.workers.measure import TOLERANCE
 
         (new, loss, _), (want_new, want_loss, _) = got, expected
         errors = {"loss": relative_error(loss, want_loss)}
         for name in sorted(want_new):
-            diff, size = (float(v) for v in _update_error()(self.params[name], new[name], want_new[name]))
-            errors[f"d{name}"] = diff / size if size else diff
+            errors[f"d{name}"] = relative_error(new[name], want_new[name], base=self.params[name])
         worst = max(errors, key=lambda k: errors[k] if math.isfinite(errors[k]) else math.inf)
         record["rel_error"] = errors[worst] if math.isfinite(errors[worst]) else None
         tolerance = TOLERANCE[self.block.dtype]
@@ -436,15 +487,3 @@ class StepSession(MeasurementSession):
         inputs = self._inputs
         return lambda: step(*inputs)
 
-
-@cache
-def _update_error():
-    """Jitted ``(|a - b|, |p - b|)`` in float32: the error of an update ``a`` against ``b`` from ``p``."""
-    import jax
-    import jax.numpy as jnp
-
-    def terms(p, a, b):
-        p, a, b = (v.astype(jnp.float32) for v in (p, a, b))
-        return jnp.linalg.norm(a - b), jnp.linalg.norm(p - b)
-
-    return jax.jit(terms)

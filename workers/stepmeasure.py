@@ -10,7 +10,7 @@ the protocol of `cmtune.workers.measure` over a set of them, the reference first
    the reference's by dtype; one that disagrees is ``invalid`` and is not timed; none is checked
    when the reference fails.
 3. The variants that passed are timed together (`interleave`): warm-up, then rounds, each in its
-   own seeded order (`round_order`), a barrier before each run with several processes, the
+   own seeded order (`cmtune.workers.rounds.round_order`), a barrier before each run with several processes, the
    slowest process counting.
 
 Every process must make the same calls; after each compile and each check every process agrees
@@ -22,11 +22,11 @@ lowered, how its check runs and compares, and how its timed runs are fed.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+from cmtune.workers.rounds import any_process, time_rounds
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.wire import MeasurementProtocol, Status, StepVariant, Timing, quartiles
 
@@ -189,8 +189,6 @@ class MeasurementSession:
 
 def _agreed(ok: bool, record: dict) -> bool:
     """True if ``ok`` on every process; a variant that failed on another process only fails here too."""
-    from cmtune.workers.measure import any_process
-
     if not any_process(not ok):
         return True
     if ok or "status" not in record:
@@ -200,60 +198,30 @@ def _agreed(ok: bool, record: dict) -> bool:
 
 def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict], reference: str, started: float,
                protocol: MeasurementProtocol, say: Callable[[str], None]) -> None:
-    """Warm up, then call each of ``runs`` once a round, each round in its own order (one synchronised step per
-    call); fill in the records.
+    """Time ``runs`` together (`cmtune.workers.rounds.time_rounds`: warm-up, then one synchronised step a call, each
+    round in its own order) and fill in the records.
 
     Each call is timed from a barrier (with several processes) to `block_until_ready` of what it
     returns; the slowest process's time counts.  A run that raises leaves the rotation with its
     failure as its status.  Every process must call this together, with the same runs.  Each
     record gets ``status``, ``timing``, and ``ratio`` / ``ratio_iqr``: its time over the
-    ``reference``'s, paired by round.  The order of round ``r`` is `round_order`: what runs just
+    ``reference``'s, paired by round.  The order of round ``r`` is `cmtune.workers.rounds.round_order`: what runs just
     before a step (another program's buffers, a collective still draining) and its place in the
     round move from round to round, so they are spread over every variant instead of always
     favouring the same one.
     """
-    import jax
+    from cmtune.workers.measure import classify_failure, error_message
 
-    from cmtune.workers.measure import any_process, barrier, classify_failure, error_message, slowest_process
-
-    running = list(runs)
-    samples: dict[str, list[float]] = {name: [] for name in running}
-
-    def run(name: str, timed: bool) -> None:
-        try:
-            if timed:
-                barrier()
-            start = time.perf_counter()
-            jax.block_until_ready(runs[name]())
-            if timed:
-                samples[name].append(time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - a failing variant leaves the rotation
-            records[name].update(status=classify_failure(exc), message=error_message(exc))
-            running.remove(name)
-
-    say(f"warming up {len(running)} variants ({protocol.warmup} runs each)")
-    for _ in range(protocol.warmup):
-        for name in list(running):
-            run(name, timed=False)
-    say(f"timing {len(running)} variants, {protocol.repeats} rounds, each in its own order")
-    rounds = 0
-    timed_out = False
-    for number in range(protocol.repeats):
-        for name in round_order(list(running), protocol.seed, number):
-            run(name, timed=True)
-        rounds += 1
-        # every process must agree to stop, or the SPMD programs would diverge
-        if rounds < protocol.repeats and any_process(time.monotonic() - started > protocol.timeout_s):
-            timed_out = True
-            break
-    slowest = {name: slowest_process(samples[name]) for name in runs}
-    base = slowest[reference]
+    rounds = time_rounds(runs, started=started, protocol=protocol, shuffled=True, keep_going=True, say=say)
+    for name, exc in rounds.failures.items():
+        records[name].update(status=classify_failure(exc), message=error_message(exc))
+    base = rounds.samples[reference]
     reference_failed = "status" in records[reference]
     for name in runs:
         record = records[name]
         if "status" in record:  # failed while timing
             continue
-        times = slowest[name]
+        times = rounds.samples[name]
         if reference_failed:  # nothing to compare against: a ratio would be made up
             record.update(status=Status.ERROR, message=f"not compared: the reference {reference} failed",
                           timing=Timing.of(times) if times else None)
@@ -261,17 +229,7 @@ def interleave(runs: Mapping[str, Callable[[], object]], records: dict[str, dict
         ratios = [t / b for t, b in zip(times, base, strict=True)]
         q1, ratio, q3 = quartiles(ratios) if ratios else (None, None, None)
         record.update(
-            status=Status.TIMEOUT if timed_out else Status.OK,
-            message=f"stopped after {rounds} of {protocol.repeats} rounds: over {protocol.timeout_s:g}s"
-            if timed_out else "",
+            status=Status.TIMEOUT if rounds.timed_out else Status.OK, message=rounds.message,
             timing=Timing.of(times) if times else None, ratio=ratio,
             ratio_iqr=None if ratio is None else q3 - q1,
         )
-
-
-def round_order(names: list[str], seed: int, number: int) -> list[str]:
-    """``names`` in round ``number``'s order: a shuffle seeded by ``seed`` and ``number`` alone (the same on every
-    process of a group, SPMD)."""
-    order = list(names)
-    random.Random(f"{seed}:{number}").shuffle(order)
-    return order

@@ -59,6 +59,10 @@ class SpecError(ValueError):
     """A step spec that cannot be loaded or does not keep the contract; the message says what to fix."""
 
 
+class NoDropInCall(Exception):
+    """A step none of whose calls went through the drop-in: there is nothing to verify."""
+
+
 @dataclass(frozen=True)
 class SpecRef:
     """``path/to/file.py:NAME`` or ``package.module:NAME``."""
@@ -219,7 +223,7 @@ def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -
     ``tuned`` (``tuned`` itself); on a ``platform`` whose XLA has a windowed einsum (TPU, GPU), the step as written
     with it forced ``off`` and ``on`` too (`collective_matmul.planning.xla_options`); where ``tuned`` ``shared`` a
     gather, ``tuned-no-share`` (its configs, every call gathering for itself: `unshared`).  ``--decide`` searches beyond
-    them (`cmtune.steps.decide_user_step`)."""
+    them (`cmtune.workers.decide.decide_step`)."""
     from collective_matmul.planning.xla_options import windowed_einsum
 
     einsum = {f"as-written-windowed-einsum-{s}": CompiledWith(windowed_einsum(platform, s)) for s in ("off", "on")
@@ -237,6 +241,71 @@ def unshared(tuned, name: str = "tuned-no-share"):
     variant = tuned.variant(name, lambda role, configs: configs)
     variant.share = False
     return variant
+
+
+def verify_user_step(fn: Callable, spec: str, client: Callable[[], object], *, model: str,
+                     protocol: MeasurementProtocol, share: bool, bundle, search: dict | None,
+                     say: Callable[[str], None], show_sites: Callable[[object], None]) -> StepMeasurement | None:
+    """`cmtune verify --step`: NAME's step as written against the drop-in with tuned configs (and at the baseline,
+    `step_variants`); with ``search`` (the step search's ``rounds`` and ``per_round``), the step search on it and
+    the choice's overrides written into ``bundle`` (`cmtune.workers.decide.decide_step`).
+
+    Process 0 looks the configs up (``client()``: a `Tuned` client) while it traces the tuned step, and the others
+    replay what it resolved; ``say`` and ``show_sites`` (with the call sites it traced) are called there alone.
+
+    Returns:
+        On process 0 the step measurement; None on the others.
+
+    Raises:
+        SpecError: NAME breaks the step spec's contract.
+        NoDropInCall: no call of the step went through the drop-in.
+    """
+    import jax
+
+    from cmtune.workers.cluster import Group
+    from collective_matmul.client.tuned import Tuned
+    from collective_matmul.wire import StepCalls
+
+    group = Group()
+    say = say if group.leader else (lambda *_: None)
+    # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
+    # session keeps the tuned step built here and compiles it when it measures.
+    tuned = client() if group.leader else Tuned.pinned({})
+    tuned.share = share
+    reference = Built.of(fn, None, spec=spec)
+    session = UserStepSession(fn, reference, model=model, spec=spec, protocol=protocol)
+    traced = session.built(tuned)
+    message = None
+    if group.leader:
+        traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
+        sites = tuned.report()
+        message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
+                            axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
+        show_sites(sites)
+    message = group.share(message, StepCalls)
+    if not group.leader:
+        tuned.pin(message.pins)
+    per_role = message.per_role
+    if not per_role:
+        raise NoDropInCall(f"{spec}: no call of the step went through the drop-in: give the Flax layers "
+                           "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
+                           "tuned.matmul_reduce_scatter) when NAME gets a tuned client")
+    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
+    if search is not None:
+        from cmtune.workers.decide import UserSources, decide_step, user_step_plan
+
+        say(f"searching the step of {spec} on {mesh_text}, {jax.process_count()} process(es): up to "
+            f"{max(search['rounds'], 1)} rounds")
+        result = decide_step(group, session, lambda: user_step_plan(tuned, per_role, model), UserSources(tuned),
+                             bundle=bundle, say=say, axis=message.axis, **search)
+    else:
+        platform = reference.mesh.devices.flat[0].platform
+        variants = step_variants(tuned, platform, shared=message.shared)
+        if not any(isinstance(source, CompiledWith) for source in variants.values()):
+            say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
+        say(f"measuring {spec} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
+        result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
+    return result if group.leader else None
 
 
 # ---- the session ----------------------------------------------------------------------------
@@ -339,6 +408,7 @@ class UserStepSession(MeasurementSession):
         """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
         import jax
 
+        from cmtune.workers.compare import equal, terms
         from cmtune.workers.measure import TOLERANCE
 
         (_, out, _), (_, want, pairs) = got, expected
@@ -359,16 +429,18 @@ class UserStepSession(MeasurementSession):
                 old_leaf = _numeric(old_leaves[index]) if old_leaves is not None else None
                 dtype = str(ref_leaf.dtype)
                 if dtype not in TOLERANCE:  # integers, booleans, PRNG keys (step counters, masks): exactly
-                    if not bool(_equal()(got_leaf, ref_leaf)):
+                    if not equal(got_leaf, ref_leaf):
                         failed = failed or (leaf_name, math.inf, 0.0)
                     continue
                 tolerance, eps = TOLERANCE[dtype], _eps(dtype)
                 if old_leaf is None:  # the loss, metrics: within the tolerance of their size
-                    diff, size = (float(v) for v in _value_terms()(got_leaf, ref_leaf))
+                    t = terms(got_leaf, ref_leaf)
+                    diff, size = t.diff, t.size
                     error = diff / size if size else (0.0 if diff == 0 else math.inf)
                     ok = math.isfinite(diff) and diff <= tolerance * size + eps * size
                 else:  # an updated leaf: each element within the tolerance of how far the step moved it
-                    diff, moved, off = (float(v) for v in _update_terms()(got_leaf, ref_leaf, old_leaf, tolerance, eps))
+                    t = terms(got_leaf, ref_leaf, old_leaf, tolerance=tolerance, eps=eps)
+                    diff, moved, off = t.diff, t.size, t.off
                     error = diff / moved if moved else (0.0 if diff == 0 else math.inf)
                     ok = math.isfinite(diff) and off <= STRAY_SHARE * math.prod(ref_leaf.shape)
                 if not math.isfinite(error):
@@ -447,55 +519,6 @@ def _loss(out) -> float | None:
             value = float(leaf)
             return value if math.isfinite(value) else None
     return None
-
-
-_CACHE: dict[str, Callable] = {}
-
-
-def _value_terms():
-    """Jitted ``(|got - ref|, |ref|)`` in float32."""
-    if "value" not in _CACHE:
-        import jax
-        import jax.numpy as jnp
-
-        def terms(got, ref):
-            got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
-            return jnp.linalg.norm(got - ref), jnp.linalg.norm(ref)
-
-        _CACHE["value"] = jax.jit(terms)
-    return _CACHE["value"]
-
-
-def _update_terms():
-    """Jitted ``(|got - ref|, |ref - old|, elements off)`` in float32.
-
-    An element is off when it misses the reference's by more than ``tolerance`` times how far
-    the step moved it (that element's move plus the leaf's root-mean-square move, so that an
-    element the step barely moved is not held to nothing) plus the rounding of storing it.
-    """
-    if "update" not in _CACHE:
-        import jax
-        import jax.numpy as jnp
-
-        def terms(got, ref, old, tolerance, eps):
-            got, ref, old = (v.astype(jnp.float32) for v in (got, ref, old))
-            move = jnp.abs(ref - old)
-            typical = jnp.sqrt(jnp.mean(jnp.square(move)))
-            allowed = tolerance * (move + typical) + 2 * eps * jnp.abs(ref)
-            off = jnp.sum(jnp.abs(got - ref) > allowed)
-            return jnp.linalg.norm(got - ref), jnp.linalg.norm(ref - old), off
-
-        _CACHE["update"] = jax.jit(terms)
-    return _CACHE["update"]
-
-
-def _equal():
-    if "equal" not in _CACHE:
-        import jax
-        import jax.numpy as jnp
-
-        _CACHE["equal"] = jax.jit(lambda a, b: jnp.array_equal(a, b))
-    return _CACHE["equal"]
 
 
 def _eps(dtype: str) -> float:

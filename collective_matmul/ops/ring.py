@@ -530,56 +530,8 @@ def _gather_ring(
             acc = acc + _contract(piece, rows_of_v, acc_dtype)
         return acc
 
-    own = tiling.split(u)
-    state = (buffers, acc)
-    if config.direction == "unidirectional":
-
-        def step(carry, t):
-            cur, state = carry
-            nxt = ring.send_down(cur)
-            state, ys = use(state, cur, t)
-            nxt, state, ys = ring.fence(nxt, state, ys)  # the next block's products wait for this one's
-            return (nxt, state), ys
-
-        (cur, state), ys = ring.scan(step, (own, state), 0, size - 1)
-        state, last = use(state, cur, size - 1)
-        columns = [[*_segment(_leaf(ys, j)), last[j]] for j in range(collected)]  # blocks i, ..., i+P-1
-        first = 0
-    else:
-        hops_a, hops_b = ring.hops  # stream a brings blocks i+t, stream b brings blocks i-t
-        a, b = ring.send_down(own), ring.send_up(own)
-        state, mid = use(state, own, 0)
-        a, b, state, mid = ring.fence(a, b, state, mid)
-
-        def step_bi(carry, t):
-            a, b, state = carry
-            next_a, next_b = ring.send_down(a), ring.send_up(b)
-            state, ys_a = use(state, a, t)
-            state, ys_b = use(state, b, -t)
-            next_a, next_b, state, ys = ring.fence(next_a, next_b, state, ys_a + ys_b)
-            return (next_a, next_b, state), ys
-
-        (a, b, state), ys = ring.scan(step_bi, (a, b, state), 1, hops_b)
-        last_a = ring.send_down(a) if hops_a > hops_b else None
-        state, end_a = use(state, a, hops_b)
-        state, end_b = use(state, b, -hops_b)
-        last_a, state, end_a, end_b = ring.fence(last_a, state, end_a, end_b)
-        tail: tuple = ()
-        if last_a is not None:
-            state, tail = use(state, last_a, hops_a)
-        # blocks i-hops_b, ..., i-1, i, i+1, ..., i+hops_a
-        columns = [
-            [
-                end_b[j],
-                *_segment(_leaf(ys, collected + j), reverse=True),
-                mid[j],
-                *_segment(_leaf(ys, j)),
-                end_a[j],
-                *tail[j : j + 1],
-            ]
-            for j in range(collected)
-        ]
-        first = -hops_b
+    loop = _around_one_way if config.direction == "unidirectional" else _around_both_ways
+    state, columns, first = loop(ring, use, tiling.split(u), (buffers, acc), collected)
     buffers, acc = state
     if concat:
         row_axis = u.ndim - 2
@@ -590,6 +542,62 @@ def _gather_ring(
     product = outputs.pop(0) if rhs is not None else None
     gathered = outputs.pop(0) if keep else None
     return product, acc, gathered
+
+
+def _around_one_way(ring: _Ring, use, own: Pieces, state, collected: int):
+    """`_gather_ring`'s loop, one stream: at step ``t`` device ``i`` uses block ``i+t``.  Returns the state, the
+    collected results per row result (blocks ``i, ..., i+P-1``) and the offset of the first."""
+    size = ring.size
+
+    def step(carry, t):
+        cur, state = carry
+        nxt = ring.send_down(cur)
+        state, ys = use(state, cur, t)
+        nxt, state, ys = ring.fence(nxt, state, ys)  # the next block's products wait for this one's
+        return (nxt, state), ys
+
+    (cur, state), ys = ring.scan(step, (own, state), 0, size - 1)
+    state, last = use(state, cur, size - 1)
+    return state, [[*_segment(_leaf(ys, j)), last[j]] for j in range(collected)], 0
+
+
+def _around_both_ways(ring: _Ring, use, own: Pieces, state, collected: int):
+    """`_gather_ring`'s loop, two streams: at step ``t`` device ``i`` uses blocks ``i+t`` (stream a) and ``i-t``
+    (stream b).  Returns the state, the collected results per row result (blocks ``i-hops_b, ..., i-1, i, i+1,
+    ..., i+hops_a``) and the offset of the first."""
+    hops_a, hops_b = ring.hops  # stream a brings blocks i+t, stream b brings blocks i-t
+    a, b = ring.send_down(own), ring.send_up(own)
+    state, mid = use(state, own, 0)
+    a, b, state, mid = ring.fence(a, b, state, mid)
+
+    def step_bi(carry, t):
+        a, b, state = carry
+        next_a, next_b = ring.send_down(a), ring.send_up(b)
+        state, ys_a = use(state, a, t)
+        state, ys_b = use(state, b, -t)
+        next_a, next_b, state, ys = ring.fence(next_a, next_b, state, ys_a + ys_b)
+        return (next_a, next_b, state), ys
+
+    (a, b, state), ys = ring.scan(step_bi, (a, b, state), 1, hops_b)
+    last_a = ring.send_down(a) if hops_a > hops_b else None
+    state, end_a = use(state, a, hops_b)
+    state, end_b = use(state, b, -hops_b)
+    last_a, state, end_a, end_b = ring.fence(last_a, state, end_a, end_b)
+    tail: tuple = ()
+    if last_a is not None:
+        state, tail = use(state, last_a, hops_a)
+    columns = [
+        [
+            end_b[j],
+            *_segment(_leaf(ys, collected + j), reverse=True),
+            mid[j],
+            *_segment(_leaf(ys, j)),
+            end_a[j],
+            *tail[j : j + 1],
+        ]
+        for j in range(collected)
+    ]
+    return state, columns, -hops_b
 
 
 def _leaf(ys, j: int):

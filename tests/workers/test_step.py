@@ -397,7 +397,8 @@ def test_each_round_runs_the_variants_in_its_own_order_the_same_on_every_process
     (the project's runs timed the last of a fixed order 3-5% faster than the same program earlier in it)."""
     import time
 
-    from cmtune.workers.stepmeasure import interleave, round_order
+    from cmtune.workers.rounds import round_order
+    from cmtune.workers.stepmeasure import interleave
     from collective_matmul.wire import MeasurementProtocol
 
     names = ["as-written", "baseline", "tuned", "always-ring", "searched"]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import collective_matmul.ops.ring as ring
-from cmtune.steps import save_overrides
+from cmtune.workers.decide import save_overrides
 from cmtune.workers.userstep import (
     Built,
     CompiledWith,
