@@ -251,7 +251,7 @@ class Session:
         self.hardware = ring_hardware(self.mesh, self.axis)
         self.x, self.w = self._inputs()
         self._baseline_program, _, _ = self._compile(Decomposition.baseline())
-        self.reference = self._baseline_program(self.x, self.w).block_until_ready()
+        self.expected = self._baseline_program(self.x, self.w).block_until_ready()  # what a candidate must equal
 
     def _inputs(self) -> tuple[jax.Array, jax.Array]:
         p = self.problem
@@ -295,7 +295,7 @@ class Session:
                        overlap_note=verdict.summary())
         try:
             out = compiled(self.x, self.w).block_until_ready()
-            rel_error = relative_error(out, self.reference)
+            rel_error = relative_error(out, self.expected)
             del out
         except Exception as exc:  # noqa: BLE001
             return Measurement(**record, status=classify_failure(exc), message=error_message(exc))
