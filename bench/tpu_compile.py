@@ -1,9 +1,13 @@
-"""Compile every candidate of a few problems for TPU topologies with XLA's TPU compiler (libtpu), nothing run.
+"""Compile every candidate of a few problems for TPU topologies (XLA's TPU compiler, libtpu) or GPU nodes (XLA's
+GPU compiler, JAX's CUDA plugin), nothing run.
 
     .venv/bin/pip install -e '.[tpu]'
     .venv/bin/python bench/tpu_compile.py                          # v4:2x2x1, v5e:2x2, v5p:2x2x1 (~15 min here)
     .venv/bin/python bench/tpu_compile.py --topologies v5p:2x2x2 --problems ag:8192x4096x16384:bfloat16:8
+    .venv/bin/pip install -e '.[gpu]'
+    .venv/bin/python bench/tpu_compile.py --topologies gpu:h100:1x4 gpu:b200:1x4   # GPU nodes (~4 min here)
 
+A topology is a TPU slice's name, or ``gpu:CARD:HxD`` (`--devices`' grammar).
 Per topology and problem, a table row: how long a ring candidate took to compile (median, min-max), how many
 ring candidates' schedules overlap every permute with a product, part of them, or none
 (`collective_matmul.programs.schedule`), the memory per device (min-max), and what the product as written compiles to:
@@ -30,15 +34,17 @@ TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1"]
 
 def row(topology: str, key: str) -> str:
     from cmtune.workers.aot import compile_all
+    from cmtune.workers.cluster import DeviceSpec
     from cmtune.workers.measure import ring_mesh_of
     from collective_matmul import Problem
     from collective_matmul.planning.space import candidates
-    from collective_matmul.programs.topology import tpu_devices
 
     problem = Problem.parse(key)
-    devices = tpu_devices(topology)
+    spec = DeviceSpec.parse(topology if topology.startswith("gpu:") else f"tpu:{topology}")
+    devices = spec.compiled_devices()
     started = time.monotonic()
-    records = compile_all(problem, ring_mesh_of(devices, problem.axis_size), candidates(problem, platform="tpu"))
+    records = compile_all(problem, ring_mesh_of(devices, problem.axis_size),
+                          candidates(problem, platform=devices[0].platform))
     wall = time.monotonic() - started
     default = records[0]
     rings = [r for r in records if r.decomposition.method == "ring"]
@@ -60,11 +66,14 @@ def main() -> None:
     parser.add_argument("--topologies", nargs="+", default=TOPOLOGIES)
     parser.add_argument("--problems", nargs="+", default=PROBLEMS)
     args = parser.parse_args()
-    import jax
-    import libtpu
+    import importlib.metadata
 
-    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, jax {jax.__version__}, libtpu "
-          f"{getattr(libtpu, '__version__', '?')}; compiled, not timed\n")
+    import jax
+
+    compilers = [f"{name} {importlib.metadata.version(name)}" for name in ("libtpu", "jax-cuda12-plugin")
+                 if any(t.startswith("gpu:") == (name != "libtpu") for t in args.topologies)]
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, jax {jax.__version__}, {', '.join(compilers)}; "
+          "compiled, not timed\n")
     print("| topology | problem | ring candidates | compile (median, min-max) | overlaps / partly / serialised "
           "| memory per device | as written, XLA's windowed einsum at its default | wall |")
     print("|---|---|---|---|---|---|---|---|")

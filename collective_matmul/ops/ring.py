@@ -37,6 +37,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial, reduce
 from typing import Any, NamedTuple
 
@@ -49,6 +50,7 @@ from collective_matmul.ops.baseline import (
     baseline_allgather_matmul_shard,
     baseline_matmul_reduce_scatter_shard,
 )
+from collective_matmul.ops.ring_schedule import RingSchedule
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.planning.models import slot_collective
 from collective_matmul.planning.problem import check_decomposition, resolved_accumulate, ring_hops
@@ -480,124 +482,153 @@ def _gather_ring(
     asked: with ``rhs``, rows j of ``all_gather(u) @ rhs``; with ``v``, adds ``u_jᵀ @ v[rows j]``
     into an accumulator of ``acc_dtype`` that stays on the device; with ``keep``, rows j of
     ``all_gather(u)`` itself.  Row results are written in place, or collected, concatenated and
-    rotated when ``config.accumulate == 'concat'``.
-
-    At step ``t`` device ``i`` holds block ``i+t`` (and, bidirectional, block ``i-t``); each step
-    starts the permutes that feed the next step, then uses the pieces it holds.
+    rotated when ``config.accumulate == 'concat'``.  Which block arrives when is the
+    `RingSchedule`'s; what is done with it, `_BlockUses`'.
 
     Returns:
         ``(all_gather(u) @ rhs, all_gather(u)ᵀ @ v, all_gather(u))``, None where not asked.
     """
-    size = lax.axis_size(axis)
-    ring = _Ring(axis, size, config)
-    tiling = _Tiling(u.shape[:-1], config.chunks)
-    rows = u.shape[-2]
-    concat = config.accumulate == "concat"
-    # per row result: (pieces -> one result per piece, its width, dtype, operands it varies like)
-    row_results: list[tuple[Callable[[Pieces], list[jax.Array]], int, Any, tuple]] = []
-    if rhs is not None:
-        row_results.append((lambda pieces: [jnp.matmul(p, rhs) for p in pieces], rhs.shape[-1],
-                            jnp.result_type(u, rhs), (u, rhs)))
-    if keep:
-        row_results.append((list, u.shape[-1], u.dtype, (u,)))
-    buffers = () if concat else tuple(
-        _vary_like(jnp.zeros((*u.shape[:-2], size * rows, width), dtype), *likes)
-        for _, width, dtype, likes in row_results
-    )
-    acc = None if v is None else _vary_like(jnp.zeros((u.shape[-1], v.shape[-1]), acc_dtype), u, v)
-    collected = len(row_results) if concat else 0
+    ring = _Ring(axis, lax.axis_size(axis), config)
+    uses = _BlockUses(u, ring, config, rhs=rhs, v=v, acc_dtype=acc_dtype, keep=keep)
+    schedule = RingSchedule.of(config.direction, ring.size)
+    state = uses.start()
+    state, runs = _run_schedule(schedule, ring, uses.tiling.split(u), uses.use, state)
+    return uses.finish(state, runs, first=schedule.first)
 
-    def use(state, pieces: Pieces, offset):
+
+def _run_schedule(schedule: RingSchedule, ring: _Ring, own: Pieces, use, state):
+    """Run ``schedule``: at each step send the blocks that travel on, then ``use(state, pieces, offset)`` every
+    block held, which returns the new state and its collected results.
+
+    `RingSchedule.loop`'s steps run in one `_Ring.scan`, the others in Python; each step leaves through one
+    `_Ring.fence`.
+
+    Returns:
+        The final state and the collected results as runs ``(offset of the run's first block, per result its
+        array, or its `_Ring.scan` output, reversed or not)``, in the order made (`_BlockUses.finish` sorts
+        them).  ``reversed`` is None for one block.
+    """
+    moves = [ring.send_down if stream.sign > 0 else ring.send_up for stream in schedule.streams]
+    held: tuple[Pieces, ...] = (own,) * len(moves)
+    runs: list[tuple[int, list, bool | None]] = []
+
+    def outside(step: int, held, state):
+        sent = {j: moves[j](held[j]) for j in schedule.sends(step)}
+        offsets, used = [], []
+        for arrival in schedule.arrivals(step):
+            state, ys = use(state, held[arrival.stream], arrival.offset)
+            offsets.append(arrival.offset)
+            used.append(ys)
+        sent, state, used = ring.fence(sent, state, used)  # the next blocks' products wait for these
+        runs.extend((offset, list(ys), None) for offset, ys in zip(offsets, used, strict=True))
+        return tuple(sent.get(j, pieces) for j, pieces in enumerate(held)), state
+
+    def body(carry, t):
+        held, state = carry
+        sent = tuple(move(pieces) for move, pieces in zip(moves, held, strict=True))
+        collected: tuple = ()
+        for stream, pieces in zip(schedule.streams, held, strict=True):
+            state, ys = use(state, pieces, t if stream.sign > 0 else -t)
+            collected += ys
+        sent, state, collected = ring.fence(sent, state, collected)
+        return (sent, state), collected
+
+    lower, upper = schedule.loop
+    for step in range(lower):
+        held, state = outside(step, held, state)
+    (held, state), ys = ring.scan(body, (held, state), lower, upper)
+    if upper > lower:
+        width = len(ys) // len(moves) if ys is not None else 0
+        for j, stream in enumerate(schedule.streams):
+            first = min(stream.sign * lower, stream.sign * (upper - 1))
+            runs.append((first, [_leaf(ys, j * width + k) for k in range(width)], stream.sign < 0))
+    for step in range(upper, schedule.steps):
+        held, state = outside(step, held, state)
+    return state, runs
+
+
+class _BlockUses:
+    """What a gathering ring computes with each block it holds: the row results and the weight-gradient sum."""
+
+    def __init__(self, u: jax.Array, ring: _Ring, config: Decomposition, *, rhs, v, acc_dtype, keep: bool):
+        self.u, self.ring, self.rhs, self.v, self.acc_dtype, self.keep = u, ring, rhs, v, acc_dtype, keep
+        self.tiling = _Tiling(u.shape[:-1], config.chunks)
+        self.rows = u.shape[-2]
+        self.concat = config.accumulate == "concat"
+        self.outputs = (
+            *([_RowOutput(rhs=rhs, width=rhs.shape[-1], dtype=jnp.result_type(u, rhs), likes=(u, rhs))]
+              if rhs is not None else []),
+            *([_RowOutput(rhs=None, width=u.shape[-1], dtype=u.dtype, likes=(u,))] if keep else []),
+        )
+
+    def start(self):
+        """The state before the first block: ``(row buffers, accumulator)`` (no buffers when concatenating)."""
+        u, v = self.u, self.v
+        buffers = () if self.concat else tuple(
+            _vary_like(jnp.zeros((*u.shape[:-2], self.ring.size * self.rows, out.width), out.dtype), *out.likes)
+            for out in self.outputs
+        )
+        acc = None if v is None else _vary_like(jnp.zeros((u.shape[-1], v.shape[-1]), self.acc_dtype), u, v)
+        return buffers, acc
+
+    def use(self, state, pieces: Pieces, offset):
         """Use block ``i + offset``: returns the new state and the collected results."""
         buffers, acc = state
-        results = [fn(pieces) for fn, *_ in row_results]
-        if concat:
-            return (buffers, add_products(acc, pieces, offset)), tuple(tiling.assemble(r) for r in results)
-        start = ((ring.index + offset) % size) * rows
+        results = [out.of(pieces) for out in self.outputs]
+        if self.concat:
+            return (buffers, self._add_products(acc, pieces, offset)), tuple(self.tiling.assemble(r) for r in results)
+        start = self._start(offset)
         written = []
         for buffer, result in zip(buffers, results, strict=True):
-            for (*lead, row), y in zip(tiling.offsets, result, strict=True):
+            for (*lead, row), y in zip(self.tiling.offsets, result, strict=True):
                 buffer = lax.dynamic_update_slice(buffer, y, (*lead, start + row, 0))
             written.append(buffer)
-        return (tuple(written), add_products(acc, pieces, offset)), ()
+        return (tuple(written), self._add_products(acc, pieces, offset)), ()
 
-    def add_products(acc, pieces: Pieces, offset):
+    def finish(self, state, runs, *, first: int):
+        """``(product, accumulator, gathered)`` from the final state and the collected runs (None where not asked)."""
+        buffers, acc = state
+        if self.concat:
+            runs = sorted(runs, key=lambda run: run[0])
+            columns = [
+                [a for _, parts, rev in runs for a in ([parts[k]] if rev is None else _segment(parts[k], reverse=rev))]
+                for k in range(len(self.outputs))
+            ]
+            row_axis = self.u.ndim - 2
+            shift = ((self.ring.index + first) % self.ring.size) * self.rows
+            outputs = [jnp.roll(jnp.concatenate(parts, axis=row_axis), shift, axis=row_axis) for parts in columns]
+        else:
+            outputs = list(buffers)
+        product = outputs.pop(0) if self.rhs is not None else None
+        gathered = outputs.pop(0) if self.keep else None
+        return product, acc, gathered
+
+    def _start(self, offset):
+        return ((self.ring.index + offset) % self.ring.size) * self.rows
+
+    def _add_products(self, acc, pieces: Pieces, offset):
         if acc is None:
             return None
-        start = ((ring.index + offset) % size) * rows
-        for (*lead, row), piece in zip(tiling.offsets, pieces, strict=True):
-            rows_of_v = lax.dynamic_slice(v, (*lead, start + row, 0), (*tiling.piece, v.shape[-1]))
-            acc = acc + _contract(piece, rows_of_v, acc_dtype)
+        v, start = self.v, self._start(offset)
+        for (*lead, row), piece in zip(self.tiling.offsets, pieces, strict=True):
+            rows_of_v = lax.dynamic_slice(v, (*lead, start + row, 0), (*self.tiling.piece, v.shape[-1]))
+            acc = acc + _contract(piece, rows_of_v, self.acc_dtype)
         return acc
 
-    loop = _around_one_way if config.direction == "unidirectional" else _around_both_ways
-    state, columns, first = loop(ring, use, tiling.split(u), (buffers, acc), collected)
-    buffers, acc = state
-    if concat:
-        row_axis = u.ndim - 2
-        shift = ((ring.index + first) % size) * rows
-        outputs = [jnp.roll(jnp.concatenate(parts, axis=row_axis), shift, axis=row_axis) for parts in columns]
-    else:
-        outputs = list(buffers)
-    product = outputs.pop(0) if rhs is not None else None
-    gathered = outputs.pop(0) if keep else None
-    return product, acc, gathered
 
+@dataclass(frozen=True, kw_only=True)
+class _RowOutput:
+    """One row result of a gathering ring: ``block @ rhs`` (or the block itself, ``rhs=None``), ``width`` columns
+    of ``dtype``, varying like ``likes``."""
 
-def _around_one_way(ring: _Ring, use, own: Pieces, state, collected: int):
-    """`_gather_ring`'s loop, one stream: at step ``t`` device ``i`` uses block ``i+t``.  Returns the state, the
-    collected results per row result (blocks ``i, ..., i+P-1``) and the offset of the first."""
-    size = ring.size
+    rhs: jax.Array | None
+    width: int
+    dtype: Any
+    likes: tuple
 
-    def step(carry, t):
-        cur, state = carry
-        nxt = ring.send_down(cur)
-        state, ys = use(state, cur, t)
-        nxt, state, ys = ring.fence(nxt, state, ys)  # the next block's products wait for this one's
-        return (nxt, state), ys
-
-    (cur, state), ys = ring.scan(step, (own, state), 0, size - 1)
-    state, last = use(state, cur, size - 1)
-    return state, [[*_segment(_leaf(ys, j)), last[j]] for j in range(collected)], 0
-
-
-def _around_both_ways(ring: _Ring, use, own: Pieces, state, collected: int):
-    """`_gather_ring`'s loop, two streams: at step ``t`` device ``i`` uses blocks ``i+t`` (stream a) and ``i-t``
-    (stream b).  Returns the state, the collected results per row result (blocks ``i-hops_b, ..., i-1, i, i+1,
-    ..., i+hops_a``) and the offset of the first."""
-    hops_a, hops_b = ring.hops  # stream a brings blocks i+t, stream b brings blocks i-t
-    a, b = ring.send_down(own), ring.send_up(own)
-    state, mid = use(state, own, 0)
-    a, b, state, mid = ring.fence(a, b, state, mid)
-
-    def step_bi(carry, t):
-        a, b, state = carry
-        next_a, next_b = ring.send_down(a), ring.send_up(b)
-        state, ys_a = use(state, a, t)
-        state, ys_b = use(state, b, -t)
-        next_a, next_b, state, ys = ring.fence(next_a, next_b, state, ys_a + ys_b)
-        return (next_a, next_b, state), ys
-
-    (a, b, state), ys = ring.scan(step_bi, (a, b, state), 1, hops_b)
-    last_a = ring.send_down(a) if hops_a > hops_b else None
-    state, end_a = use(state, a, hops_b)
-    state, end_b = use(state, b, -hops_b)
-    last_a, state, end_a, end_b = ring.fence(last_a, state, end_a, end_b)
-    tail: tuple = ()
-    if last_a is not None:
-        state, tail = use(state, last_a, hops_a)
-    columns = [
-        [
-            end_b[j],
-            *_segment(_leaf(ys, collected + j), reverse=True),
-            mid[j],
-            *_segment(_leaf(ys, j)),
-            end_a[j],
-            *tail[j : j + 1],
-        ]
-        for j in range(collected)
-    ]
-    return state, columns, -hops_b
+    def of(self, pieces: Pieces) -> list[jax.Array]:
+        """The result of every piece of a block."""
+        return list(pieces) if self.rhs is None else [jnp.matmul(p, self.rhs) for p in pieces]
 
 
 def _leaf(ys, j: int):

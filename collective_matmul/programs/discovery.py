@@ -30,7 +30,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from unittest import mock
@@ -207,36 +207,40 @@ _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "col
 def _seen(module: Module, dots: list[tuple[Instruction, int]]) -> dict[str, int]:
     """The products and the collectives (by opcode, an async pair once) the module runs per step."""
     seen = {"products": sum(times for _, times in dots)}
-    for name, (times, _exact) in module.executions.items():
-        for inst in module.computations[name].instructions.values():
-            opcode = inst.opcode.removesuffix("-start")  # an async wrapper's collective is its computation's root
-            if opcode in _COLLECTIVES and times > 0:
-                seen[opcode] = seen.get(opcode, 0) + times
+    for _comp, inst, times in _executed(module):
+        opcode = inst.opcode.removesuffix("-start")  # an async wrapper's collective is its computation's root
+        if opcode in _COLLECTIVES:
+            seen[opcode] = seen.get(opcode, 0) + times
     return seen
+
+
+def _executed(module: Module) -> Iterator[tuple[Computation, Instruction, int]]:
+    """Every instruction of a computation the module runs, with that computation and its runs per step."""
+    for name, (times, _exact) in module.executions.items():
+        if times > 0:
+            comp = module.computations[name]
+            for inst in comp.instructions.values():
+                yield comp, inst, times
 
 
 def _gathered_convolutions(module: Module, tally: _Tally) -> None:
     """Skip, with the reason, every gathered operand of a convolution that is not a matmul (spatial windows,
     dilations, groups): XLA's collective feeds it, and no silence hides that."""
-    for name, (times, _exact) in module.executions.items():
-        comp = module.computations[name]
-        if times <= 0:
+    for comp, conv, times in _executed(module):
+        if conv.opcode != "convolution" or _convolution_as_dot(conv) is not None:
             continue
-        for conv in comp.instructions.values():
-            if conv.opcode != "convolution" or _convolution_as_dot(conv) is not None:
+        for operand in conv.operands[:2]:
+            inst = comp.instructions.get(operand)
+            gathered = _gathered(module, comp, inst) if inst is not None else None
+            if gathered is None:
                 continue
-            for operand in conv.operands[:2]:
-                inst = comp.instructions.get(operand)
-                gathered = _gathered(module, comp, inst) if inst is not None else None
-                if gathered is None:
-                    continue
-                frames = [(f.file, f.line) for f in module.stack(conv.stack_frame_id)]
-                window = re.search(r"window=\{([^}]*)\}", conv.attributes)
-                tally.skip(label(conv.op_name.rpartition("/")[0], frames),
-                           f"{gathered.collective.opcode} {gathered.collective.name} -> {conv.name}",
-                           "a convolution that is not a matrix product"
-                           + (f" (window {{{window.group(1)}}})" if window else " (feature or batch groups)")
-                           + ": not a collective matmul cmtune decomposes", times)
+            frames = [(f.file, f.line) for f in module.stack(conv.stack_frame_id)]
+            window = re.search(r"window=\{([^}]*)\}", conv.attributes)
+            tally.skip(label(conv.op_name.rpartition("/")[0], frames),
+                       f"{gathered.collective.opcode} {gathered.collective.name} -> {conv.name}",
+                       "a convolution that is not a matrix product"
+                       + (f" (window {{{window.group(1)}}})" if window else " (feature or batch groups)")
+                       + ": not a collective matmul cmtune decomposes", times)
 
 
 def _summed_input_gradient(roles: list[Role], tally: _Tally) -> StepProblem | None:

@@ -14,6 +14,7 @@ from jax.sharding import AxisType
 from collective_matmul import Decomposition, Problem, allgather_matmul, matmul_reduce_scatter
 from collective_matmul.ops.collective import input_shardings, problem_of
 from collective_matmul.ops.ring import allgather_matmul_shard
+from collective_matmul.ops.ring_schedule import RingSchedule
 from collective_matmul.planning.space import candidates
 
 OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter}
@@ -288,3 +289,27 @@ def test_the_product_left_to_xla_is_one_choice_for_the_whole_op():
         allgather_matmul(x, w, mesh=mesh, axis="model", config=Decomposition.xla(), grad_input=ring)
     with pytest.raises(ValueError, match="method='xla' is for the whole op"):
         allgather_matmul(x, w, mesh=mesh, axis="model", config=Decomposition.baseline(), grad_input=Decomposition.xla())
+
+
+@pytest.mark.parametrize("direction", ["unidirectional", "bidirectional"])
+@pytest.mark.parametrize("size", [3, 4, 5, 8])
+def test_ring_schedule_brings_every_block_once_in_the_order_its_stream_goes(direction, size):
+    schedule = RingSchedule.of(direction, size)
+    arrivals = [a for step in range(schedule.steps) for a in schedule.arrivals(step)]
+    for device in range(size):
+        assert sorted((device + a.offset) % size for a in arrivals) == list(range(size))
+    assert schedule.first == min(a.offset for a in arrivals)
+    for j, stream in enumerate(schedule.streams):
+        steps = [a.step for a in arrivals if a.stream == j and a.step > 0]
+        assert steps == list(range(1, stream.hops + 1))
+        assert all(a.offset == stream.sign * a.step for a in arrivals if a.stream == j)
+        # a block used after step 0 was sent by the stream at the step before
+        assert all(j in schedule.sends(step - 1) for step in steps)
+        assert not any(j in schedule.sends(step) for step in range(stream.hops, schedule.steps))
+    lower, upper = schedule.loop
+    for step in range(lower, upper):  # one loop body serves these steps: every stream sends and uses its own block
+        assert schedule.sends(step) == tuple(range(len(schedule.streams)))
+        used = schedule.arrivals(step)
+        assert [a.stream for a in used] == ([0] if step == 0 else list(range(len(schedule.streams))))
+    expected = {"unidirectional": ((1, size - 1),), "bidirectional": ((1, size // 2), (-1, (size - 1) // 2))}
+    assert tuple((s.sign, s.hops) for s in schedule.streams) == expected[direction]
