@@ -10,17 +10,20 @@ docs/benchmarks.md from these files, one table per question.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path(os.environ.get("CMTUNE_BENCH_RESULTS", ROOT / "bench" / "results"))
 
 QUESTIONS = {
     "ops": "ops against the baseline",
@@ -128,3 +131,65 @@ def load(results: Path | None = None) -> list[dict[str, Any]]:
             if line.strip():
                 entries.append(json.loads(line))
     return sorted(entries, key=lambda e: order.index(e["question"]))
+
+
+def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """The Markdown tables in `text`: (headers, rows) for each header, separator and rows."""
+    found, lines = [], text.splitlines()
+
+    def split(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    i = 0
+    while i + 1 < len(lines):
+        head, sep = lines[i].strip(), lines[i + 1].strip()
+        if head.startswith("|") and sep.startswith("|---"):
+            j, rows = i + 2, []
+            while j < len(lines) and lines[j].strip().startswith("|"):
+                rows.append(split(lines[j]))
+                j += 1
+            found.append((split(head), rows))
+            i = j
+        else:
+            i += 1
+    return found
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, out):
+        self.out, self.seen = out, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.seen.write(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def recorded(question: str, *, runs: str, keep: list[str] | None = None, bench: str | None = None,
+             note: str = "", results: Path | None = None) -> Iterator[None]:
+    """Record every Markdown table a bench prints inside the block, one record per table.
+
+    A bench's `__main__` wraps its `main()` in this, so running it rewrites its result file.
+    `keep` names the columns to store (by header, in that order; others are dropped); a
+    table without them is left out.  Nothing is written if the block raises.
+    """
+    if "--run-here" in sys.argv:  # a bench's own child process: its parent records
+        yield
+        return
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield
+    written = 0
+    for headers, rows in tables(tee.seen.getvalue()):
+        pick = list(range(len(headers)))
+        if keep:
+            if not all(name in headers for name in keep):
+                continue
+            pick = [headers.index(name) for name in keep]
+        rows = [[row[i] if i < len(row) else "" for i in pick] for row in rows]
+        record(question, rows, columns=[headers[i] for i in pick], runs=runs, bench=bench, note=note,
+               append=written > 0, results=results)
+        written += 1

@@ -71,3 +71,20 @@ def test_every_stored_record_states_its_provenance():
     for entry in results.load():
         for field in ("question", "command", "machine", "date", "commit", "software", "runs", "columns", "rows"):
             assert entry.get(field), (entry["bench"], field)
+
+
+def test_a_bench_inside_recorded_writes_the_tables_it_prints(tmp_path, capsys):
+    with results.recorded("short_programs", runs="10 runs", bench="short_programs", keep=["K", "invocation"],
+                          results=tmp_path):
+        print("intro\n| invocation | K | spread |\n|---|---|---|\n| 1 | 13 | 0.127 |\n| 2 | 20 | 0.146 |\ndone")
+    assert "| 1 | 13 | 0.127 |" in capsys.readouterr().out
+    (entry,) = results.load(tmp_path)
+    assert entry["columns"] == ["K", "invocation"] and entry["rows"] == [["13", "1"], ["20", "2"]]
+    assert entry["runs"] == "10 runs" and entry["question"] == "short_programs"
+
+
+def test_nothing_is_recorded_when_the_bench_fails(tmp_path):
+    with pytest.raises(RuntimeError), results.recorded("ops", runs="1", bench="ops", results=tmp_path):
+        print("| a |\n|---|\n| 1 |")
+        raise RuntimeError("boom")
+    assert not list(tmp_path.glob("*.jsonl"))
