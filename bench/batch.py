@@ -124,7 +124,17 @@ def main() -> None:
     print(f"{args.clients} clients x {size} look-ups: loaded/idle median latency x{statistics.median(factors):.1f} "
           f"(rounds: {', '.join(f'{f:.1f}' for f in factors)}); loaded median {loaded * 1e3:.1f} ms, "
           f"p90 {p90 * 1e3:.1f} ms")
+    idle = statistics.median(r[0] for r in rows)
+    batches = sorted(r[4] for r in rows)
+    print("\n| `cmtune serve` | prober alone: median | loaded: median (p90) | loaded / alone, per round "
+          "| batches answered per round |\n|---|---|---|---|---|")
+    print(f"| {args.clients} clients x {size} look-ups | {idle * 1e3:.1f} ms | {loaded * 1e3:.1f} ms ({p90 * 1e3:.1f}) "
+          f"| {', '.join(f'{f:.1f}' for f in factors)} | {batches[0]}-{batches[-1]} |")
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/service-*.result.jsonl
+
+    with recorded("service", runs="rounds alternating the prober alone and loaded (--rounds, --seconds per phase)"):
+        main()

@@ -168,4 +168,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/ops-*.result.jsonl
+
+    with recorded("ops", runs="interleaved rounds of candidate and baseline per candidate (--repeats, --warmup)"):
+        main()

@@ -338,4 +338,8 @@ def _pct(value) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/search-*.result.jsonl
+
+    with recorded("search", runs="5 seeds per strategy, 5 interleaved runs per trial"):
+        main()

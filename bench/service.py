@@ -510,4 +510,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/service-*.result.jsonl
+
+    with recorded("service", runs="median of three 10 s rounds (min-max) (--seconds)"):
+        main()

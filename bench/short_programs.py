@@ -66,4 +66,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/short_programs-*.result.jsonl
+
+    with recorded("short_programs", runs="--runs runs of --repeats paired samples per protocol, interleaved"):
+        main()

@@ -388,4 +388,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/step-*.result.jsonl
+
+    runs = "fresh rounds of every variant, interleaved (--repeats), slowest process per round"
+    with recorded("step", runs=runs, bench="step_example" if "--example" in sys.argv else "step"):
+        main()

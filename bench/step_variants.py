@@ -134,4 +134,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/step-*.result.jsonl
+
+    with recorded("step", runs="interleaved rounds of each variant beside a copy of a fixed setting"):
+        main()

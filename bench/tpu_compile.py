@@ -83,4 +83,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results import recorded  # bench/results.py: rewrites bench/results/tpu_compile-*.result.jsonl
+
+    with recorded("tpu_compile", runs="one compile per candidate (compiled, not measured)"):
+        main()
