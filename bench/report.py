@@ -30,7 +30,7 @@ two processes of four over gloo on loopback), so a transfer is a memory copy on 
 the matmuls and the overlap the technique exists for cannot appear.  Of the ops, only
 reduce-scatter rings beat the baseline over gloo (the one-process bfloat16 win is float32
 accumulation, not overlap); the step's gains come from those rings.  No
-speedup on TPU or GPU is claimed from these numbers; TPU compiles are compiled, not measured.
+speedup on TPU or GPU is claimed from these numbers; TPU and GPU compiles are compiled, not measured.
 Where a record's commit was not printed by its bench, it is the commit that first put its rows on
 this page.
 """

@@ -32,6 +32,7 @@ QUESTIONS = {
     "short_programs": "K calls per sample",
     "service": "the service's rates",
     "tpu_compile": "TPU compiles (compiled, not measured)",
+    "gpu_compile": "GPU compiles (compiled, not measured)",
 }
 
 

@@ -86,5 +86,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from results import recorded  # bench/results.py: rewrites bench/results/tpu_compile-*.result.jsonl
 
-    with recorded("tpu_compile", runs="one compile per candidate (compiled, not measured)"):
+    gpus = [arg for arg in sys.argv[1:] if arg.startswith("gpu:")]
+    note = ("Cards' target configs from JAX's CUDA plugin; cuBLAS GEMMs (no autotuning without a GPU), XLA's "
+            "windowed einsum on one stream, the latency-hiding scheduler on (docs/deploy.md); each ring step "
+            "fenced (collective_matmul.ops.ring._Ring.fence)." if gpus else "")
+    with recorded("gpu_compile" if gpus else "tpu_compile", note=note,
+                  runs="one compile per candidate (32 per problem), one run; compiled, not measured"):
         main()
