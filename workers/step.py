@@ -34,7 +34,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from cmtune.tuner.variants import REFERENCE, variant_configs
-from cmtune.workers.stepmeasure import MeasurementSession
+from cmtune.workers.stepmeasure import StepKind
+from cmtune.workers.stepmeasure import StepSession as Session
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.planning.models import MeshSpec, TransformerBlock
 from collective_matmul.planning.problem import Hardware
@@ -59,7 +60,7 @@ def standard_variants(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) 
 # ---- a step trial, as a worker or the local runner runs it -------------------------------
 
 
-def run_step(task, session: StepSession | None = None) -> StepMeasurement:
+def run_step(task, session: Session | None = None) -> StepMeasurement:
     """A step trial, as a worker runs it: the submitted block on one ring of its mesh.
 
     ``task`` is a `collective_matmul.wire.TrialTask` of kind ``step``: a round of the step search
@@ -78,7 +79,7 @@ def run_step(task, session: StepSession | None = None) -> StepMeasurement:
     return confirm(session, measured, variants, step.configs)
 
 
-def step_session(task) -> StepSession:
+def step_session(task) -> Session:
     """The session a step trial runs in: the submitted block on one ring of its mesh, with the trial's seed."""
     step = task.step
     layout = step_layout(step.block, MeshSpec(axes=step.mesh, tensor_axis=step.tensor_axis))
@@ -110,7 +111,7 @@ def failed_step(task, status: Status, message: str) -> StepMeasurement:
                                                              for name in (REFERENCE, "tuned")])
 
 
-def confirm(session: StepSession, measured: StepMeasurement, variants: Mapping, tuned: Mapping[str, OpConfigs],
+def confirm(session: Session, measured: StepMeasurement, variants: Mapping, tuned: Mapping[str, OpConfigs],
             ) -> StepMeasurement:
     """``measured`` with a confirmation: the reference, the all-baseline step and the variant that
     `step_decision` chooses, timed again in fresh interleaved rounds, so that the speedup reported
@@ -322,34 +323,39 @@ class _Recorder:
         self.source.fell_back(role, reason, source=source)
 
 
-class StepSession(MeasurementSession):
-    """Parameters and inputs of one block on one mesh: measure variants of its training step.
-
-    Works in one process or across a `jax.distributed` cluster (every process must make the
-    same calls in the same order, with the same variants).
+def StepSession(block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,  # noqa: N802 - the class it was
+                protocol: MeasurementProtocol = MeasurementProtocol(), lr: float = 1e-3) -> Session:
+    """The session of one block on one mesh: a `cmtune.workers.stepmeasure.StepSession` of its `BlockStep`,
+    measuring variants of its training step (``measure``: name -> `ConfigSource` or `AS_WRITTEN`).
 
     Args:
         block: the shapes; ``global_batch`` is the batch measured.
         mesh: the device mesh.
         axis: the tensor-parallel mesh axis (the ring).
         batch_axis: the mesh axis (or axes) sharding the batch; ``"auto"``: every other axis.
-        protocol: warm-up, repeats (rounds), seed and timeout.
+        protocol: warm-up, repeats (rounds), seed (of the parameters and inputs) and timeout.
         lr: the SGD learning rate of the step.
 
     Raises:
         ValueError: if the block does not fit the mesh.
     """
+    return Session(BlockStep(block, mesh, axis=axis, batch_axis=batch_axis, seed=protocol.seed, lr=lr),
+                   protocol=protocol)
+
+
+class BlockStep(StepKind):
+    """The reference block's step (`StepKind`): its parameters and inputs on one mesh, a config source per variant,
+    checked by its loss and each parameter's gradient (`check_run`)."""
 
     not_checked = "not checked: the reference variant {reference!r} failed"
 
-    def __init__(self, block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,
-                 protocol: MeasurementProtocol = MeasurementProtocol(), lr: float = 1e-3):
+    def __init__(self, block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO, seed: int = 0,
+                 lr: float = 1e-3):
         import jax
         import jax.numpy as jnp
 
         from collective_matmul.block import activation_sharding, check_block, init_params
 
-        super().__init__()
         if axis not in mesh.shape:
             raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
         if batch_axis == AUTO:
@@ -360,9 +366,8 @@ class StepSession(MeasurementSession):
             raise ValueError(f"batch_axis {unknown} must name mesh axes {list(mesh.shape)} other than {axis!r}")
         check_block(block, tensor_size=mesh.shape[axis],
                     batch_shards=math.prod(mesh.shape[name] for name in self.batch_axes))
-        self.protocol, self.lr = protocol, lr
-        self.hardware = Hardware.detect(mesh.devices.flat)
-        key_params, key_x, key_target = jax.random.split(jax.random.key(protocol.seed), 3)
+        self.lr = lr
+        key_params, key_x, key_target = jax.random.split(jax.random.key(seed), 3)
         self.params = init_params(key_params, block, mesh, axis=axis)
         shape, dtype = (block.global_batch, block.seq_len, block.d_model), jnp.dtype(block.dtype)
         normal = jax.jit(lambda k: jax.random.normal(k, shape, dtype),
@@ -375,27 +380,9 @@ class StepSession(MeasurementSession):
             return []
         return [self.batch_axis] if isinstance(self.batch_axis, str) else list(self.batch_axis)
 
-    def measure(self, variants: Mapping, *, reference: str = REFERENCE, protocol: MeasurementProtocol | None = None,
-                on_event: Callable[[str], None] | None = None) -> StepMeasurement:
-        """Run the protocol for every variant; failures come back as variant statuses.
-
-        Args:
-            variants: name -> `ConfigSource` (or `AS_WRITTEN`), in the order to run them.
-            reference: the variant every other one is checked and timed against.
-            protocol: changes the warm-up, repeats and timeout (not the seed: the inputs are
-                this session's).
-            on_event: called with a line of progress (compiles, checks, timing).
-
-        Raises:
-            ValueError: if ``reference`` is not one of ``variants``.
-        """
-        protocol = protocol or self.protocol
-        results = self.measure_variants(variants, reference=reference, protocol=protocol, on_event=on_event)
-        return StepMeasurement(
-            block=self.block, mesh={name: int(size) for name, size in self.mesh.shape.items()},
-            tensor_axis=self.axis, batch_axes=self.batch_axes, hardware=self.hardware, protocol=protocol,
-            reference=reference, variants=results,
-        )
+    def record_fields(self) -> dict:
+        """The block, its tensor axis and its batch axes."""
+        return dict(block=self.block, tensor_axis=self.axis, batch_axes=self.batch_axes)
 
     @cached_property
     def _inputs(self) -> tuple:
@@ -410,21 +397,21 @@ class StepSession(MeasurementSession):
 
         return jax.jit(lambda: jnp.float32(value), out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
-    def _program_key(self, source) -> Hashable:
+    def program_key(self, source) -> Hashable:
         """A `FixedConfigs` by its configs (equal configs, one program), any other source by itself."""
         from collective_matmul.block import FixedConfigs
 
         if isinstance(source, FixedConfigs):
             return "fixed", tuple(sorted(source.per_role.items())), source.default
-        return super()._program_key(source)
+        return super().program_key(source)
 
-    def _tracer(self, source):
+    def tracer(self, source):
         """``source`` behind a `_Recorder` (the block as written uses none)."""
         from collective_matmul.block import AsWritten
 
         return source if isinstance(source, AsWritten) else _Recorder(source)
 
-    def _lowering(self, tracer) -> Callable[[], object]:
+    def lowering(self, tracer) -> Callable[[], object]:
         """The variant's `train_step`, jitted with the learning rate an argument."""
         import jax
 
@@ -434,15 +421,15 @@ class StepSession(MeasurementSession):
         step = jax.jit(lambda params, x, target, lr: train_step(params, x, target, lr=lr, **kwargs))
         return lambda: step.lower(*self._inputs)
 
-    def _used(self, tracer) -> dict[str, OpConfigs]:
+    def used(self, tracer) -> dict[str, OpConfigs]:
         return getattr(tracer, "used", {})
 
-    def _compile_failure(self, exc: Exception) -> str:
+    def compile_failure(self, exc: Exception) -> str:
         """A `ValueError` (the ops' check of a config) is an invalid decomposition."""
         prefix = "invalid decomposition: " if isinstance(exc, ValueError) else ""
-        return prefix + super()._compile_failure(exc)
+        return prefix + super().compile_failure(exc)
 
-    def _check_run(self, step, record: dict, expected):
+    def check_run(self, step, record: dict, expected):
         """One step at the check learning rate (the reference's: `_check_lr`): ``(new_params, loss, lr)``."""
         import jax
 
@@ -460,7 +447,7 @@ class StepSession(MeasurementSession):
         ratio = max(t.size / max(t.diff, 1e-30) for t in tree_terms(new, self.params))
         return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
 
-    def _agrees(self, record: dict, got, expected, reference: str) -> bool:
+    def agrees(self, record: dict, got, expected, reference: str) -> bool:
         """Compare a variant's loss and gradients with the reference's; mark it ``invalid`` if they differ.
 
         The gradient of a parameter is ``(p - new) / lr`` at the check learning rate, so the
@@ -482,7 +469,7 @@ class StepSession(MeasurementSession):
             return False
         return True
 
-    def _timed_run(self, step, got) -> Callable[[], object]:
+    def timed_run(self, step, got) -> Callable[[], object]:
         """One step on this session's inputs (the same every run: the update is not fed back)."""
         inputs = self._inputs
         return lambda: step(*inputs)

@@ -1,7 +1,7 @@
-"""The whole-step measurement protocol, one skeleton for the reference block's step and a user's own.
+"""The whole-step measurement protocol: one session for the reference block's step and a user's own.
 
-A *variant* of a step is a config source (or the step as written); a `MeasurementSession` runs
-the protocol of `cmtune.workers.measure` over a set of them, the reference first:
+A *variant* of a step is a config source (or the step as written); a `StepSession` runs the
+protocol of `cmtune.workers.measure` over a set of them, the reference first:
 
 1. Every variant's step is compiled ahead of time: compile seconds, compiled memory and the
    per-role configs it used are recorded; a failure to build or compile is the variant's status
@@ -15,9 +15,9 @@ the protocol of `cmtune.workers.measure` over a set of them, the reference first
 
 Every process must make the same calls; after each compile and each check every process agrees
 (`any_process`): a variant that fails on one process fails on all.  What differs between the
-reference block (`cmtune.workers.step.StepSession`) and a user's step
-(`cmtune.workers.userstep.UserStepSession`) is the subclass's: how a variant's step is built and
-lowered, how its check runs and compares, and how its timed runs are fed.
+reference block (`cmtune.workers.step.BlockStep`) and a user's step (`cmtune.workers.userstep.UserStep`)
+is the session's `StepKind`: how a variant's step is built, keyed and lowered, how its check runs
+and compares, how its timed runs are fed, and what its record says besides the variants.
 """
 
 from __future__ import annotations
@@ -26,73 +26,123 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+from cmtune.tuner.variants import REFERENCE
 from cmtune.workers.rounds import any_process, time_rounds
 from collective_matmul.planning.decomposition import OpConfigs
-from collective_matmul.wire import MeasurementProtocol, Status, StepVariant, Timing, quartiles
+from collective_matmul.wire import MeasurementProtocol, Status, StepMeasurement, StepVariant, Timing, quartiles
 
 MAX_COMPILED = 32  # compiled step programs a session keeps
 
 
-class MeasurementSession:
-    """The protocol over variants of one step; a subclass says how its step is built, checked and fed."""
+class StepKind:
+    """What a kind of step says to a `StepSession`: how a variant is built, checked and fed, and what its record
+    says.  The defaults here serve any kind; `lowering`, `used`, `check_run`, `agrees`, `timed_run` and
+    `record_fields` are each kind's own."""
 
+    mesh: Any  # the step's mesh (its devices are the record's hardware)
     # the message of a variant left unchecked because the reference failed (formatted with ``reference``)
     not_checked = "not checked: the reference {reference!r} failed"
 
-    def __init__(self):
-        # program (`_program_key`) -> (source, executable, record fields): a variant measured again (the
-        # confirmation after a decision, the incumbent of every search round) is not compiled again
-        self._compiled: dict[Hashable, tuple[object, object, dict]] = {}
-
-    # ---- what a kind of step says ----------------------------------------------------------------
-
-    def _program_key(self, source) -> Hashable:
+    def program_key(self, source) -> Hashable:
         """What identifies the program ``source`` compiles to (here: the source object itself)."""
-        return "source", id(source)  # the cache keeps the source alive, so its id is not reused
+        return "source", id(source)  # the session's cache keeps the source alive, so its id is not reused
 
-    def _tracer(self, source):
+    def tracer(self, source):
         """What the step is traced with for ``source`` (here: ``source`` itself)."""
         return source
 
-    def _lowering(self, tracer) -> Callable[[], Any]:
+    def lowering(self, tracer) -> Callable[[], Any]:
         """Build the variant's step (not timed; may raise) and return its lowering (timed with its compile)."""
         raise NotImplementedError
 
-    def _compiler_options(self, tracer) -> Mapping[str, object] | None:
+    def compiler_options(self, tracer) -> Mapping[str, object] | None:
         """The XLA compile options of the variant (here: none, XLA's defaults)."""
         return None
 
-    def _used(self, tracer) -> dict[str, OpConfigs]:
+    def used(self, tracer) -> dict[str, OpConfigs]:
         """The per-role configs the variant's step used, as far as its build went."""
         raise NotImplementedError
 
-    def _compile_failure(self, exc: Exception) -> str:
+    def compile_failure(self, exc: Exception) -> str:
         """What a variant that failed to build or compile says."""
         from cmtune.workers.measure import error_message
 
         return error_message(exc)
 
-    def _check_run(self, executable, record: dict, expected) -> object:
+    def check_run(self, executable, record: dict, expected) -> object:
         """Run one step of a variant to check it (``expected``: the reference's, None for the reference itself);
         what it returned, to compare.  Raises what the step raises."""
         raise NotImplementedError
 
-    def _agrees(self, record: dict, got, expected, reference: str) -> bool:
+    def agrees(self, record: dict, got, expected, reference: str) -> bool:
         """Compare a variant's check with the reference's; mark it ``invalid`` if they differ."""
         raise NotImplementedError
 
-    def _timed_run(self, executable, got) -> Callable[[], object]:
+    def timed_run(self, executable, got) -> Callable[[], object]:
         """One timed step of a checked variant (``got``: its check's), on the arguments it is fed."""
         raise NotImplementedError
 
-    # ---- the protocol ----------------------------------------------------------------------------
+    def record_fields(self, **options) -> dict:
+        """The `StepMeasurement` fields of this kind (what the step is, its tensor and batch axes), from the
+        options `StepSession.measure` was given besides the variants."""
+        raise NotImplementedError
+
+
+class StepSession:
+    """The protocol over variants of one step, its kind (`StepKind`) saying how the step is built, checked and fed.
+
+    Works in one process or across a `jax.distributed` cluster (every process must make the
+    same calls in the same order, with the same variants).  What the session does not hold
+    (a block's parameters and inputs, a user's built steps) its kind does: public attributes
+    are looked up there too.
+
+    Args:
+        kind: the step (`cmtune.workers.step.BlockStep`, `cmtune.workers.userstep.UserStep`).
+        protocol: warm-up, repeats (rounds), seed and timeout.
+    """
+
+    def __init__(self, kind: StepKind, *, protocol: MeasurementProtocol = MeasurementProtocol()):
+        from collective_matmul.planning.problem import Hardware
+
+        self.kind, self.protocol = kind, protocol
+        self.hardware = Hardware.detect(kind.mesh.devices.flat)
+        # program (`StepKind.program_key`) -> (source, executable, record fields): a variant measured again (the
+        # confirmation after a decision, the incumbent of every search round) is not compiled again
+        self._compiled: dict[Hashable, tuple[object, object, dict]] = {}
+
+    def __getattr__(self, name: str):
+        kind = self.__dict__.get("kind")
+        if kind is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(kind, name)
+
+    def measure(self, variants: Mapping, *, reference: str = REFERENCE, protocol: MeasurementProtocol | None = None,
+                on_event: Callable[[str], None] | None = None, **options) -> StepMeasurement:
+        """Run the protocol for every variant; failures come back as variant statuses.
+
+        Args:
+            variants: name -> config source, as the kind takes it, in the order to run them.
+            reference: the variant every other one is checked and timed against.
+            protocol: changes the warm-up, repeats and timeout (not the seed: the inputs are
+                this session's).
+            on_event: called with a line of progress (compiles, checks, timing).
+            options: what the kind's record takes (`StepKind.record_fields`: a user's step its ``axis``).
+
+        Raises:
+            ValueError: if ``reference`` is not one of ``variants``.
+        """
+        protocol = protocol or self.protocol
+        results = self.measure_variants(variants, reference=reference, protocol=protocol, on_event=on_event)
+        return StepMeasurement(mesh={str(name): int(size) for name, size in self.kind.mesh.shape.items()},
+                               hardware=self.hardware, protocol=protocol, reference=reference, variants=results,
+                               **self.kind.record_fields(**options))
 
     def measure_variants(self, variants: Mapping, *, reference: str, protocol: MeasurementProtocol,
                          on_event: Callable[[str], None] | None = None) -> list[StepVariant]:
         """Run the protocol for every variant (name -> config source), in the order given.
 
         Args:
-            variants: name -> config source, as the subclass takes it.
+            variants: name -> config source, as the kind takes it.
             reference: the variant every other one is checked and timed against.
             protocol: the warm-up, repeats and timeout of the timed rounds.
             on_event: called with a line of progress (compiles, checks, timing).
@@ -123,30 +173,30 @@ class MeasurementSession:
     def _compile(self, name: str, source, record: dict, say):
         """Build and compile one variant's step ahead of time; None if either fails.
 
-        A program this session compiled before (`_program_key`) is reused, with the compile time,
+        A program this session compiled before (`StepKind.program_key`) is reused, with the compile time,
         memory and configs recorded then.
         """
         from cmtune.workers.measure import classify_failure, compiled_memory
 
-        key = self._program_key(source)
+        key = self.kind.program_key(source)
         cached = self._compiled.get(key)
         if cached is not None:
             record.update(cached[2])
             say(f"{name}: compiled before in {record['compile_s']:.1f}s")
             return cached[1]
-        tracer = self._tracer(source)
+        tracer = self.kind.tracer(source)
         try:
-            lower = self._lowering(tracer)
+            lower = self.kind.lowering(tracer)
             start = time.perf_counter()
-            executable = lower().compile(compiler_options=self._compiler_options(tracer))
+            executable = lower().compile(compiler_options=self.kind.compiler_options(tracer))
             record["compile_s"] = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - any failure to build or compile is a result
             oom = classify_failure(exc) == Status.OOM
-            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=self._compile_failure(exc),
-                          configs=self._used(tracer))
+            record.update(status=Status.OOM if oom else Status.COMPILE_ERROR, message=self.kind.compile_failure(exc),
+                          configs=self.kind.used(tracer))
             say(f"{name}: {record['status']}")
             return None
-        record.update(memory_bytes=compiled_memory(executable), configs=self._used(tracer))
+        record.update(memory_bytes=compiled_memory(executable), configs=self.kind.used(tracer))
         say(f"{name}: compiled in {record['compile_s']:.1f}s")
         if len(self._compiled) >= MAX_COMPILED:  # the oldest program goes first (a long search times many)
             self._compiled.pop(next(iter(self._compiled)))
@@ -168,22 +218,22 @@ class MeasurementSession:
             if name not in compiled:
                 continue
             if expected is None and name != reference:
-                records[name].update(status=Status.ERROR, message=self.not_checked.format(reference=reference))
+                records[name].update(status=Status.ERROR, message=self.kind.not_checked.format(reference=reference))
                 continue
             ok, got = False, None
             try:
-                got = self._check_run(compiled[name], records[name], expected)
+                got = self.kind.check_run(compiled[name], records[name], expected)
                 if name == reference:
                     expected, ok = got, True
                 else:
-                    ok = self._agrees(records[name], got, expected, reference)
+                    ok = self.kind.agrees(records[name], got, expected, reference)
             except Exception as exc:  # noqa: BLE001 - a step that fails or returns something else is a result
                 records[name].update(status=classify_failure(exc), message=error_message(exc))
             if not _agreed(ok, records[name]):
                 if name == reference:
                     expected = None
                 continue
-            runs[name] = self._timed_run(compiled[name], got)
+            runs[name] = self.kind.timed_run(compiled[name], got)
         return runs
 
 

@@ -19,9 +19,9 @@ NAME must be deterministic, touch no device at import, and build its mesh from
 multi-process run every process calls NAME and gets the same arguments, and every process runs
 the configs process 0 resolved (`Tuned.pinned`).
 
-`UserStepSession` times the step as written against variants through the drop-in with the
-protocol of `cmtune.workers.stepmeasure`: every variant compiled ahead of time (compile seconds and
-memory recorded), checked after one step against the step as written, warmed up, then timed in
+`UserStepSession` (the step session of `cmtune.workers.stepmeasure` over a `UserStep`) times the
+step as written against variants through the drop-in: every variant compiled ahead of time (compile
+seconds and memory recorded), checked after one step against the step as written, warmed up, then timed in
 interleaved rounds (slowest process per round; paired median and IQR).  The check compares every
 output: a leaf that updates an argument (parameters, optimizer state) is held to its dtype's
 tolerance of how far the step moved it, plus the rounding of storing it, so an Adam step is
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cmtune.tuner.variants import REFERENCE
-from cmtune.workers.stepmeasure import MeasurementSession
+from cmtune.workers.stepmeasure import StepKind, StepSession
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.wire import MeasurementProtocol, Status, StepMeasurement
 
@@ -311,8 +311,11 @@ def verify_user_step(fn: Callable, spec: str, client: Callable[[], object], *, m
 # ---- the session ----------------------------------------------------------------------------
 
 
-class UserStepSession(MeasurementSession):
-    """A user's step and its arguments: measure the step as written against variants through the drop-in.
+def UserStepSession(fn: Callable, reference: Built, *, model: str,  # noqa: N802 - the class it was
+                    protocol: MeasurementProtocol = MeasurementProtocol(), spec: str = "NAME") -> StepSession:
+    """A user's step and its arguments: a `cmtune.workers.stepmeasure.StepSession` of its `UserStep`, measuring the
+    step as written against variants through the drop-in (``measure``: name -> config source, None for the step as
+    written; ``axis``: the record's tensor axis).
 
     Every process of a group must make the same calls in the same order, with the same variants.
 
@@ -325,19 +328,22 @@ class UserStepSession(MeasurementSession):
     Raises:
         SpecError: if an argument is abstract (verify needs NAME's own initialisation).
     """
+    return StepSession(UserStep(fn, reference, model=model, spec=spec), protocol=protocol)
 
-    def __init__(self, fn: Callable, reference: Built, *, model: str,
-                 protocol: MeasurementProtocol = MeasurementProtocol(),
-                 spec: str = "NAME"):
+
+class UserStep(StepKind):
+    """A user's step (`StepKind`): NAME rebuilt per config source, checked output by output (`agrees`), donated
+    arguments fed back from each step's outputs (`timed_run`)."""
+
+    def __init__(self, fn: Callable, reference: Built, *, model: str, spec: str = "NAME"):
         import jax
 
-        super().__init__()
         abstract = [leaf for leaf in jax.tree.leaves(reference.args) if not isinstance(leaf, jax.Array)]
         if abstract:
             raise SpecError(f"{spec}(tuned=None) returned abstract arguments ({type(abstract[0]).__name__}): "
                             "verify runs the step, so NAME must build its arguments (its own initialisation: "
                             "parameters, optimizer state, batch)")
-        self.fn, self.reference, self.model, self.protocol, self.spec = fn, reference, model, protocol, spec
+        self.fn, self.reference, self.model, self.spec = fn, reference, model, spec
         self.mesh = reference.mesh
         self.args = reference.args
         self._signature = [signature(a) for a in self.args]
@@ -345,7 +351,7 @@ class UserStepSession(MeasurementSession):
 
     def built(self, source) -> Built:
         """``NAME(tuned=source)``, checked to take the reference's arguments; kept for `measure` to compile."""
-        built = self._built.get(id(source))  # `_lowering` takes it out: nothing is kept once compiled
+        built = self._built.get(id(source))  # `lowering` takes it out: nothing is kept once compiled
         if built is None:
             built = Built.of(self.fn, source, spec=self.spec)
             if [signature(a) for a in built.args] != self._signature:
@@ -355,36 +361,26 @@ class UserStepSession(MeasurementSession):
             self._built[id(source)] = built
         return built
 
-    def measure(self, variants: Mapping[str, object], *, reference: str = REFERENCE, axis: str | None = None,
-                on_event: Callable[[str], None] | None = None) -> StepMeasurement:
-        """Run the protocol for every variant (name -> config source, None for the step as written).
+    def record_fields(self, *, axis: str | None = None) -> dict:
+        """The model, the tensor axis (``axis``, else the mesh's last) and no batch axes."""
+        return dict(model=self.model, tensor_axis=axis or self.mesh.axis_names[-1], batch_axes=[])
 
-        Failures (NAME raising, a compile error, a variant that disagrees) come back as statuses.
-        """
-        from collective_matmul.planning.problem import Hardware
-
-        results = self.measure_variants(variants, reference=reference, protocol=self.protocol, on_event=on_event)
-        return StepMeasurement(model=self.model, mesh={str(n): int(s) for n, s in self.mesh.shape.items()},
-                               tensor_axis=axis or self.mesh.axis_names[-1], batch_axes=[],
-                               hardware=Hardware.detect(self.mesh.devices.flat), protocol=self.protocol,
-                               reference=reference, variants=results)
-
-    def _lowering(self, source) -> Callable[[], object]:
+    def lowering(self, source) -> Callable[[], object]:
         """NAME with the variant's source (the step as written for None or `CompiledWith`)."""
         as_written = source is None or isinstance(source, CompiledWith)
         step = self.reference.step if as_written else self.built(source).step
         self._built.pop(id(source), None)
         return lambda: step.lower(*self.args)
 
-    def _compiler_options(self, source) -> Mapping[str, object] | None:
+    def compiler_options(self, source) -> Mapping[str, object] | None:
         return source.options if isinstance(source, CompiledWith) else None
 
-    def _used(self, source) -> dict[str, OpConfigs]:
+    def used(self, source) -> dict[str, OpConfigs]:
         # a `Tuned` client or one of its variants; the step as written uses none
         per_role = source.per_role() if source is not None and not isinstance(source, CompiledWith) else {}
         return {role: configs[0] for role, configs in per_role.items() if configs}
 
-    def _check_run(self, executable, record: dict, expected):
+    def check_run(self, executable, record: dict, expected):
         """One step from the reference's arguments (a copy of each it donates): ``(arguments, outputs, pairs)``,
         the pairs those of `pair_outputs`.
 
@@ -404,7 +400,7 @@ class UserStepSession(MeasurementSession):
             record["rel_error"] = 0.0
         return args, out, pairs
 
-    def _agrees(self, record: dict, got, expected, reference: str) -> bool:
+    def agrees(self, record: dict, got, expected, reference: str) -> bool:
         """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
         import jax
 
@@ -458,7 +454,7 @@ class UserStepSession(MeasurementSession):
             return False
         return True
 
-    def _timed_run(self, executable, got) -> Callable[[], object]:
+    def timed_run(self, executable, got) -> Callable[[], object]:
         """One step on the arguments its last step left: each donated one replaced by its output."""
         args, out, pairs = got
         donated = _donated(executable)
