@@ -168,7 +168,7 @@ def main() -> None:
     import optuna
 
     from cmtune.tuner.search import SearchSettings
-    from cmtune.tuner.searching import profile_name_for, study_settings
+    from cmtune.tuner.search_studies import profile_name_for, study_settings
     from cmtune.tuner.warm import seeds
     from collective_matmul import Problem
     from collective_matmul.planning.costmodel import PROFILES, estimate, no_figures, profile_for
@@ -242,7 +242,7 @@ def tune_in_turn(recorded, problems, hardware, rule: dict) -> dict:
     """``problems`` tuned one after the other at the demo's budget, as `cmtune tune` does: each seeded from the
     studies before it (warm, with the stop ``rule``'s settings) or not (cold); the trials each spent and what it
     chose."""
-    from cmtune.tuner.searching import study_settings
+    from cmtune.tuner.search_studies import study_settings
     from cmtune.tuner.warm import seeds
     from cmtune.workers.local import LocalTuner
     from collective_matmul.wire import MeasurementProtocol

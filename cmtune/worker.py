@@ -60,7 +60,9 @@ def worker(
         os.environ["CMTUNE_TOKEN"] = token  # children read it from there, never from an argv we build
     join_options(coordinator, num_processes, process_id)
     spec = devices_option(devices)
-    if spec.platform == "gpu" or _gpu_host():  # before JAX starts: the flags a ring needs to overlap on a GPU
+    # before JAX starts: the flags a ring needs to overlap on a GPU (not for CPU devices on a host whose CUDA
+    # plugin is there for compiles without a GPU)
+    if spec.platform == "gpu" or (spec.kind == "auto" and _gpu_host()):
         from collective_matmul.planning.xla_options import with_overlap_flags
 
         os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""), "gpu")
@@ -81,5 +83,8 @@ def _gpu_host() -> bool:
     """Whether JAX's CUDA plugin is installed here (its devices are the worker's with --devices auto)."""
     import importlib.util
 
-    return os.environ.get("JAX_PLATFORMS", "") in ("cuda", "gpu") or any(
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms == "cpu":
+        return False
+    return platforms in ("cuda", "gpu") or any(
         importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))

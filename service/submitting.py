@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from cmtune.service.errors import InvalidError
 from cmtune.service.views import studies_public
 from cmtune.tuner.engine import Engine
-from cmtune.tuner.searching import study_settings
-from cmtune.tuner.stepping import step_study_of
+from cmtune.tuner.search_studies import study_settings
+from cmtune.tuner.step_studies import step_study_of
 from cmtune.tuner.warm import nearest_seeds
 from collective_matmul.planning.models import PRESETS, MeshSpec, TransformerBlock, model_problems, slot_label
 from collective_matmul.planning.problem import Hardware, Problem

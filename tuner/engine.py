@@ -15,8 +15,8 @@ the in-memory store) and a restart loses nothing.  The lifecycle, the same for e
    study goes on as after a result.
 5. `cancel`: final; trials in flight are cancelled.
 
-What a study does at each step depends on its kind, and is the kind's module: `cmtune.tuner.searching` (a search
-and its re-confirmation) and `cmtune.tuner.stepping` (a step study); `part_of` chooses one, once per call.  Every
+What a study does at each step depends on its kind, and is the kind's module: `cmtune.tuner.search_studies` (a search
+and its re-confirmation) and `cmtune.tuner.step_studies` (a step study); `part_of` chooses one, once per call.  Every
 state change goes through `cmtune.tuner.states`.
 """
 
@@ -28,9 +28,9 @@ from typing import Protocol
 
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.search import SearchSettings
-from cmtune.tuner.searching import Searching
+from cmtune.tuner.search_studies import Searching
 from cmtune.tuner.states import StopReason, check_trial_move, move_study, move_trial
-from cmtune.tuner.stepping import Stepping
+from cmtune.tuner.step_studies import Stepping
 from cmtune.tuner.stepsearch import step_decision  # noqa: F401  (re-exported: workers/step.py imports it from here)
 from cmtune.tuner.store import StoreTx, StudyRecord, TrialRecord
 from collective_matmul.planning.models import MeshSpec, TransformerBlock

@@ -72,7 +72,7 @@ def decide_step(group, session, plan: Callable[[], StepPlan], sources: Callable[
 def write_decision(decision, plan: StepPlan, result, bundle: Path, say: Callable[[str], None]) -> None:
     """Say what the search chose and the step against its bound, and write its overrides into ``bundle`` (those
     that fit every call of their role; the others are said and left out)."""
-    from cmtune.tuner.stepping import with_step_bound
+    from cmtune.tuner.step_studies import with_step_bound
 
     if not decision.ok:
         say(f"[red]no decision: {decision.summary}[/red]")

@@ -116,7 +116,7 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
     """
     import jax
 
-    from cmtune.tuner.searching import study_settings
+    from cmtune.tuner.search_studies import study_settings
     from cmtune.tuner.warm import seeds
     from cmtune.workers.cluster import Group
     from cmtune.workers.measure import ring_mesh

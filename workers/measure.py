@@ -93,7 +93,7 @@ def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundPr
     """The programs a problem's bounds time: ``compute``, each device's local product of the baseline with no
     collective, and ``communication``, the baseline's collective on the same bytes with no matmul.
 
-    Per device (P the ring size; DESIGN.md's layouts):
+    Per device (P the ring size; the layouts of docs/decompositions.md):
 
     - ``allgather_matmul``: compute ``x [m, k] @ w [k, n/P]`` (x as gathered, held whole); communication
       the all-gather of ``x [m/P, k]``;

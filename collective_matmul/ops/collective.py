@@ -360,7 +360,7 @@ def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: Batc
 
 
 def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
-    """Partition specs of (x, w, result), or (u, v, result), for a collective (DESIGN.md layouts)."""
+    """Partition specs of (x, w, result), or (u, v, result), for a collective (docs/decompositions.md, layouts)."""
     if collective == "allgather_matmul":
         return P(*lead, axis, None), P(None, axis), P(*lead, None, axis)
     if collective == "matmul_reduce_scatter":

@@ -101,7 +101,7 @@ PROFILES: dict[str, HardwareProfile] = {
 
 
 # Device kinds as JAX reports them -> profile.  A kind not here has no figures: `profile_for` gives None
-# (the engine then orders candidates with ``generic``: `cmtune.tuner.searching.profile_name_for`).
+# (the engine then orders candidates with ``generic``: `cmtune.tuner.search_studies.profile_name_for`).
 DEVICE_KINDS: dict[str, str] = {
     "cpu": "cpu",
     "TPU v4": "tpu-v4",

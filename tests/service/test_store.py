@@ -14,7 +14,7 @@ from cmtune.service.store import SqlStore, SubmissionRecord
 from cmtune.tuner import states
 from cmtune.tuner.engine import Engine
 from cmtune.tuner.errors import ConflictError
-from cmtune.tuner.searching import study_settings
+from cmtune.tuner.search_studies import study_settings
 from collective_matmul import Hardware, Problem
 from collective_matmul.planning.problem import Software
 from collective_matmul.wire import MeasurementProtocol, TrialState

@@ -30,7 +30,7 @@ def test_profiles_are_chosen_by_device_kind(platform, device_kind, name):
     ("tpu", "TPU v6 lite"), ("tpu", "TPU v3"), ("tpu", "TPU v4 lite"), ("gpu", "NVIDIA H100 PCIe"),
     ("gpu", "NVIDIA A100-SXM4-80GB"), ("cpu", "cpu-b"), ("rocm", "MI300X")])
 def test_an_unknown_device_kind_has_no_profile_and_is_tuned_with_the_generic_one(platform, device_kind):
-    from cmtune.tuner.searching import profile_name_for, study_settings
+    from cmtune.tuner.search_studies import profile_name_for, study_settings
 
     hardware = kind(platform, device_kind)
     assert profile_for(hardware) is None  # before: any TPU got v4's figures, any GPU H100's

@@ -22,7 +22,7 @@ from cmtune.tuner import states
 from cmtune.tuner.engine import Engine, task_for
 from cmtune.tuner.errors import ConflictError, InvalidError
 from cmtune.tuner.search import SearchSettings, default_budget
-from cmtune.tuner.searching import profile_name_for, study_settings
+from cmtune.tuner.search_studies import profile_name_for, study_settings
 from cmtune.tuner.states import move_study, move_trial
 from cmtune.tuner.store import InMemoryStore
 from cmtune.tuner.variants import FIXED_RING
@@ -521,7 +521,7 @@ class KindBranches(ast.NodeVisitor):
 
 def test_the_engine_tells_the_kinds_of_study_apart_in_one_place():
     """`Engine` owns the lifecycle's entry points and leaves what differs by kind to the kind's module
-    (`tuner/searching.py`, `tuner/stepping.py`): `part_of` chooses it, and nothing else in `tuner/engine.py`
+    (`tuner/search_studies.py`, `tuner/step_studies.py`): `part_of` chooses it, and nothing else in `tuner/engine.py`
     branches on a study's kind, a trial's kind or a re-confirmation; the class stays under 300 lines."""
     assert KindBranches.of("if study.kind == StudyKind.STEP or trial.kind != TrialKind.CONFIRM: pass")
     assert KindBranches.of("x = {1: 2}[study.kind] if study.reconfirm is None else 3")

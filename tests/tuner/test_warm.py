@@ -11,7 +11,7 @@ from cmtune.service.store import SqlStore
 from cmtune.tuner.engine import Engine
 from cmtune.tuner.errors import InvalidError
 from cmtune.tuner.search import Finished, Searcher, SearchSettings, neighbours_agree, stop_reason
-from cmtune.tuner.searching import study_settings
+from cmtune.tuner.search_studies import study_settings
 from cmtune.tuner.store import InMemoryStore
 from cmtune.tuner.warm import Known, nearest_seeds, seeds
 from collective_matmul import Decomposition, Hardware, Problem

@@ -14,7 +14,7 @@
    message (`collective_matmul.wire.bounds.reason`).  When the round produced nothing usable, the search trials' own
    measurements decide and the study's message says so; when nothing ran at all, not even the baseline, the
    study ``failed`` with the reasons.  A search study that ends wakes the step studies waiting for it
-   (`cmtune.tuner.stepping.wake_step_studies`).
+   (`cmtune.tuner.step_studies.wake_step_studies`).
 4. A search trial abandoned counts as a trial without a result and the search goes on; an abandoned
    confirmation finishes the study from the search trials.
 5. A re-confirmation (`Searching.create_reconfirmation`) re-times a stored config on another software stack: a
@@ -45,7 +45,7 @@ from cmtune.tuner.search import (
     tuned_config,
 )
 from cmtune.tuner.states import StopReason, move_study, move_trial
-from cmtune.tuner.stepping import wake_step_studies
+from cmtune.tuner.step_studies import wake_step_studies
 from cmtune.tuner.store import StoreTx, StudyRecord, TrialRecord
 from collective_matmul.planning.costmodel import PROFILES, profile_for
 from collective_matmul.planning.decomposition import Decomposition
