@@ -70,8 +70,9 @@ def main() -> None:
 
     import jax
 
-    compilers = [f"{name} {importlib.metadata.version(name)}" for name in ("libtpu", "jax-cuda12-plugin")
-                 if any(t.startswith("gpu:") == (name != "libtpu") for t in args.topologies)]
+    gpu = [t.startswith("gpu:") for t in args.topologies]
+    compilers = [f"{name} {importlib.metadata.version(name)}"
+                 for name, wanted in (("libtpu", not all(gpu)), ("jax-cuda12-plugin", any(gpu))) if wanted]
     print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, jax {jax.__version__}, {', '.join(compilers)}; "
           "compiled, not timed\n")
     print("| topology | problem | ring candidates | compile (median, min-max) | overlaps / partly / serialised "

@@ -86,14 +86,14 @@ def show_discovery(ref: SpecRef, built, discovery) -> None:
                       "collective_matmul.ops.share)")
     for warning in discovery.warnings:
         console.print(f"[yellow]{warning}[/yellow]")
-    deviceless(built.mesh)
+    deviceless(built.mesh.devices.flat)
 
 
-def deviceless(mesh) -> None:
-    """Say what a compile for deviceless GPUs set (nothing for other devices)."""
+def deviceless(devices) -> None:
+    """Say what a compile for ``devices`` set where they are deviceless GPUs (nothing for other devices)."""
     from collective_matmul.programs.gpus import deviceless_note, deviceless_options
 
-    if note := deviceless_note(deviceless_options(mesh.devices.flat)):
+    if note := deviceless_note(deviceless_options(devices)):
         console.print(note)
 
 
@@ -203,17 +203,17 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     where = spec.label if spec.compile_only else platform
     mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
     console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
-    deviceless(reference.mesh)
+    deviceless(reference.mesh.devices.flat)
 
 
 def _compiled_row(label: str, built, options: dict) -> tuple:
     """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
     that does not compile is a row with the reason."""
-    from collective_matmul.programs.gpus import deviceless_options
+    from collective_matmul.programs.gpus import compile_options
     from collective_matmul.programs.hlo import parse_module
     from collective_matmul.programs.schedule import overlap
 
-    options = {**deviceless_options(built.mesh.devices.flat), **options}
+    options = compile_options(built.mesh.devices.flat, options)
     started = time.monotonic()
     try:
         compiled = built.step.lower(*built.args).compile(compiler_options=options or None)

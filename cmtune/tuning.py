@@ -73,16 +73,16 @@ def _compile_sweep(problems, spec, devices=None) -> list:
     from rich.progress import Progress
 
     from cmtune.report import compiled_table
+    from cmtune.steps import deviceless
     from cmtune.workers.aot import compile_all
     from cmtune.workers.measure import ring_mesh_of
     from collective_matmul.planning.space import candidates
-    from collective_matmul.programs.gpus import deviceless_note, deviceless_options
 
     devices = list(devices) if devices is not None else spec.compiled_devices() if spec.compile_only else jax.devices()
     where = spec.label if spec.compile_only else devices[0].platform
     leader, everything = jax.process_index() == 0, []
-    if leader and (note := deviceless_note(deviceless_options(devices))):
-        console.print(note)
+    if leader:
+        deviceless(devices)
     for problem in problems:
         try:
             mesh = ring_mesh_of(devices, problem.axis_size)

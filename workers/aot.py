@@ -33,7 +33,7 @@ from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Problem
 from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
-from collective_matmul.programs.gpus import deviceless_options
+from collective_matmul.programs.gpus import compile_options
 from collective_matmul.programs.schedule import overlap
 from collective_matmul.wire import CompiledCandidate
 
@@ -72,7 +72,7 @@ class CompileSession:
         return self._compiled(record, plain_program(self.problem, self.mesh, self.axis), options or {})
 
     def _compiled(self, record: dict, program, options: dict) -> CompiledCandidate:
-        options = {**deviceless_options(self.mesh.devices.flat), **options}
+        options = compile_options(self.mesh.devices.flat, options)
         started = time.perf_counter()
         try:
             compiled = jax.jit(program).lower(*self.args).compile(compiler_options=options or None)

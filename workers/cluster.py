@@ -85,7 +85,7 @@ DEVICES_HELP = ("virtual:N (N virtual CPU devices in this process), processes:N 
                 "GPUs each), tpu:TOPOLOGY (a TPU slice such as v5p:2x2x1, compiled for ahead of time: needs "
                 "libtpu, nothing runs) or gpu:CARD:D / gpu:CARD:HxD (H hosts of D NVIDIA GPUs such as gpu:h100:8, "
                 "compiled for ahead of time: needs cmtune[gpu], nothing runs)")
-COMPILE_ONLY_KINDS = ("tpu:", "gpu:")  # the devices kinds compiled for ahead of time, never run
+COMPILE_ONLY_KINDS = ("tpu", "gpu")  # the kinds of devices compiled for ahead of time, never run
 _TOPOLOGY = re.compile(r"[a-z][a-z0-9]*:\d+(x\d+)*")
 _GPU_NODE = re.compile(r"(?P<card>[a-z0-9][a-z0-9_.-]*):(?:(?P<hosts>\d+)x)?(?P<per_host>\d+)")
 
@@ -144,7 +144,7 @@ class DeviceSpec:
     @property
     def compile_only(self) -> bool:
         """True for a TPU slice or a GPU node: programs are compiled for its devices and checked, never timed."""
-        return self.kind + ":" in COMPILE_ONLY_KINDS
+        return self.kind in COMPILE_ONLY_KINDS
 
     @property
     def label(self) -> str:
@@ -190,7 +190,7 @@ def is_compile_only(devices: str, compile_only: bool = False) -> bool:
     """Whether a command on ``--devices devices`` (with ``--compile-only`` as ``compile_only``) compiles its programs
     and checks them, timing nothing: asked to, or on a TPU topology (``tpu:TOPOLOGY``) or a GPU node
     (``gpu:CARD:HxD``), whose devices are compiled for and never run (`DeviceSpec.compile_only`)."""
-    return compile_only or devices.startswith(COMPILE_ONLY_KINDS)
+    return compile_only or devices.partition(":")[0] in COMPILE_ONLY_KINDS
 
 
 def set_up(spec: DeviceSpec, *, relaunch: Callable[[int, int, str], None], local_devices: int = 0,

@@ -960,11 +960,11 @@ def partitioned_module(step, args: Sequence, *, kwargs: Mapping | None = None,
     """
     import jax
 
-    from collective_matmul.programs.gpus import deviceless_options
+    from collective_matmul.programs.gpus import compile_options
 
     jitted = step if hasattr(step, "lower") else jax.jit(step)
     lowered = jitted.lower(*args, **(kwargs or {}))
-    options = {**deviceless_options(_devices_of(args)), **(options or {})}
+    options = compile_options(_devices_of(args), options)
     with tempfile.TemporaryDirectory(prefix="cmtune-discover-") as directory, past_persistent_cache():
         compiled = lowered.compile(compiler_options={"xla_dump_to": directory,
                                                      "xla_dump_hlo_pass_re": "spmd-partitioning", **options})

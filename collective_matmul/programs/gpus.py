@@ -21,15 +21,16 @@ No JAX at import.
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from collective_matmul.programs.topology import TopologyError
+from collective_matmul.programs.topology import TopologyError, compile_only
 
-__all__ = ["CARDS", "GPU_EXTRA", "Card", "GpuError", "card_dir", "deviceless_options", "gpu_devices",
+__all__ = ["CARDS", "GPU_EXTRA", "Card", "GpuError", "card_dir", "compile_options", "deviceless_options", "gpu_devices",
            "deviceless_note", "is_deviceless_gpu", "save_card", "target_config"]
 
 GPU_EXTRA = ("pip install 'cmtune[gpu]' (JAX's CUDA plugin of the installed jaxlib, jax[cuda12-local], and ptxas; "
@@ -90,15 +91,17 @@ def _plugin_binary() -> Path:
 
 @lru_cache(maxsize=2)
 def _embedded(binary: Path) -> dict[str, str]:
-    """device kind -> the text of its target config, as XLA embeds them in the plugin (NUL-terminated text)."""
-    data = binary.read_bytes()
+    """device kind -> the text of its target config, as XLA embeds them in the plugin (NUL-terminated text).
+
+    The library (~465 MB) is scanned through a read-only map, never copied into memory; once per process."""
     configs = {}
-    for match in re.finditer(rb"\ngpu_device_info\s*\{", data):
-        start, end = data.rfind(b"\0", 0, match.start()) + 1, data.find(b"\0", match.start())
-        text = data[start:end].decode("utf-8", "replace")
-        kind = _KIND.search(text)
-        if kind and "cuda_compute_capability" in text:  # NVIDIA's: the CUDA plugin compiles for nothing else
-            configs[kind.group(1)] = text
+    with binary.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for match in re.finditer(rb"\ngpu_device_info\s*\{", data):
+            start, end = data.rfind(b"\0", 0, match.start()) + 1, data.find(b"\0", match.start())
+            text = data[start:end].decode("utf-8", "replace")
+            kind = _KIND.search(text)
+            if kind and "cuda_compute_capability" in text:  # NVIDIA's: the CUDA plugin compiles for nothing else
+                configs[kind.group(1)] = text
     return configs
 
 
@@ -180,11 +183,7 @@ def save_card(name: str, devices=None, directory: Path | None = None) -> Path:
 def is_deviceless_gpu(devices) -> bool:
     """True when ``devices`` are GPUs compiled for ahead of time (`gpu_devices`), not GPUs of this host."""
     devices = list(devices)
-    if not devices or devices[0].platform != "gpu":
-        return False
-    from collective_matmul.programs.topology import compile_only
-
-    return compile_only(devices)
+    return bool(devices) and devices[0].platform == "gpu" and compile_only(devices)
 
 
 def deviceless_options(devices) -> dict:
@@ -205,6 +204,12 @@ def deviceless_options(devices) -> dict:
         name, _, value = flag.removeprefix("--").partition("=")
         options[name] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
     return options
+
+
+def compile_options(devices, options: dict | None = None) -> dict:
+    """``options`` over what a compile for ``devices`` needs when they are deviceless GPUs (`deviceless_options`):
+    the options of every compile-only compile."""
+    return {**deviceless_options(devices), **(options or {})}
 
 
 def deviceless_note(options: dict) -> str:
