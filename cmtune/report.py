@@ -104,8 +104,28 @@ def tune_table(outcomes, *, title: str) -> Table:
         )
         if t is not None:
             reasons.append(f"{o.study.problem.key}: {t.reason}")
+        if o.study.settings.screen:
+            reasons.append(f"{o.study.problem.key}: {screen_summary(o.study.settings.screen)}")
     table.caption = "\n".join(reasons) or None
     return table
+
+
+def screen_summary(screen, *, named: int = 6) -> str:
+    """A compile screen in one line: how many forms overlap (timed first), then the others by verdict, each form
+    named where there are at most ``named`` of them."""
+    from collections import Counter
+
+    overlapping = sum(s.overlap == "overlaps" for s in screen)
+    others = [s for s in screen if s.overlap not in ("overlaps", "no permutes")]
+    text = f"compile screen: {overlapping} of {len(screen)} forms overlap, timed first"
+    if not others:
+        return text
+    if len(others) <= named:
+        return text + "; after them: " + ", ".join(f"{s.decomposition.id} ({s.overlap or 'did not compile'})"
+                                                   for s in others)
+    counts = Counter(s.overlap or "did not compile" for s in others)
+    return text + "; after them: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common())
+
 
 
 def step_table(measurement, *, title: str) -> Table:

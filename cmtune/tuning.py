@@ -159,6 +159,10 @@ def tune(
              "--out bundle if it exists) right after the baseline; a study whose seeds run as their "
              "neighbours did stops early")] = True,
     compile_only: Annotated[bool, typer.Option(help=COMPILE_ONLY_HELP)] = False,
+    screen: Annotated[bool | None, typer.Option(
+        "--screen/--no-screen", help="compile every candidate for the rings before the search and time the forms "
+             "whose schedule overlaps first, the others after them (default: on GPU devices, where XLA's passes "
+             "can serialise a ring)")] = None,
     coordinator: Annotated[str | None, COORDINATOR] = None,
     num_processes: Annotated[int | None, NUM_PROCESSES] = None,
     process_id: Annotated[int | None, PROCESS_ID] = None,
@@ -178,7 +182,7 @@ def tune(
             raise typer.BadParameter(str(exc), param_hint="--out") from None
     options = dict(trials=trials, minutes=minutes, patience=patience, sampler=sampler, seed=seed,
                    protocol=dict(repeats=repeats, seed=seed, timeout_s=timeout), grace_s=trial_grace_seconds, out=out,
-                   warm_start=warm_start, bundled=bundled)
+                   warm_start=warm_start, bundled=bundled, screen=screen)
     if step is not None:
         from cmtune import steps
 
@@ -217,6 +221,10 @@ def _tune(problems, *, out, **options) -> None:
     from cmtune.report import tune_table
     from cmtune.workers.local import add_to_bundle, tune_problems
 
+    if options["screen"] is None:
+        options["screen"] = jax.devices()[0].platform == "gpu"
+    if options["screen"] and jax.process_index() == 0:
+        console.print(f"compile screen: every candidate of {len(problems)} problems compiled for the rings first")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=jax.process_index() != 0) as progress:
         def on_study(problem, total):

@@ -15,6 +15,10 @@ Order of asks:
    `MAX_REPEATS` times, then the cost model's next choice is taken, so no candidate is ever
    timed twice.  The seeds are not taken from the ``startup``: a seeded study asks what the
    unseeded one would, with the seeds already known (TPE is told them like any finished trial).
+With a compile screen (``SearchSettings.screen``: each candidate's compiled schedule on the study's
+hardware, taken on a GPU node before its search), steps 3 and 4 take the forms whose permutes all
+hide behind a product first, then partly overlapped ones, then serialised ones: a TPE proposal of a
+later form waits while a better-screened one is unmeasured.
 At the end, the top ``confirm_top`` candidates and the baseline are re-timed together with more
 runs; the winner of that round is the tuned config.
 """
@@ -40,7 +44,7 @@ from collective_matmul.planning.costmodel import PROFILES, HardwareProfile, rank
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.planning.space import candidates
-from collective_matmul.wire import Measurement, Seed, StopReason, TunedConfig
+from collective_matmul.wire import Measurement, Screened, Seed, StopReason, TunedConfig
 
 Sampler = Literal["auto", "enumerate", "tpe", "random"]
 MAX_REPEATS = 8  # TPE proposals of already-seen candidates before the cost model's next choice is taken
@@ -77,6 +81,9 @@ class SearchSettings(BaseModel):
                                   "neighbour when its ratio is within this fraction of the neighbour's")
     warm_patience: int | None = Field(default=1, ge=0, description="once a seed agreed, stop after this many "
                                       "further trials without a new best (None: seeds only reorder the search)")
+    screen: tuple[Screened, ...] = Field(default=(), max_length=1024, description="each candidate's compiled "
+                                         "schedule on this hardware (cmtune.workers.aot.screen): the forms that "
+                                         "overlap are proposed before the others")
 
 
 @dataclass(frozen=True)
@@ -156,7 +163,9 @@ class Searcher:
         self.problem = problem
         self.settings = settings
         self.space = candidates(problem, platform=platform)  # XLA's own (method "xla") where the platform has it
-        self.by_model = rank(problem, self.space, PROFILES[profile] if isinstance(profile, str) else profile)
+        self.screen = {s.decomposition: s for s in settings.screen}
+        by_model = rank(problem, self.space, PROFILES[profile] if isinstance(profile, str) else profile)
+        self.by_model = sorted(by_model, key=self.screen_rank)  # stable: the cost model's order within a verdict
         self._dists = _space_distributions(self.space)
         self._valid = set(self.space)
         self.seeds = [c for c in dict.fromkeys(s.decomposition for s in settings.seeds)
@@ -194,7 +203,16 @@ class Searcher:
         seeding = sampler == "tpe" and self.settings.seed_with_model and len(seen) < startup
         if sampler == "enumerate" or seeding:
             return unmeasured[0]
-        return self._ask_optuna(sampler, finished, pending, seen) or unmeasured[0]
+        proposal = self._ask_optuna(sampler, finished, pending, seen)
+        if proposal is None or self.screen_rank(proposal) > self.screen_rank(unmeasured[0]):
+            return unmeasured[0]  # a form the screen puts after one still unmeasured waits for it
+        return proposal
+
+    def screen_rank(self, config: Decomposition) -> int:
+        """Where the compile screen puts ``config`` (`Screened.rank`); a candidate it has no verdict for sits
+        with those that have no permutes."""
+        screened = self.screen.get(config)
+        return screened.rank if screened is not None else 1
 
     def _ask_optuna(self, sampler, finished, pending, seen) -> Decomposition | None:
         with self._sampler_lock:  # one sampler per searcher, and a searcher is shared by studies of one problem

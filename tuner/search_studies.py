@@ -57,6 +57,7 @@ from collective_matmul.wire import (
     Measurement,
     MeasurementProtocol,
     Reconfirmation,
+    Screened,
     SearchResult,
     Seed,
     Status,
@@ -83,18 +84,20 @@ def profile_name_for(hardware: Hardware) -> str:
 
 def study_settings(problem: Problem, hardware: Hardware, *, trials: int | None = None, minutes: float | None = None,
                    patience: int | None = None, sampler: Sampler = "auto", seed: int = 0,
-                   confirm_top: int = 3, seeds: Sequence[Seed] = ()) -> SearchSettings:
+                   confirm_top: int = 3, seeds: Sequence[Seed] = (),
+                   screen: Sequence[Screened] = ()) -> SearchSettings:
     """A study's settings from what a user asks (command line or API), defaults filled in one place.
 
     The trial budget defaults to `default_budget` of the space; the cost-model profile that orders
     the candidates is the static profile of the hardware's platform (`profile_name_for`), never a
     timing taken on one process, so every process and every replica orders them alike.  ``seeds``
-    (warm start: `cmtune.tuner.warm.seeds`) are timed right after the baseline.
+    (warm start: `cmtune.tuner.warm.seeds`) are timed right after the baseline; ``screen`` (each candidate's
+    compiled schedule on the hardware, `cmtune.workers.aot.screen`) puts the forms that overlap first.
     """
     return SearchSettings(
         sampler=sampler, seed=seed, max_trials=trials or default_budget(len(candidates(problem))),
         max_seconds=minutes * 60 if minutes else None, patience=patience, confirm_top=confirm_top,
-        profile=profile_name_for(hardware), seeds=tuple(seeds),
+        profile=profile_name_for(hardware), seeds=tuple(seeds), screen=tuple(screen),
     )
 
 

@@ -35,16 +35,16 @@ from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
 from collective_matmul.programs.gpus import compile_options
 from collective_matmul.programs.schedule import overlap
-from collective_matmul.wire import CompiledCandidate
+from collective_matmul.wire import CompiledCandidate, Screened
 
 
 class CompileSession:
-    """One problem's candidates compiled for ``mesh`` (its last axis the ring: every ring of the mesh runs the
-    program at once), never run."""
+    """One problem's candidates compiled for ``mesh`` (``axis`` the ring, by default its last: every ring of the
+    mesh runs the program at once), never run."""
 
-    def __init__(self, problem: Problem, mesh: Mesh):
+    def __init__(self, problem: Problem, mesh: Mesh, axis: str | None = None):
         self.problem, self.mesh = problem, mesh
-        self.axis = mesh.axis_names[-1]
+        self.axis = axis or mesh.axis_names[-1]
         if mesh.shape[self.axis] != problem.axis_size:
             raise ValueError(f"{problem.key} needs a ring of {problem.axis_size} devices, the mesh has "
                              f"{mesh.shape[self.axis]}")
@@ -105,3 +105,20 @@ def compile_all(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) 
     if windowed_einsum(session.platform, "off") is not None:
         written.append(session.as_written("off"))  # "on" is the candidate method="xla"
     return written + [session.compile(config) for config in configs]
+
+
+def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Screened, ...]:
+    """The compile screen of a study: every ring candidate of ``problem`` (and XLA's windowed einsum, where the
+    platform has it) compiled for ``mesh``, each with its schedule's verdict, for the search to propose the forms
+    that overlap first (`cmtune.tuner.search.SearchSettings.screen`).  Seconds on a GPU node (about half a second
+    a candidate for H100 and B200 in the GPU compile bench), nothing run."""
+    from collective_matmul.planning.space import candidates
+
+    session = CompileSession(problem, mesh, axis)
+    screened = []
+    for config in candidates(problem, include_baseline=False, platform=session.platform):
+        compiled = session.compile(config)
+        ok = compiled.status == "compiled"
+        screened.append(Screened(decomposition=config, overlap=compiled.overlap if ok else None,
+                                 note=compiled.overlap_note if ok else compiled.message))
+    return tuple(screened)

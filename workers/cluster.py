@@ -260,7 +260,8 @@ def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
         return
     import jax
 
-    if (spec.kind == "virtual" or spec.compile_only) and not os.environ.get("JAX_PLATFORMS"):
+    cpu_only = spec.kind == "virtual" or spec.compile_only or (spec.kind == "auto" and not accelerator_present())
+    if cpu_only and not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")  # a TPU or GPU plugin installed for compiles must not start up
     if spec.compile_only:
         spec.compiled_devices()  # the compiler is there and takes the name, or the command says what to do
@@ -268,6 +269,13 @@ def configure(spec: DeviceSpec, *, auto_virtual: int = 0) -> None:
     count = spec.count if spec.kind == "virtual" else auto_virtual if spec.kind == "auto" else 0
     if count > 0:
         jax.config.update("jax_num_cpu_devices", count)
+
+
+def accelerator_present() -> bool:
+    """Whether this machine shows an accelerator's device files (NVIDIA GPUs, TPU chips): where it shows none, a
+    CUDA plugin or libtpu installed for compiles ahead of time is not started (it would only fail, loudly)."""
+    dev = Path("/dev")
+    return any(any(dev.glob(pattern)) for pattern in ("nvidia[0-9]*", "accel[0-9]*", "vfio/[0-9]*"))
 
 
 def free_port() -> int:

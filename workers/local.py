@@ -91,7 +91,7 @@ class LocalTuner:
 def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, minutes: float | None,
                   patience: int | None, sampler: str, seed: int, protocol: dict, grace_s: float,
                   warm_start: bool = True, bundled=(), mesh=None, axis: str | None = None,
-                  on_study: Callable[[Problem, int], Callable[..., None]] | None = None,
+                  on_study: Callable[[Problem, int], Callable[..., None]] | None = None, screen: bool = False,
                   ) -> tuple[Hardware, list[Outcome]] | None:
     """Tune ``problems`` on rings of ``ring`` devices, all at once: every ring of that size the devices split into
     (`cmtune.workers.measure.ring_mesh`), or those of ``mesh`` along ``axis`` (a user's step's); configs are keyed
@@ -100,7 +100,9 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
     them (`cmtune.workers.runner.follow`).
 
     With ``warm_start``, each study is seeded (`cmtune.tuner.warm.seeds`) from the studies of this run
-    before it and from the configs of ``bundled`` (a bundle's).
+    before it and from the configs of ``bundled`` (a bundle's).  With ``screen``, every candidate of each problem is
+    compiled for the rings first, on every process alike (`cmtune.workers.aot.screen`), and each search proposes
+    the forms whose schedule overlaps before the others (on a GPU node, where XLA's passes decide it).
 
     Args:
         protocol: the `MeasurementProtocol`'s fields.
@@ -118,6 +120,7 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
 
     from cmtune.tuner.search_studies import study_settings
     from cmtune.tuner.warm import seeds
+    from cmtune.workers.aot import screen as compile_screen
     from cmtune.workers.cluster import Group
     from cmtune.workers.measure import ring_mesh
     from cmtune.workers.runner import LocalRunner, follow
@@ -132,6 +135,7 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
     mesh = mesh or ring_mesh(None, ring)
     axis = axis or mesh.axis_names[-1]
     runner = LocalRunner(mesh=mesh, axis=axis)
+    screens = {problem: compile_screen(problem, mesh, axis) for problem in problems} if screen else {}
     group = Group()
     if not group.leader:
         follow(group, runner, grace_s=grace_s)  # process 0 decides; this process runs what it is handed
@@ -145,7 +149,7 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
             known = [*(o.known() for o in outcomes), *(Known(c, source="bundle") for c in bundled)]
             warm = seeds(problem, hardware, [k for k in known if k is not None]) if warm_start else ()
             settings = study_settings(problem, hardware, trials=trials, minutes=minutes, patience=patience,
-                                      sampler=sampler, seed=seed, seeds=warm)
+                                      sampler=sampler, seed=seed, seeds=warm, screen=screens.get(problem, ()))
             tick = on_study(problem, min(settings.max_trials, len(candidates(problem))) + 1)
             tuner.on_trial = lambda _trial, tick=tick: tick()
             outcomes.append(tuner.tune(problem, hardware, settings, MeasurementProtocol(**protocol)))

@@ -11,8 +11,18 @@ from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import MAX_ROLES, ModelName, Role, TransformerBlock
 from collective_matmul.planning.problem import DeviceKind, Hardware, Platform, Problem, Software, check_slice
 from collective_matmul.planning.text import message
+from collective_matmul.wire.bounds import OverlapVerdict
 from collective_matmul.wire.bundle import TunedConfig
-from collective_matmul.wire.fields import MAX_MESH_AXES, MeshAxes, Name, PresetName, ProblemKey, ShortText, Source
+from collective_matmul.wire.fields import (
+    MAX_MESH_AXES,
+    MeshAxes,
+    Message,
+    Name,
+    PresetName,
+    ProblemKey,
+    ShortText,
+    Source,
+)
 
 EXAMPLE_PROBLEM = {"collective": "allgather_matmul", "m": 1024, "k": 256, "n": 1024, "dtype": "float32",
                    "axis_size": 8}
@@ -65,6 +75,26 @@ class Seed(BaseModel):
     ratio: float = Field(gt=0, allow_inf_nan=False, description="its time over the baseline's on the neighbour "
                                                                 "(a winner: 1 / speedup)")
     distance: float = Field(ge=0, allow_inf_nan=False, description="log-distance of the shapes over (m, k, n)")
+
+
+SCREEN_ORDER = {"overlaps": 0, "no permutes": 1, "partly": 2, "synchronous": 3, "serialised": 3, None: 4}
+
+
+class Screened(BaseModel):
+    """One candidate's compiled schedule on a study's hardware (the compile screen, `cmtune.workers.aot.screen`):
+    the search proposes the forms whose permutes all hide behind a product before the others."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decomposition: Decomposition
+    overlap: OverlapVerdict | None = Field(description="the compiled schedule's verdict (None: it did not compile)")
+    note: Message = Field(default="", description="the verdict in words, or why it did not compile")
+
+    @property
+    def rank(self) -> int:
+        """Where the search takes it: overlapping forms first, then those without permutes, partly overlapped,
+        serialised or synchronous, and last what did not compile."""
+        return SCREEN_ORDER[self.overlap]
 
 
 class Budget(BaseModel):

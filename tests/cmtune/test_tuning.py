@@ -115,6 +115,19 @@ def test_tune_seeds_each_problem_from_the_bundle_and_the_problems_before_it(tmp_
     assert not says(refused, "validation error") and not says(refused, "pydantic")  # one line, not the dump
 
 
+def test_tune_with_a_compile_screen_compiles_every_candidate_first_and_marks_them():
+    """``--screen`` (the default on GPU devices) on CPU devices: every candidate compiled for the rings before the
+    search, and the verdicts in the output; XLA's CPU backend runs every permute in place, so none is first."""
+    run = cmtune("tune", "--problem", "rs:256x128x64:float32:4", "--trials", "4", "--repeats", "2", "--screen")
+    assert run.returncode == 0, run.stderr
+    assert says(run, "compile screen: every candidate of 1 problems compiled for the rings first")
+    assert says(run, "matmul_reduce_scatter:256x128x64:float32:4: compile screen: 0 of 16 forms overlap, timed "
+                     "first; after them: 16 synchronous")
+    plain = cmtune("tune", "--problem", "rs:256x128x64:float32:4", "--trials", "4", "--repeats", "2")
+    assert plain.returncode == 0 and not says(plain, "compile screen")  # off on CPU devices unless asked
+    assert "plugin configuration error" not in run.stderr + plain.stderr  # no accelerator here: its plugin stays off
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -270,3 +270,42 @@ def test_on_a_platform_with_a_windowed_einsum_xlas_own_is_timed_after_the_baseli
     confirm = tpu.confirm_set([Finished(first, 1.0), Finished(second, 0.8), Finished(ring, 0.9)])
     assert confirm[:2] == [Decomposition.baseline(), Decomposition.xla()]
     assert Decomposition.xla() not in Searcher(problem, "cpu", SearchSettings(), platform="cpu").space
+
+
+def screen_of(problem, verdict_of):
+    from collective_matmul.wire import Screened
+
+    return tuple(Screened(decomposition=c, overlap=verdict_of(c)) for c in candidates(problem, include_baseline=False))
+
+
+@pytest.mark.parametrize("sampler", ["enumerate", "tpe", "random"])
+def test_a_compile_screen_times_the_forms_that_overlap_first(sampler):
+    """What a GPU node's compile screen says (XLA kept some rings asynchronous, serialised others) orders the
+    search: every form that overlaps is timed before any that does not, whatever the sampler or the costs say."""
+    costs = random_costs(PROBLEM, 5)
+    serialised = {c for c in costs if c.method == "ring" and c.unroll == "full"}
+    partly = {c for c in costs if c.method == "ring" and c.unroll == 2}
+    broken = next(c for c in costs if c.method == "ring" and c.unroll == 1)
+    screen = screen_of(PROBLEM, lambda c: None if c == broken else "serialised" if c in serialised
+                       else "partly" if c in partly else "overlaps")
+    settings = SearchSettings(sampler=sampler, seed=1, screen=screen, startup=2, enumerate_below=100 * (
+        sampler == "enumerate"))
+    timed = [t.decomposition for t in tune(PROBLEM, KnownCosts(costs), settings).search]
+    assert len(timed) == len(set(timed)) == 49  # the whole space, still: the others are timed, after
+    tier = [0 if c.method == "baseline" else 4 if c == broken else 3 if c in serialised else 2 if c in partly
+            else 0 for c in timed]
+    assert tier == sorted(tier), tier
+    unscreened = [t.decomposition for t in tune(PROBLEM, KnownCosts(costs), settings.model_copy(
+        update={"screen": ()})).search]
+    assert unscreened != timed  # the screen, not the sampler, made that order
+
+
+def test_a_screen_keeps_the_cost_model_order_within_a_verdict():
+    screen = screen_of(PROBLEM, lambda c: "overlaps" if c.accumulate == "concat" else "partly")
+    settings = SearchSettings(sampler="enumerate", screen=screen)
+    searcher = Searcher(PROBLEM, PROFILE, settings)
+    plain = Searcher(PROBLEM, PROFILE, SearchSettings(sampler="enumerate"))
+    first = [c for c in searcher.by_model if c.method == "ring" and c.accumulate == "concat"]
+    assert searcher.by_model[:len(first)] == first  # the overlapping forms first (the baseline is asked first)...
+    assert first == [c for c in plain.by_model if c in set(first)]  # ...in the cost model's order
+    assert searcher.screen_rank(Decomposition.baseline()) == 1  # nothing screened: with the forms without permutes

@@ -210,3 +210,25 @@ def test_a_users_step_lists_the_same_problems_on_a_gpu_node_as_on_cpu_devices(sp
         listed.append(sorted((p["role"], p["slot"], p["problem"]["collective"], p["problem"]["m"], p["problem"]["k"],
                               p["problem"]["n"], p["problem"]["dtype"], p["count"]) for p in found["problems"]))
     assert listed[0] == listed[1] and len(listed[0]) == listed_problems
+
+
+def test_a_compile_screen_on_a_gpu_node_orders_the_search_and_marks_what_does_not_overlap():
+    """The screen a search on an H100 node starts with: every candidate (XLA's windowed einsum among them) compiled
+    for the node, the forms XLA's passes leave overlapped proposed first, the others after them and named."""
+    from cmtune.report import screen_summary
+    from cmtune.tuner.search import Searcher, SearchSettings
+    from cmtune.workers.aot import screen
+
+    problem = Problem.parse(FAMILIES[0])
+    screened = screen(problem, ring_mesh_of(gpus.gpu_devices("h100", 1, 4), 4))
+    assert [s.decomposition for s in screened] == candidates(problem, include_baseline=False, platform="gpu")
+    assert all(s.overlap is not None for s in screened), [s.note for s in screened if s.overlap is None]
+    verdicts = {s.decomposition: s.overlap for s in screened}
+    later = [c for c, v in verdicts.items() if v != "overlaps"]
+    assert 0 < len(later) < len(screened) // 2, verdicts  # most of the fenced rings overlap on H100; not all
+    searcher = Searcher(problem, "h100-nvlink", SearchSettings(sampler="enumerate", screen=screened), platform="gpu")
+    order = [c for c in searcher.by_model if c.method != "baseline"]
+    assert set(order[-len(later):]) == set(later)  # what does not overlap is timed last
+    summary = screen_summary(screened)
+    assert f"{len(screened) - len(later)} of {len(screened)} forms overlap, timed first" in summary
+    assert all(c.id in summary for c in later)
