@@ -77,7 +77,7 @@ class Seed(BaseModel):
     distance: float = Field(ge=0, allow_inf_nan=False, description="log-distance of the shapes over (m, k, n)")
 
 
-SCREEN_ORDER = {"overlaps": 0, "no permutes": 1, "partly": 2, "synchronous": 3, "serialised": 3, None: 4}
+_SCREEN_ORDER = {"overlaps": 0, "no permutes": 1, "partly": 2, "synchronous": 3, "serialised": 3, None: 4}
 
 
 class Screened(BaseModel):
@@ -94,7 +94,7 @@ class Screened(BaseModel):
     def rank(self) -> int:
         """Where the search takes it: overlapping forms first, then those without permutes, partly overlapped,
         serialised or synchronous, and last what did not compile."""
-        return SCREEN_ORDER[self.overlap]
+        return _SCREEN_ORDER[self.overlap]
 
 
 class Budget(BaseModel):
