@@ -127,7 +127,6 @@ def screen_summary(screen, *, named: int = 6) -> str:
     return text + "; after them: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common())
 
 
-
 def step_table(measurement, *, title: str) -> Table:
     """One row per variant of a step measurement (`cmtune.workers.step.StepMeasurement`)."""
     table = Table(title=title)

@@ -20,7 +20,7 @@ from cmtune.common import (
     read_token_file,
     without_token,
 )
-from cmtune.workers.cluster import DEVICES_HELP
+from cmtune.workers.cluster import DEVICES_HELP, accelerator_present
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -80,11 +80,12 @@ def worker(
 
 
 def _gpu_host() -> bool:
-    """Whether JAX's CUDA plugin is installed here (its devices are the worker's with --devices auto)."""
+    """Whether --devices auto gives the worker GPUs: JAX's CUDA plugin installed on a machine that shows GPUs (the
+    rule `cmtune.workers.cluster.configure` starts JAX by), or JAX_PLATFORMS naming CUDA."""
     import importlib.util
 
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms == "cpu":
         return False
-    return platforms in ("cuda", "gpu") or any(
+    return platforms in ("cuda", "gpu") or accelerator_present() and any(
         importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
