@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cmtune.common import SERVER, TOKEN_FILE, console, problems_from_options, read_token_file
+from cmtune.common import SERVER, TOKEN_FILE, console, devices_option, problems_from_options, read_token_file
 
 if TYPE_CHECKING:
     from collective_matmul.client.rest import ApiClient
@@ -61,18 +61,29 @@ def submit(
         help="a step spec, path/to/file.py:NAME or package.module:NAME: discover your step's problems here "
              "(needs JAX) and send them with their roles; the service never runs your code")] = None,
     name: Annotated[str | None, typer.Option(help="with --step: the name to submit it under (default: NAME)")] = None,
-    devices: Annotated[str, typer.Option(help="with --step: virtual:N or processes:PxD (default virtual:8)")] = "auto",
+    devices: Annotated[str, typer.Option(
+        help="with --step or --screen: virtual:N, gpu:CARD:D or tpu:TOPOLOGY (compiled on any host), or with --step "
+             "processes:PxD (default virtual:8)")] = "auto",
+    screen: Annotated[bool, typer.Option(
+        "--screen/--no-screen", help="compile every candidate of each problem here for --devices (e.g. gpu:h100:8, "
+                                     "with cmtune[gpu]) and send the verdicts: each study times the forms that "
+                                     "overlap first (default hardware: those devices)")] = False,
 ) -> None:
     """Submit problems, a model + mesh, or your own step's problems, to a running service."""
     from collective_matmul.planning.models import MeshSpec, TransformerBlock
     from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate
+
+    if screen and devices_option(devices).needs_group:
+        raise typer.BadParameter(f"{devices!r}: the screen compiles on this host: give virtual:N, gpu:CARD:D or "
+                                 "tpu:TOPOLOGY", param_hint="--devices")
 
     if step is not None:
         if problem or model or mesh:
             raise typer.BadParameter("--step sends your step's own problems: leave out --problem, --model, --mesh")
         from cmtune import steps
 
-        if steps.prepare(devices) is None:
+        spec = steps.prepare(devices)
+        if spec is None:
             return
         found, ring = steps.discovered_body(step, name)
         if found is None:  # a process other than 0 of a group
@@ -80,12 +91,21 @@ def submit(
         hardware = HardwareIn(platform=platform or ring.platform, device_kind=device_kind or ring.device_kind,
                               device_count=ring.device_count, process_count=process_count or ring.process_count,
                               slice_devices=device_count or ring.slice_devices)
+        screens = _screens([p.problem for p in found.problems], spec) if screen else []
         bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force,
-                              warm_start=warm_start)]
+                              warm_start=warm_start, screens=screens)]
         return _post(server, token, token_file, bodies)
-    pool = None
+    screens, pool = [], None
+    if screen:  # the problems are derived here too (the service derives a model's again, and checks the screens)
+        from cmtune import steps
+
+        spec = steps.prepare(devices)
+        if spec is None:
+            return
+        screens = _screens(problems_from_options(problem, model, mesh, tensor_axis), spec)
+        screened_on = _screened_hardware(spec)
     if platform is None and device_kind is None and device_count is None and process_count is None:
-        pool = _pool_hardware(server, token, token_file)
+        pool = screened_on if screen else _pool_hardware(server, token, token_file)
 
     def on(devices: int) -> dict:
         hardware = pool or HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
@@ -102,11 +122,54 @@ def submit(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis),
-                              **on(spec.device_count))]
+                              screens=screens, **on(spec.device_count))]
     else:
-        bodies = [StudyCreate(problem=p, **on(p.axis_size))
+        by_key = {s.problem: s for s in screens}
+        bodies = [StudyCreate(problem=p, screens=[by_key[p.key]] if p.key in by_key else [], **on(p.axis_size))
                   for p in problems_from_options(problem, model, mesh, tensor_axis)]
     _post(server, token, token_file, bodies)
+
+
+def _screens(problems, spec) -> list:
+    """The compile screen of each unique problem with a ring (`cmtune.workers.aot.screen`), compiled for the devices
+    set up here, a line each: what the studies will time first."""
+    from cmtune.report import screen_summary
+    from cmtune.steps import deviceless
+    from cmtune.workers.aot import screen
+    from cmtune.workers.measure import ring_mesh_of
+    from collective_matmul.planning.space import has_ring
+    from collective_matmul.wire import ProblemScreen
+
+    devices = _screen_devices(spec)
+    deviceless(devices)
+    kind, screens = devices[0].device_kind, {}
+    for problem in problems:
+        if problem.key in screens or not has_ring(problem):  # the service says "nothing to tune"
+            continue
+        try:
+            mesh = ring_mesh_of(devices, problem.axis_size)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{problem.key}: {exc} of the {len(devices)} devices",
+                                     param_hint="--devices") from None
+        screened = screen(problem, mesh)
+        console.print(f"{problem.key} on {kind}: {screen_summary(screened)}")
+        screens[problem.key] = ProblemScreen(problem=problem.key, device_kind=kind, screen=list(screened))
+    return list(screens.values())
+
+
+def _screen_devices(spec) -> list:
+    """The devices a screen compiles for: a compile-only target's (a GPU node's, a TPU slice's), else JAX's."""
+    import jax
+
+    return spec.compiled_devices() if spec.compile_only else jax.devices()
+
+
+def _screened_hardware(spec):
+    """The hardware of the devices the screen compiles for (`HardwareIn`): what the studies are on by default."""
+    from collective_matmul.planning.problem import Hardware
+    from collective_matmul.wire import HardwareIn
+
+    return HardwareIn.of(Hardware.detect(_screen_devices(spec)))
 
 
 def _pool_hardware(server: str, token: str | None, token_file: Path | None):
@@ -134,6 +197,10 @@ def _post(server: str, token: str | None, token_file: Path | None, bodies) -> No
             created = api.submit(body)
             for study in created.studies:
                 seeded = f", {len(study.seeds)} seeds from {_neighbours(study)}" if study.seeds else ""
+                screen = study.settings.get("screen") or ()
+                if screen:
+                    overlapping = sum(s["overlap"] == "overlaps" for s in screen)
+                    seeded += f", screened: {overlapping} of {len(screen)} forms overlap, timed first"
                 console.print(f"study {study.id}: {study.problem_key} ({study.trials_budget} trials{seeded})")
             for skip in created.skipped:
                 console.print(f"skipped {skip.problem}: {skip.reason} (study {skip.study_id})")

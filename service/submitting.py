@@ -8,13 +8,14 @@ study is on the hardware of such a ring (`Hardware.ring`: ``cpu:cpu:4:1/8``, a r
 every worker of the hardware leases and runs on all its rings at once; a model's step study is on the ring of
 its tensor axis.  Unless the body says ``warm_start: false``, each new study is
 seeded from the configs already tuned on its hardware (`cmtune.tuner.warm`): those of finished studies, not
-of the studies this submission creates.
+of the studies this submission creates.  A problem's compile screen, where the body sends one
+(``screens``, `cmtune submit --screen`), orders its study's search once it is checked against the problem.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cmtune.service.errors import InvalidError
@@ -25,8 +26,16 @@ from cmtune.tuner.step_studies import step_study_of
 from cmtune.tuner.warm import nearest_seeds
 from collective_matmul.planning.models import PRESETS, MeshSpec, TransformerBlock, model_problems, slot_label
 from collective_matmul.planning.problem import Hardware, Problem
-from collective_matmul.planning.space import has_ring, no_ring_reason
-from collective_matmul.wire import MeasurementProtocol, Seed, Skipped, StudyCreate, StudyCreated, StudyState
+from collective_matmul.planning.space import candidates, has_ring, no_ring_reason
+from collective_matmul.wire import (
+    MeasurementProtocol,
+    Screened,
+    Seed,
+    Skipped,
+    StudyCreate,
+    StudyCreated,
+    StudyState,
+)
 
 if TYPE_CHECKING:
     from cmtune.service.store import SqlTx
@@ -73,6 +82,7 @@ class Request:
     model: TransformerBlock | None = None
     mesh: MeshSpec | None = None
     submitted: dict | None = None
+    screens: dict[str, tuple[Screened, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, body: StudyCreate) -> Request:
@@ -108,11 +118,37 @@ class Request:
                     f"{hardware.device_count})")
         if body.problem is not None and not has_ring(body.problem):
             raise InvalidError(f"{body.problem.key}: nothing to tune: {no_ring_reason(body.problem)}")
-        return cls(body, hardware, targets, model, mesh, submitted)
+        return cls(body, hardware, targets, model, mesh, submitted, _screens(body, hardware, targets))
 
     def ring(self, size: int) -> Hardware:
         """Where a ring of ``size`` devices of this hardware is studied (`Hardware.ring`)."""
         return self.hardware.ring(size)
+
+
+def _screens(body: StudyCreate, hardware: Hardware, targets: list[tuple]) -> dict[str, tuple[Screened, ...]]:
+    """The submitted compile screens by problem key, each checked against its problem: a screen of a problem the
+    submission does not tune, compiled for other devices than the hardware's, or naming a form that is not one
+    of the problem's candidates there is refused."""
+    problems = {problem.key: problem for problem, _roles, _count in targets}
+    screens: dict[str, tuple[Screened, ...]] = {}
+    for entry in body.screens:
+        problem = problems.get(entry.problem)
+        if problem is None:
+            raise InvalidError(f"screens: {entry.problem} is not a problem of this submission (its problems: "
+                               f"{', '.join(sorted(problems))})")
+        if entry.problem in screens:
+            raise InvalidError(f"screens: {entry.problem} is screened twice: send one screen a problem")
+        if entry.device_kind != hardware.device_kind:
+            raise InvalidError(f"screens: {entry.problem} was compiled for {entry.device_kind!r}, but the hardware "
+                               f"to tune on is {hardware.device_kind!r}: screen on its devices (cmtune submit "
+                               "--screen --devices gpu:CARD:D for a GPU node)")
+        known = set(candidates(problem, platform=hardware.platform))
+        for screened in entry.screen:
+            if screened.decomposition not in known:
+                raise InvalidError(f"screens: {entry.problem}: {screened.decomposition.id} is not a candidate of "
+                                   f"the problem on {hardware.platform}")
+        screens[entry.problem] = tuple(entry.screen)
+    return screens
 
 
 def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> StudyCreated:
@@ -150,7 +186,7 @@ def submit(tx: SqlTx, engine: Engine, request: Request, *, now: dt.datetime) -> 
         else:
             settings = study_settings(problem, ring, trials=body.budget.trials, minutes=body.budget.minutes,
                                       patience=body.budget.patience, sampler=body.sampler, seed=body.seed,
-                                      confirm_top=body.confirm_top,
+                                      confirm_top=body.confirm_top, screen=request.screens.get(problem.key, ()),
                                       seeds=_seeds(tx, problem, ring, shapes) if body.warm_start else ())
             protocol = MeasurementProtocol(repeats=body.repeats, seed=body.seed, timeout_s=body.timeout_s)
             study = engine.create_study(tx, problem=problem, hardware=ring, settings=settings, protocol=protocol,

@@ -120,5 +120,5 @@ def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Scree
         compiled = session.compile(config)
         ok = compiled.status == "compiled"
         screened.append(Screened(decomposition=config, overlap=compiled.overlap if ok else None,
-                                 note=compiled.overlap_note if ok else compiled.message))
+                                 note=compiled.overlap_note if ok else as_message(compiled.message, 200)))
     return tuple(screened)

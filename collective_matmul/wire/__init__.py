@@ -46,6 +46,7 @@ from collective_matmul.wire.bodies import (
     DiscoveredStep,
     HardwareIn,
     MeshIn,
+    ProblemScreen,
     Reconfirmation,
     Sampler,
     Screened,
@@ -154,8 +155,8 @@ __all__ = [
     "StepChoice", "StepMeasurement", "StepSetting", "StepVariant", "StepVariants", "Timing",
     # bodies
     "EXAMPLE_HARDWARE", "EXAMPLE_PROBLEM", "MAX_BATCH", "STEP_ROUND_VARIANTS", "STEP_SEARCH_ROUNDS", "Budget",
-    "ConfigQuery", "ConfigQueryBatch", "DiscoveredStep", "HardwareIn", "MeshIn", "Reconfirmation", "Sampler",
-    "Screened", "Seed", "StepOptions", "StepProblem", "StudyCreate", "TokenCreate",
+    "ConfigQuery", "ConfigQueryBatch", "DiscoveredStep", "HardwareIn", "MeshIn", "ProblemScreen", "Reconfirmation",
+    "Sampler", "Screened", "Seed", "StepOptions", "StepProblem", "StudyCreate", "TokenCreate",
     # public
     "BestSoFar", "ConfigAnswer", "SeedPublic", "Skipped", "StepPublic", "StudyCreated", "StudyPage", "StudyPublic",
     "SubmissionEntry", "SubmissionPublic", "SubmissionSummary", "TokenCreated", "TrialPublic", "TunedPublic",

@@ -97,6 +97,17 @@ class Screened(BaseModel):
         return _SCREEN_ORDER[self.overlap]
 
 
+class ProblemScreen(BaseModel):
+    """The compile screen of one submitted problem, compiled where it was submitted (`cmtune submit --screen`):
+    its study proposes the forms that overlap first."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    problem: ProblemKey = Field(description="the problem's key, one of the submission's")
+    device_kind: ShortText = Field(description="the devices it was compiled for, as JAX names them")
+    screen: list[Screened] = Field(min_length=1, max_length=1024)
+
+
 class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -193,6 +204,10 @@ class StudyCreate(BaseModel):
                                                        "the nearest problems tuned on this hardware")
     step: StepOptions = Field(default_factory=lambda: StepOptions(),
                               description="a model's step measurement, once its studies are done")
+    screens: list[ProblemScreen] = Field(
+        default_factory=list, max_length=3 * MAX_ROLES,
+        description="each problem's candidates compiled for the hardware (cmtune submit --screen): its study times "
+                    "the forms that overlap first")
 
     @model_validator(mode="after")
     def _one_target(self) -> StudyCreate:

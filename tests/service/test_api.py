@@ -731,3 +731,50 @@ def test_hardware_that_cannot_be_is_refused_saying_why(api, hardware, why):
     for answer in (registered, submitted):
         assert answer.status_code == 422 and why in answer.text
     assert api.reader.get("/v1/workers").json() == [] and api.reader.get("/v1/studies").json()["total"] == 0
+
+
+def _screen(overlapping: Decomposition, device_kind: str = "cpu", problem: dict = PROBLEM) -> dict:
+    """A compile screen of ``problem`` in which only ``overlapping`` overlaps (as a GPU node's compile reads)."""
+    from collective_matmul import Problem
+    from collective_matmul.planning.space import candidates
+
+    forms = candidates(Problem(**problem), include_baseline=False)
+    return {"problem": Problem(**problem).key, "device_kind": device_kind, "screen": [
+        {"decomposition": c.model_dump(mode="json"), "overlap": "overlaps" if c == overlapping else "synchronous"}
+        for c in forms]}
+
+
+def test_a_submitted_compile_screen_orders_the_studys_trials(api):
+    """The study times the form its screen says overlaps right after the baseline, though the cost model puts it
+    last, and keeps the screen in its settings."""
+    from collective_matmul import Problem
+    from collective_matmul.planning.space import candidates
+
+    last = candidates(Problem(**PROBLEM), include_baseline=False)[-1]
+    body = {"problem": PROBLEM, "hardware": HARDWARE, "budget": {"trials": 3}, "warm_start": False,
+            "screens": [_screen(last)]}
+    created = api.admin.post("/v1/studies", json=body)
+    assert created.status_code == 201, created.text
+    (study,) = created.json()["studies"]
+    assert len(study["settings"]["screen"]) == len(candidates(Problem(**PROBLEM), include_baseline=False))
+    worker = register(api.worker)
+    timed = [Decomposition.model_validate(run_trial(worker)["trial"]["decompositions"][0]) for _ in range(2)]
+    assert timed == [Decomposition.baseline(), last]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s | {"problem": "allgather_matmul:512x64x128:float32:8"}, "is not a problem of this submission"),
+    (lambda s: s | {"device_kind": "NVIDIA H100 80GB HBM3"}, "was compiled for 'NVIDIA H100 80GB HBM3'"),
+    (lambda s: s | {"screen": s["screen"] + [{"decomposition": {"method": "ring", "chunks": 64},
+                                              "overlap": "overlaps"}]}, "is not a candidate of the problem on cpu"),
+    (lambda s: s | {"screen": []}, "screen"),
+])
+def test_a_screen_that_does_not_fit_its_submission_is_refused_and_stores_nothing(api, change, message):
+    screen = change(_screen(Decomposition.baseline()))
+    response = api.admin.post("/v1/studies", json={"problem": PROBLEM, "hardware": HARDWARE, "screens": [screen]})
+    assert response.status_code == 422 and message in response.text, response.text
+    twice = api.admin.post("/v1/studies", json={"problem": PROBLEM, "hardware": HARDWARE,
+                                                "screens": [_screen(Decomposition.baseline())] * 2})
+    assert twice.status_code == 422 and "is screened twice" in twice.text
+    with api.db.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Study)).scalar() == 0

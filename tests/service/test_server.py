@@ -290,3 +290,23 @@ def test_migrations_take_a_url_with_a_percent_sign(tmp_path):
     migrate.upgrade(engine)
     assert migrate.current_revision(engine) is not None and (tmp_path / "fifty%.sqlite").exists()
     engine.dispose()
+
+
+def test_submit_with_a_compile_screen_sends_it_and_the_study_keeps_it(tmp_path):
+    """`cmtune submit --screen` compiles every candidate here (CPU devices: every ring synchronous) and the study on
+    the screened devices' hardware carries the verdicts."""
+    url = f"sqlite:///{tmp_path / 'screen.sqlite'}"
+    token = admin_token(url)
+    with running_server(database_url=url) as server:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"CMTUNE_TOKEN": token}
+        run = subprocess.run([sys.executable, "-m", "cmtune", "submit", "--server", server.url, "--problem",
+                              "ag:256x128x256:float32:4", "--screen", "--devices", "virtual:4", "--trials", "2"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        (study,) = admin.get("/v1/studies").json()["items"]
+    assert run.returncode == 0, run.stdout + run.stderr
+    screen = study["settings"]["screen"]
+    assert study["hardware_key"] == "cpu:cpu:4:1" and len(screen) == 32
+    assert {s["overlap"] for s in screen} == {"synchronous"}  # CPU's collectives are synchronous
+    assert says(run, "compile screen: 0 of 32 forms overlap, timed first; after them: 32 synchronous")
+    assert says(run, "study 1: allgather_matmul:256x128x256:float32:4 (2 trials, screened: 0 of 32 forms overlap")

@@ -232,3 +232,48 @@ def test_a_compile_screen_on_a_gpu_node_orders_the_search_and_marks_what_does_no
     summary = screen_summary(screened)
     assert f"{len(screened) - len(later)} of {len(screened)} forms overlap, timed first" in summary
     assert all(c.id in summary for c in later)
+
+
+def test_a_study_submitted_with_a_gpu_screen_times_what_overlaps_first(tmp_path):
+    """`cmtune submit --screen --devices gpu:h100:4` on a host without a GPU: the study is on the H100 node, and
+    the node's worker is given the baseline and XLA's windowed einsum (the contenders a ring must beat), then forms
+    that overlap, before anything XLA serialises."""
+    import os
+
+    import httpx
+
+    from cmtune.launcher import running_server
+    from collective_matmul.planning.problem import Software
+    from collective_matmul.wire import Screened
+    from tests.service.conftest import create_tokens, measurement, register
+
+    url = f"sqlite:///{tmp_path / 'gpu-screen.sqlite'}"
+    tokens = create_tokens(url, ["admin", "worker"])
+    with running_server(database_url=url) as server:
+        run = cmtune("submit", "--server", server.url, "--problem", "ag:512x256x512:bfloat16:4", "--screen",
+                     "--devices", "gpu:h100:4", "--trials", "40", env=os.environ | {"CMTUNE_TOKEN": tokens["admin"]})
+        assert run.returncode == 0, run.stdout + run.stderr
+        admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tokens['admin']}"}, timeout=30)
+        (study,) = admin.get("/v1/studies").json()["items"]
+        verdicts = {Decomposition.model_validate(s["decomposition"]): s["overlap"] for s in study["settings"]["screen"]}
+        client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tokens['worker']}"},
+                              timeout=30)
+        node = {k: study["hardware"][k] for k in ("platform", "device_kind", "device_count", "process_count")}
+        worker = register(client, hardware=node, software=Software(jax=jax.__version__).model_dump())
+        leased = []
+        while True:  # the proposals in order, each reported (each faster than the last) before the next lease
+            grant = worker.post(f"/v1/workers/{worker}/lease")
+            if grant.status_code == 204 or grant.json()["trial"]["kind"] != "search":
+                break
+            trial = grant.json()["trial"]
+            leased.append(Decomposition.model_validate(trial["decompositions"][0]))
+            result = measurement(trial["problem"], leased[-1], 1.0 - 0.01 * len(leased), hardware=node)
+            reply = worker.post(f"/v1/trials/{trial['id']}/result",
+                                json={"lease_id": grant.json()["lease"]["id"], "measurement": result})
+            assert reply.status_code == 200, reply.text
+    assert study["hardware"]["device_kind"] == "NVIDIA H100 80GB HBM3" and study["hardware"]["platform"] == "gpu"
+    assert "overlaps" in verdicts.values() and set(verdicts.values()) != {"overlaps"}
+    assert leased[:2] == [Decomposition.baseline(), Decomposition.xla()]
+    rings = [Screened(decomposition=c, overlap=verdicts[c]).rank for c in leased[2:]]
+    assert len(leased) == len(verdicts) + 1 and rings == sorted(rings)  # every form, those that overlap first
+    assert "screened:" in run.stdout and "forms overlap, timed first" in run.stdout
