@@ -26,6 +26,7 @@ from collective_matmul.ops.ring import (
     matmul_reduce_scatter_shard,
 )
 from collective_matmul.ops.share import Group
+from collective_matmul.ops.weight_ring import weight_allgather_matmul_shard
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.planning.problem import Problem
 
@@ -322,6 +323,94 @@ def allgather_grad_weight(
     kernel = partial(allgather_grad_weight_shard, axis=axis, config=config)
     body = kernel if batch_axis is None else lambda a, b: lax.psum(kernel(a, b), batch_axis)
     return _run(body, u, v, mesh=mesh, specs=specs)
+
+
+def weight_allgather_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    config: Decomposition,
+    weight_dim: str = "k",
+    batch_axis: BatchAxis = None,
+    tensor_axis: str | None = None,
+    grad_input: Decomposition | None = None,
+    grad_weight: Decomposition | None = None,
+) -> jax.Array:
+    """``x @ all_gather(w)`` over mesh axis ``axis`` with the weight sharded on it (FSDP), decomposed as ``config``
+    says: the weight's shards move round the ring (`collective_matmul.ops.weight_ring`).
+
+    Args:
+        x: ``[B, ..., K]``, its first dimension sharded over ``batch_axis`` and ``axis`` (in that order: data
+            parallelism beside FSDP); with ``weight_dim="n"`` and a ``tensor_axis``, K sharded over it.
+        w: ``[K, N]``, ``weight_dim`` sharded over ``axis``; the other dimension over ``tensor_axis`` if given.
+        mesh: the device mesh.
+        axis: the mesh axis that shards the weight and forms the ring (FSDP's).
+        config: the forward's decomposition (a ``weight_allgather_matmul_<weight_dim>`` problem).
+        weight_dim: ``"k"`` (the weight sharded on its contracting dimension, FSDP's usual layout) or ``"n"``.
+        batch_axis: mesh axis (or axes) that also shard x's first dimension; the weight gradient is summed
+            over them once.
+        tensor_axis: a mesh axis sharding the weight's other dimension (tensor parallelism): N for ``"k"``, whose
+            result is then sharded on N over it; K for ``"n"``, whose product is then summed over it.
+        grad_input: ``dx``'s decomposition (the other weight dimension's problem, with k and n swapped);
+            ``fuse=True`` keeps the weight the forward gathered (``K x N`` per device until the backward) instead
+            of gathering it again.  None: the baseline.
+        grad_weight: ``dw``'s (a ``reduce_scatter_grad_weight`` problem: the product summed over the ring and
+            scattered onto the weight's layout).  None: the baseline.
+
+    Returns:
+        ``[B, ..., N]``, laid out as x (N sharded over ``tensor_axis`` with ``weight_dim="k"``).
+
+    Raises:
+        ValueError: if the shapes do not fit the mesh or a config is invalid for them.
+    """
+    x_spec, w_spec, out_spec = _weight_specs(x, w, mesh, axis, weight_dim, batch_axis, tensor_axis)
+    xla = _left_to_xla(config, grad_input, grad_weight)
+    if xla:
+        x, w = placed(mesh, (x_spec, w_spec), x, w)
+        y = jnp.matmul(x, w)
+        sharding = NamedSharding(mesh, out_spec)
+        return jax.sharding.reshard(y, sharding) if is_explicit(mesh) else lax.with_sharding_constraint(y, sharding)
+    body = partial(weight_allgather_matmul_shard, axis=axis, weight_dim=weight_dim, config=config,
+                   grad_input=grad_input, grad_weight=grad_weight, tensor_axis=tensor_axis)
+    return _run(body, x, w, mesh=mesh, specs=(x_spec, w_spec, out_spec))
+
+
+def _weight_specs(x, w, mesh: Mesh, axis: str, weight_dim: str, batch_axis: BatchAxis,
+                  tensor_axis: str | None) -> tuple[P, P, P]:
+    """The specs of (x, w, y) of `weight_allgather_matmul`, the shapes checked against them."""
+    if weight_dim not in ("k", "n"):
+        raise ValueError(f"weight_dim={weight_dim!r}: give 'k' (the weight sharded on its contracting dimension, "
+                         "FSDP's usual layout) or 'n' (on its output dimension)")
+    if x.ndim < 2 or w.ndim != 2:
+        raise ValueError(f"expected x [B, ..., K] and w [K, N], got shapes {x.shape} and {w.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"contraction mismatch: x has K={x.shape[-1]} but w has K={w.shape[0]}")
+    batch = () if batch_axis is None else (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)
+    for name in (axis, *batch, *([tensor_axis] if tensor_axis else [])):
+        if name not in mesh.shape:
+            raise ValueError(f"axis {name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if axis in batch or tensor_axis in (axis, *batch):
+        raise ValueError(f"the ring axis {axis!r}, batch_axis {batch_axis!r} and tensor_axis {tensor_axis!r} must "
+                         "be different mesh axes")
+    size, tensor = mesh.shape[axis], mesh.shape[tensor_axis] if tensor_axis else 1
+    rows = size * axes_size(mesh, batch_axis)
+    sharded, other = ("K", "N") if weight_dim == "k" else ("N", "K")
+    checks = [(f"x's first dimension {x.shape[0]}", x.shape[0], rows, (*batch, axis)),
+              (f"{sharded}={w.shape[0 if weight_dim == 'k' else 1]}", w.shape[0 if weight_dim == "k" else 1], size,
+               axis)]
+    if tensor_axis:
+        checks.append((f"{other}={w.shape[1 if weight_dim == 'k' else 0]}", w.shape[1 if weight_dim == "k" else 0],
+                       tensor, tensor_axis))
+    for what, dim, parts, over in checks:
+        if dim % parts:
+            raise ValueError(f"{what} is not divisible by the {parts} devices of mesh axes {over!r}")
+    lead = (*batch, axis) if batch else axis
+    middle = (None,) * (x.ndim - 2)
+    if weight_dim == "k":
+        return P(lead, *middle, None), P(axis, tensor_axis), P(lead, *middle, tensor_axis)
+    return P(lead, *middle, tensor_axis), P(tensor_axis, axis), P(lead, *middle, None)
 
 
 def plain_baseline(
