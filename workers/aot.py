@@ -90,9 +90,9 @@ def plain_program(problem: Problem, mesh: Mesh, axis: str):
     """The problem's product as a user writes it: one ``jnp`` product of the sharded operands, its result laid out
     as the problem's op lays it (XLA's partitioner places the collective, and may decompose it itself)."""
     out = {"allgather_matmul": P(None, axis), "matmul_reduce_scatter": P(axis, None),
-           "allgather_grad_weight": P(None, axis)}[problem.collective]
+           "allgather_grad_weight": P(None, axis)}.get(problem.collective, P(axis, None))  # FSDP's: rows kept
     sharding = NamedSharding(mesh, out)
-    if problem.collective == "allgather_grad_weight":
+    if problem.collective in ("allgather_grad_weight", "reduce_scatter_grad_weight"):
         return lambda u, v: jax.lax.with_sharding_constraint(jnp.tensordot(u, v, axes=((0,), (0,))), sharding)
     return lambda x, w: jax.lax.with_sharding_constraint(x @ w, sharding)
 

@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,12 @@ from jax.sharding import PartitionSpec as P
 from cmtune.workers.compare import relative_error
 from cmtune.workers.rounds import Rounds, barrier, slowest_process, time_rounds
 from collective_matmul.ops.collective import OPS as MATMULS
-from collective_matmul.ops.collective import allgather_grad_weight, input_shardings
+from collective_matmul.ops.collective import (
+    allgather_grad_weight,
+    input_shardings,
+    reduce_scatter_grad_weight,
+    weight_allgather_matmul,
+)
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Hardware, Problem
@@ -52,7 +58,11 @@ RINGS_AXIS = "rings"  # the rings of a problem smaller than the devices, side by
 # Builds the program for a candidate: (x, w) -> out, over the given mesh and axis.
 Program = Callable[[jax.Array, jax.Array], jax.Array]
 ProgramBuilder = Callable[[Problem, Decomposition, Mesh, str], Program]
-OPS = {**MATMULS, "allgather_grad_weight": allgather_grad_weight}
+OPS = {**MATMULS, "allgather_grad_weight": allgather_grad_weight,
+       "weight_allgather_matmul_k": partial(weight_allgather_matmul, weight_dim="k"),
+       "weight_allgather_matmul_n": partial(weight_allgather_matmul, weight_dim="n"),
+       "reduce_scatter_grad_weight": reduce_scatter_grad_weight}
+_CONTRACTING_ROWS = ("allgather_grad_weight", "reduce_scatter_grad_weight")  # u [m, k] and v [m, n]
 
 
 def default_program(problem: Problem, config: Decomposition, mesh: Mesh, axis: str) -> Program:
@@ -61,8 +71,9 @@ def default_program(problem: Problem, config: Decomposition, mesh: Mesh, axis: s
 
 
 def operand_shapes(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Global shapes of a problem's two operands: ``x [m, k], w [k, n]``; ``u [m, k], v [m, n]`` (gw)."""
-    second = (problem.m, problem.n) if problem.collective == "allgather_grad_weight" else (problem.k, problem.n)
+    """Global shapes of a problem's two operands: ``x [m, k], w [k, n]``; ``u [m, k], v [m, n]`` (the weight
+    gradients)."""
+    second = (problem.m, problem.n) if problem.collective in _CONTRACTING_ROWS else (problem.k, problem.n)
     return (problem.m, problem.k), second
 
 
@@ -101,7 +112,11 @@ def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundPr
       its own block of the output); communication the reduce-scatter of a partial sum ``[m, n]`` to
       ``[m/P, n]``;
     - ``allgather_grad_weight``: compute ``u [m, k]ᵀ @ v [m, n/P]`` (u as gathered); communication the
-      all-gather of ``u [m/P, k]``.
+      all-gather of ``u [m/P, k]``;
+    - ``weight_allgather_matmul_k`` / ``_n``: compute ``x [m/P, k] @ w [k, n]`` (w as gathered); communication
+      the all-gather of ``w [k/P, n]`` / ``w [k, n/P]``;
+    - ``reduce_scatter_grad_weight``: compute ``u [m/P, k]ᵀ @ v [m/P, n]`` (each device's partial sum, kept as its
+      own block); communication the reduce-scatter of a partial sum ``[k, n]`` to ``[k/P, n]``.
 
     Every output is each device's own block (a gathered copy is not declared replicated: nothing is
     assumed of it).
@@ -126,6 +141,18 @@ def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundPr
 
         compute = BoundProgram(contract, [((m, k), P(None, None)), ((m, n), P(None, axis))], P(None, axis), mesh)
         communication = BoundProgram(gather, [((m, k), P(axis, None))], P(axis, None), mesh)
+    elif problem.collective in ("weight_allgather_matmul_k", "weight_allgather_matmul_n"):
+        dim = 0 if problem.collective.endswith("_k") else 1
+        compute = BoundProgram(jnp.matmul, [((m, k), P(axis, None)), ((k, n), P(None, None))], P(axis, None), mesh)
+        w_spec = P(axis, None) if dim == 0 else P(None, axis)
+        communication = BoundProgram(lambda w: lax.all_gather(w, axis, axis=dim, tiled=True), [((k, n), w_spec)],
+                                     w_spec, mesh)
+    elif problem.collective == "reduce_scatter_grad_weight":
+        def partial_sum(u, v):
+            return jnp.tensordot(u, v, axes=((0,), (0,)))
+
+        compute = BoundProgram(partial_sum, [((m, k), P(axis, None)), ((m, n), P(axis, None))], P(axis, None), mesh)
+        communication = BoundProgram(scatter, [((size * k, n), P(axis, None))], P(axis, None), mesh)
     else:
         raise ValueError(f"no bound programs for the collective {problem.collective!r}")
     return {"compute": compute, "communication": communication}

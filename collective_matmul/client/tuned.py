@@ -31,9 +31,9 @@ from collective_matmul.client import flax as drop_in
 from collective_matmul.client.overrides import Override, Overrides
 from collective_matmul.client.report import CallSite, Pins, Record, Report
 from collective_matmul.client.sources import BundleSource, Lookup, ServiceSource, Sources, WarnOnce
-from collective_matmul.ops.collective import OPS, BatchAxis, problem_of
+from collective_matmul.ops.collective import OPS, BatchAxis, problem_of, weight_allgather_matmul
 from collective_matmul.planning.decomposition import OpConfigs
-from collective_matmul.planning.models import SLOTS, ring_hardware, slot_problems
+from collective_matmul.planning.models import SLOTS, WEIGHT_K, WEIGHT_N, ring_hardware, slot_problems
 from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.programs import roles
 from collective_matmul.wire import Pin
@@ -42,7 +42,7 @@ from collective_matmul.wire.lookup import Unmeasured
 
 __all__ = ["CallSite", "Lookup", "Report", "Tuned", "VariantError", "ring_hardware"]
 
-_COLLECTIVES = ("allgather_matmul", "matmul_reduce_scatter")
+_COLLECTIVES = ("allgather_matmul", "matmul_reduce_scatter", "weight_allgather_matmul_k", "weight_allgather_matmul_n")
 
 Edit = Callable[[str, OpConfigs], OpConfigs]
 
@@ -156,6 +156,22 @@ class Tuned:
         """`collective_matmul.matmul_reduce_scatter` with the tuned configs (forward, backward); ``role`` labels it."""
         return self._op("matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
 
+    def weight_allgather_matmul(self, x, w, *, mesh: Mesh, axis: str, weight_dim: str = "k",
+                                batch_axis: BatchAxis = None, tensor_axis: str | None = None,
+                                role: str | None = None) -> jax.Array:
+        """`collective_matmul.weight_allgather_matmul` (FSDP: the weight gathered over ``axis``) with the tuned
+        configs of its three products; ``role`` labels the call."""
+        collective = {"k": WEIGHT_K, "n": WEIGHT_N}.get(weight_dim)
+        if collective is None:
+            raise ValueError(f"weight_dim={weight_dim!r}: give 'k' (the weight sharded on its contracting dimension, "
+                             "FSDP's usual layout) or 'n' (on its output dimension)")
+        label, source = roles.call_site()
+        configs = self.configs(role or label, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
+                               tensor_axis=tensor_axis, source=source)
+        return weight_allgather_matmul(x, w, mesh=mesh, axis=axis, weight_dim=weight_dim, batch_axis=batch_axis,
+                                       tensor_axis=tensor_axis, config=configs.forward,
+                                       grad_input=configs.grad_input, grad_weight=configs.grad_weight)
+
     def _op(self, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis, role: str | None):
         label, source = roles.call_site()
         configs = self.configs(role or label, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
@@ -174,14 +190,15 @@ class Tuned:
         return drop_in.dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op", gathered_by: str = "",
-                members: Sequence[str] = ()) -> OpConfigs:
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "", via: str = "op",
+                gathered_by: str = "", members: Sequence[str] = ()) -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`): the problems
         of the forward's shapes (`call_problems`), answered by the model's override of ``role``, then `lookup`.
 
         Args:
             role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
-            collective, x, w, mesh, axis, batch_axis: as for the op (arrays, tracers or shape structs).
+            collective, x, w, mesh, axis, batch_axis, tensor_axis: as for the op (arrays, tracers or shape
+                structs; ``tensor_axis`` for a weight gathered under tensor parallelism).
             source, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
             gathered_by: the role of the call whose gather this one reuses (`collective_matmul.ops.share`), for
                 `report`.
@@ -191,13 +208,14 @@ class Tuned:
         Raises:
             ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
         """
-        problems = call_problems(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+        problems = call_problems(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
+                                 tensor_axis=tensor_axis)
         hardware = ring_hardware(mesh, axis)
         if role is not None and not source:
             source = roles.call_site()[1]
         site = CallSite(role=role or "", source=source, via=via, collective=collective, problems=problems,
                         hardware=hardware.identity(), axis=axis, gathered_by=gathered_by, members=list(members))
-        call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis)
+        call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis, tensor_axis)
         found = self._answers.answers(role, call, hardware, problems, site.notes, self._record)
         site.found = _edited(self.name, self._edit, role, problems, found) if self._edit is not None else found
         if role is not None:
@@ -223,15 +241,15 @@ def _edited(name: str, edit: Edit, role: str | None, problems: dict[str, Problem
     return found
 
 
-def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None
-                  ) -> dict[str, Problem]:
+def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
+                  tensor_axis: str | None = None) -> dict[str, Problem]:
     """The problems of one op call, by slot: the forward's from the operands and the mesh, and its backward's.
 
     Raises:
-        ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
+        ValueError: if ``collective`` is not one of the forward collectives or the shapes do not fit.
     """
     if collective not in _COLLECTIVES:
         raise ValueError(f"configs: collective must be one of {sorted(_COLLECTIVES)}, got {collective!r}")
-    forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis)
+    forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, tensor_axis=tensor_axis)
     return slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
                          axis_size=forward.axis_size)

@@ -26,7 +26,7 @@ from collective_matmul.ops.ring import (
     matmul_reduce_scatter_shard,
 )
 from collective_matmul.ops.share import Group
-from collective_matmul.ops.weight_ring import weight_allgather_matmul_shard
+from collective_matmul.ops.weight_ring import reduce_scatter_grad_weight_shard, weight_allgather_matmul_shard
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.planning.problem import Problem
 
@@ -353,11 +353,12 @@ def weight_allgather_matmul(
             over them once.
         tensor_axis: a mesh axis sharding the weight's other dimension (tensor parallelism): N for ``"k"``, whose
             result is then sharded on N over it; K for ``"n"``, whose product is then summed over it.
-        grad_input: ``dx``'s decomposition (the other weight dimension's problem, with k and n swapped);
-            ``fuse=True`` keeps the weight the forward gathered (``K x N`` per device until the backward) instead
-            of gathering it again.  None: the baseline.
+        grad_input: ``dx``'s decomposition (the other weight dimension's problem, with k and n swapped), where the
+            weight is gathered again.  None: the baseline.
         grad_weight: ``dw``'s (a ``reduce_scatter_grad_weight`` problem: the product summed over the ring and
-            scattered onto the weight's layout).  None: the baseline.
+            scattered onto the weight's layout); ``fuse=True`` keeps the weight the forward gathered (``K x N``
+            per device until the backward) for ``dx`` instead of gathering it again.  None:
+            ``Decomposition.baseline(fuse=True)``, what autodiff of the plain product does.
 
     Returns:
         ``[B, ..., N]``, laid out as x (N sharded over ``tensor_axis`` with ``weight_dim="k"``).
@@ -375,6 +376,47 @@ def weight_allgather_matmul(
     body = partial(weight_allgather_matmul_shard, axis=axis, weight_dim=weight_dim, config=config,
                    grad_input=grad_input, grad_weight=grad_weight, tensor_axis=tensor_axis)
     return _run(body, x, w, mesh=mesh, specs=(x_spec, w_spec, out_spec))
+
+
+def reduce_scatter_grad_weight(
+    u: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    config: Decomposition,
+    batch_axis: BatchAxis = None,
+) -> jax.Array:
+    """``reduce_scatter(uᵀ @ v)`` over mesh axis ``axis`` (FSDP's weight gradient), decomposed: every row is
+    contracted and the sum scattered onto the result's rows, the weight's layout.  Differentiable by JAX
+    autodiff; `weight_allgather_matmul` runs it as its backward with its own config.
+
+    Args:
+        u: ``[B, ..., K]``, its first dimension sharded over ``batch_axis`` and ``axis``.
+        v: ``[B, ..., N]``, the same rows, sharded alike.
+        config: the decomposition (a ``reduce_scatter_grad_weight`` problem).
+        batch_axis: mesh axis (or axes) that also shard the rows; the result is summed over them once.
+
+    Returns:
+        ``[K, N]`` with K sharded over ``axis``.
+
+    Raises:
+        ValueError: if the shapes do not fit the mesh or ``config`` is invalid for them.
+    """
+    if u.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"expected u [B, ..., K] and v [B, ..., N] with the same rows, got {u.shape} and {v.shape}")
+    x_spec, _, out_spec = _weight_specs(u, jax.ShapeDtypeStruct((u.shape[-1], v.shape[-1]), v.dtype), mesh, axis,
+                                        "k", batch_axis, None)
+    out_spec = P(axis, None)
+    if config.method == "xla":
+        u, v = placed(mesh, (x_spec, x_spec), u, v)
+        dims = tuple(range(u.ndim - 1))
+        y = jnp.tensordot(u, v, axes=(dims, dims))
+        sharding = NamedSharding(mesh, out_spec)
+        return jax.sharding.reshard(y, sharding) if is_explicit(mesh) else lax.with_sharding_constraint(y, sharding)
+    kernel = partial(reduce_scatter_grad_weight_shard, axis=axis, config=config)
+    body = kernel if batch_axis is None else lambda a, b: lax.psum(kernel(a, b), batch_axis)
+    return _run(body, u, v, mesh=mesh, specs=(x_spec, x_spec, out_spec))
 
 
 def _weight_specs(x, w, mesh: Mesh, axis: str, weight_dim: str, batch_axis: BatchAxis,
@@ -448,6 +490,12 @@ def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: Batc
     _check(x, w, mesh, axis, batch_axis, sharded=_SHARDED[collective])
 
 
+# (x, w, result) of the weight collectives on 2-D operands, "a" standing for the ring's axis
+_WEIGHT_SPECS = {"weight_allgather_matmul_k": (("a", None), ("a", None), ("a", None)),
+                 "weight_allgather_matmul_n": (("a", None), (None, "a"), ("a", None)),
+                 "reduce_scatter_grad_weight": (("a", None), ("a", None), ("a", None))}
+
+
 def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
     """Partition specs of (x, w, result), or (u, v, result), for a collective (docs/decompositions.md, layouts)."""
     if collective == "allgather_matmul":
@@ -456,7 +504,10 @@ def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
         return P(*lead, None, axis), P(axis, None), P(*lead, axis, None)
     if collective == "allgather_grad_weight":
         return P(*lead, axis, None), P(*lead, None, axis), P(None, axis)
-    raise ValueError(f"unknown collective {collective!r}")
+    if collective in _WEIGHT_SPECS and not lead:  # FSDP's: the rows are the ring's devices' own
+        return tuple(P(*(axis if d == "a" else d for d in spec)) for spec in _WEIGHT_SPECS[collective])
+    raise ValueError(f"unknown collective {collective!r}" if collective not in _WEIGHT_SPECS else
+                     f"{collective}: its rows [m, k] are the ring's, give no batch dimensions")
 
 
 def _left_to_xla(forward: Decomposition, grad_input: Decomposition | None, grad_weight: Decomposition | None) -> bool:
@@ -518,18 +569,24 @@ def problem_of(
     mesh: Mesh,
     axis: str,
     batch_axis: BatchAxis = None,
+    tensor_axis: str | None = None,
 ) -> Problem:
     """The `Problem` one call of an op solves (batch dimensions fold into ``m`` per ring).
 
-    For ``allgather_grad_weight`` pass ``(u, v)``: m is u's rows, k its width, n v's width.
+    For ``allgather_grad_weight`` and ``reduce_scatter_grad_weight`` pass ``(u, v)``: m is u's rows, k its width,
+    n v's width.  A weight gathered under tensor parallelism (``tensor_axis``) solves one tensor shard's product.
     """
     batch_shards = axes_size(mesh, batch_axis)
     rows = math.prod(x.shape[:-1]) // batch_shards
+    k, n = x.shape[-1], w.shape[-1]
+    if tensor_axis is not None:
+        tensor = mesh.shape[tensor_axis]
+        k, n = (k, n // tensor) if collective == "weight_allgather_matmul_k" else (k // tensor, n)
     return Problem(
         collective=collective,
         m=rows,
-        k=x.shape[-1],
-        n=w.shape[-1],
+        k=k,
+        n=n,
         dtype=jnp.dtype(x.dtype).name,
         axis_size=mesh.shape[axis],
     )

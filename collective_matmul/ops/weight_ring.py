@@ -12,7 +12,8 @@ on transposed operands, so every knob (direction, chunks, unroll, accumulate) me
    is the weight-gradient ring; each step multiplies the matching columns of the local ``x`` by the shard it
    holds and accumulates.
 3. The input gradient ``dx = dy @ all_gather(w)ᵀ`` is the other form (a weight sharded on ``k`` is, transposed,
-   sharded on its output dimension), gathered again on a ring of its own; with ``grad_input.fuse`` the
+   sharded on its output dimension), gathered again on a ring of its own; with ``grad_weight.fuse`` (as for the
+   activation ops, the backward reuses what the forward gathered: what autodiff of the plain product does) the
    forward keeps the weight its ring gathered (``K x N`` more memory per device until the backward) and ``dx``
    is a local product.
 4. The weight gradient ``dw = xᵀ @ dy`` is the matmul reduce-scatter ring over the weight's sharded dimension:
@@ -40,7 +41,7 @@ from collective_matmul.ops.ring import (
     _gather_ring,
     _matmul_reduce_scatter,
 )
-from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.planning.problem import check_decomposition
 
 WEIGHT_DIMS = ("k", "n")
@@ -62,8 +63,8 @@ class _Plan(NamedTuple):
 
     @property
     def keep(self) -> bool:
-        """Whether the forward keeps the gathered weight for the input gradient."""
-        return self.grad_input.fuse
+        """Whether the forward keeps the gathered weight for the input gradient (``grad_weight.fuse``)."""
+        return self.grad_weight.fuse
 
 
 def weight_allgather_matmul_shard(
@@ -86,9 +87,11 @@ def weight_allgather_matmul_shard(
         axis: the ring's mesh axis (FSDP's).
         weight_dim: ``"k"`` or ``"n"``: the weight dimension sharded over ``axis``.
         config: the forward's decomposition (a ``weight_allgather_matmul_<weight_dim>`` problem).
-        grad_input: ``dx``'s (the other weight dimension's problem, m=M, k=N, n=K); ``fuse=True`` keeps the
-            forward's gathered weight instead of gathering it again.  None: the baseline, gathering again.
-        grad_weight: ``dw``'s (a ``reduce_scatter_grad_weight`` problem).  None: the baseline.
+        grad_input: ``dx``'s (the other weight dimension's problem, m=M, k=N, n=K), where the weight is gathered
+            again.  None: the baseline.
+        grad_weight: ``dw``'s (a ``reduce_scatter_grad_weight`` problem); ``fuse=True`` keeps the forward's
+            gathered weight for ``dx`` instead of gathering it again (``grad_input`` then unused).  None:
+            ``Decomposition.baseline(fuse=True)``, what autodiff of the plain product does.
         tensor_axis: the mesh axis sharding the weight's other dimension, if any.
 
     Returns:
@@ -111,13 +114,14 @@ def _plan(x, w, axis, weight_dim, config, grad_input, grad_weight, tensor_axis) 
     rows = w.shape[0] if weight_dim == "k" else w.shape[1]  # the weight's rows of one ring block
     dtype = jnp.dtype(x.dtype).name
     configs = {"forward": config, "grad_input": grad_input or Decomposition.baseline(),
-               "grad_weight": grad_weight or Decomposition.baseline()}
+               "grad_weight": grad_weight or DEFAULT_GRAD_WEIGHT}
     for slot, c in configs.items():
         if c.method == "xla":
             raise ValueError(f"{slot}: method='xla' is the product as written, partitioned by GSPMD: it runs "
                              "through the op (weight_allgather_matmul), not inside a shard_map")
-        if c.fuse and slot != "grad_input":
-            raise ValueError(f"{slot}: fuse=True is the input gradient's (keep the gathered weight); remove it")
+        if c.fuse and slot != "grad_weight":
+            raise ValueError(f"{slot}: fuse=True is the weight gradient's (the backward keeps the gathered weight); "
+                             "remove it")
         try:
             check_decomposition(c.model_copy(update={"fuse": False}), collective=_DUAL[slot, weight_dim],
                                 block_rows=rows, axis_size=size, dtype=dtype)
@@ -177,3 +181,34 @@ def _weight_bwd(plan: _Plan, residuals, dy):
 
 
 _weight_vjp.defvjp(_weight_fwd, _weight_bwd)
+
+
+def reduce_scatter_grad_weight_shard(u: jax.Array, v: jax.Array, *, axis: str, config: Decomposition) -> jax.Array:
+    """``psum_scatter(uᵀ @ v)`` over ``axis`` onto the rows of the result (the weight gradient of FSDP alone), the
+    reduce-scatter ring of `collective_matmul.ops.ring` on ``uᵀ``.  Differentiable by JAX autodiff.
+
+    Args:
+        u: this device's rows ``[..., K]``.
+        v: the same rows ``[..., N]``.
+        config: the decomposition (a ``reduce_scatter_grad_weight`` problem).
+
+    Returns:
+        ``[K/P, N]``: this device's rows of ``uᵀ @ v`` summed over the ring, contracting every row.
+
+    Raises:
+        ValueError: if the rows differ or ``config`` is not valid for them.
+    """
+    if u.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"reduce_scatter_grad_weight: expected u [..., K] and v [..., N] with the same rows, got "
+                         f"{u.shape} and {v.shape}")
+    if config.method == "xla":
+        raise ValueError("method='xla' is the product as written, partitioned by GSPMD: it runs through the op "
+                         "(reduce_scatter_grad_weight), not inside a shard_map")
+    size = lax.axis_size(axis)
+    if u.shape[-1] % size:
+        raise ValueError(f"reduce_scatter_grad_weight: K={u.shape[-1]} is not divisible by the ring size {size}")
+    check_decomposition(config, collective="matmul_reduce_scatter", block_rows=u.shape[-1] // size, axis_size=size,
+                        dtype=jnp.dtype(u.dtype).name, rows="k / axis_size")
+    rows = u.reshape(-1, u.shape[-1])
+    return _matmul_reduce_scatter(rows.T, v.reshape(-1, v.shape[-1]), axis, config)
+

@@ -133,7 +133,9 @@ def no_figures(hardware: Hardware) -> str:
 
 
 def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) -> float:
-    """Estimated seconds of one call of ``config`` on ``problem``."""
+    """Estimated seconds of one call of ``config`` on ``problem`` (a weight collective's: its dual's, the same ring
+    on the transposed product)."""
+    problem = problem.dual
     p = problem.axis_size
     elt = _BYTES[problem.dtype]
     peak = profile.flops_per_s.get(problem.dtype) or max(profile.flops_per_s.values())

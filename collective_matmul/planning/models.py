@@ -153,24 +153,28 @@ Role = label(MAX_ROLE_LENGTH)  # role_overrides.role
 
 ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")  # the reference block's
 SLOTS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
-COLUMN, ROW = "allgather_matmul", "matmul_reduce_scatter"  # the two forward collectives
-GRAD_WEIGHT = "allgather_grad_weight"  # every op call's weight-gradient collective
-DUAL = {COLUMN: ROW, ROW: COLUMN}  # the collective of a forward's input gradient
+COLUMN, ROW = "allgather_matmul", "matmul_reduce_scatter"  # the two forward collectives of an activation's ring
+GRAD_WEIGHT = "allgather_grad_weight"  # their weight-gradient collective
+# FSDP's forwards, the weight gathered (sharded on k, on n), and their weight gradient reduce-scattered
+WEIGHT_K, WEIGHT_N, WEIGHT_GRAD = "weight_allgather_matmul_k", "weight_allgather_matmul_n", "reduce_scatter_grad_weight"
+DUAL = {COLUMN: ROW, ROW: COLUMN, WEIGHT_K: WEIGHT_N, WEIGHT_N: WEIGHT_K}  # the collective of a forward's dx
+_GRAD_WEIGHTS = {COLUMN: GRAD_WEIGHT, ROW: GRAD_WEIGHT, WEIGHT_K: WEIGHT_GRAD, WEIGHT_N: WEIGHT_GRAD}
+_KN_ORDER = (COLUMN, WEIGHT_K)  # forwards whose weight gradient is [K, N] (the others': [N, K], transposed)
 
 
 def slot_collective(collective: str, slot: str) -> str:
     """The collective of ``slot`` of an op call whose forward is ``collective``: the forward itself, its dual for
-    the input gradient (`DUAL`: an all-gather matmul's ``dx`` is a matmul reduce-scatter, and the reverse),
-    `GRAD_WEIGHT` for the weight gradient.
+    the input gradient (`DUAL`: an all-gather matmul's ``dx`` is a matmul reduce-scatter, and the reverse; a weight
+    gathered on k is, transposed, gathered on n), `GRAD_WEIGHT` for the weight gradient (`WEIGHT_GRAD` of FSDP's).
 
     Raises:
-        ValueError: if ``collective`` is not one of the two forward collectives, or ``slot`` not one of `SLOTS`.
+        ValueError: if ``collective`` is not one of the forward collectives, or ``slot`` not one of `SLOTS`.
     """
     if collective not in DUAL:
         raise ValueError(f"collective must be one of {sorted(DUAL)}, got {collective!r}")
     if slot not in SLOTS:
         raise ValueError(f"slot must be one of {list(SLOTS)}, got {slot!r}")
-    return {"forward": collective, "grad_input": DUAL[collective], "grad_weight": GRAD_WEIGHT}[slot]
+    return {"forward": collective, "grad_input": DUAL[collective], "grad_weight": _GRAD_WEIGHTS[collective]}[slot]
 
 
 def slot_label(role: str, slot: str) -> str:
@@ -190,15 +194,17 @@ def slot_problems(collective: str, *, m: int, k: int, n: int, dtype: str, axis_s
     The forward is ``(collective, m, k, n)``.  The input gradient is the dual collective
     (`slot_collective`) with k and n swapped.  The weight gradient contracts the tokens:
     ``allgather_grad_weight`` with k, n = K, N for an all-gather matmul
-    (``dW = all_gather(x)ᵀ dy``) and N, K for a matmul reduce-scatter (``dWᵀ = all_gather(dy)ᵀ x``).
+    (``dW = all_gather(x)ᵀ dy``) and N, K for a matmul reduce-scatter (``dWᵀ = all_gather(dy)ᵀ x``);
+    ``reduce_scatter_grad_weight`` with K, N for a weight gathered on k (``dW = reduce_scatter(xᵀ dy)``) and N, K
+    for one gathered on n (``dWᵀ = reduce_scatter(dyᵀ x)``).
 
     Raises:
-        ValueError: if ``collective`` is not one of the two forward collectives, or a dimension
+        ValueError: if ``collective`` is not one of the forward collectives, or a dimension
             does not divide over the ring.
     """
     collectives = {slot: slot_collective(collective, slot) for slot in SLOTS}
     common = dict(m=m, dtype=dtype, axis_size=axis_size)
-    grad_weight = (k, n) if collective == COLUMN else (n, k)
+    grad_weight = (k, n) if collective in _KN_ORDER else (n, k)
     return {
         "forward": Problem(collective=collectives["forward"], k=k, n=n, **common),
         "grad_input": Problem(collective=collectives["grad_input"], k=n, n=k, **common),

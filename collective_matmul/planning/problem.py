@@ -19,9 +19,16 @@ from collective_matmul.planning.decomposition import (
 )
 from collective_matmul.planning.text import as_label, label
 
-Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight"]
+Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight",
+                     "weight_allgather_matmul_k", "weight_allgather_matmul_n", "reduce_scatter_grad_weight"]
 DType = Literal["float32", "bfloat16", "float16"]
-COLLECTIVES: tuple[str, ...] = ("allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight")
+# the rings of activations: what every other collective runs as (`Problem.dual`)
+ACTIVATION_COLLECTIVES: tuple[str, ...] = ("allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight")
+# FSDP's: the weight gathered before its product, sharded on k or on n, and the weight gradient reduce-scattered
+# onto the weight's layout (`collective_matmul.ops.weight_ring`)
+WEIGHT_COLLECTIVES: tuple[str, ...] = ("weight_allgather_matmul_k", "weight_allgather_matmul_n",
+                                       "reduce_scatter_grad_weight")
+COLLECTIVES: tuple[str, ...] = ACTIVATION_COLLECTIVES + WEIGHT_COLLECTIVES
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 # Largest single dimension accepted: 2**24 rows of tokens is far beyond any one ring today,
@@ -29,9 +36,15 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 MAX_DIM = 1 << 24
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-_ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter", "gw": "allgather_grad_weight"}
+_ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter", "gw": "allgather_grad_weight",
+            "wk": "weight_allgather_matmul_k", "wn": "weight_allgather_matmul_n", "rsw": "reduce_scatter_grad_weight"}
 # The dimensions each collective shards over the ring (besides m, always sharded).
-_SHARDED = {"allgather_matmul": "n", "matmul_reduce_scatter": "k", "allgather_grad_weight": "n"}
+_SHARDED = {"allgather_matmul": "n", "matmul_reduce_scatter": "k", "allgather_grad_weight": "n",
+            "weight_allgather_matmul_k": "k", "weight_allgather_matmul_n": "n", "reduce_scatter_grad_weight": "k"}
+# A weight collective as the activation ring it runs as: (collective, the dims that become its m, k, n).
+_DUALS = {"weight_allgather_matmul_k": ("allgather_grad_weight", "k", "n", "m"),
+          "weight_allgather_matmul_n": ("allgather_matmul", "n", "k", "m"),
+          "reduce_scatter_grad_weight": ("matmul_reduce_scatter", "k", "m", "n")}
 # The collectives whose ring carries a reduction accumulator (accumulate = its dtype).
 _ACCUMULATING = ("matmul_reduce_scatter", "allgather_grad_weight")
 
@@ -48,6 +61,10 @@ class Problem(BaseModel):
     result summed over the ring and sharded on m.
     ``allgather_grad_weight`` (the weight gradient, all-gather on the contracting dimension):
     u ``[m, k]`` sharded on m, v ``[m, n]`` sharded on n, result ``uᵀ v`` ``[k, n]`` sharded on n.
+    FSDP's (the weight on the ring; m the rows of the ring's devices, each holding its own):
+    ``weight_allgather_matmul_k``: x ``[m, k]`` sharded on m, w ``[k, n]`` sharded on k, gathered before the
+    product; ``weight_allgather_matmul_n``: w sharded on n; ``reduce_scatter_grad_weight`` (the weight gradient):
+    u ``[m, k]`` and v ``[m, n]`` sharded on m, result ``uᵀ v`` ``[k, n]`` summed over the ring and sharded on k.
     Leading batch dimensions fold into ``m``.
     """
 
@@ -78,8 +95,18 @@ class Problem(BaseModel):
 
     @property
     def block_rows(self) -> int:
-        """Rows of one ring block (m split over the ring)."""
-        return self.m // self.axis_size
+        """Rows of one ring block (m split over the ring; of the dual's m for a weight collective)."""
+        return self.dual.m // self.axis_size
+
+    @property
+    def dual(self) -> Problem:
+        """The activation ring this problem runs as (itself, but for a weight collective: the same product
+        transposed, `collective_matmul.ops.weight_ring`): its space, cost model and bounds are the dual's."""
+        if self.collective not in _DUALS:
+            return self
+        collective, m, k, n = _DUALS[self.collective]
+        return Problem(collective=collective, m=getattr(self, m), k=getattr(self, k), n=getattr(self, n),
+                       dtype=self.dtype, axis_size=self.axis_size)
 
     @property
     def flops(self) -> int:
@@ -91,6 +118,8 @@ class Problem(BaseModel):
         baseline's reference and a candidate's) and the baseline's largest intermediate (the whole
         gathered operand, or the unreduced product of a reduce-scatter).  A lower bound: a program's
         temporaries come on top."""
+        if self.collective in _DUALS:  # the same arrays, transposed
+            return self.dual.device_bytes
         p, elt = self.axis_size, _BYTES[self.dtype]
         m, k, n = self.m, self.k, self.n
         if self.collective == "allgather_matmul":  # x [m/P, k], w [k, n/P] -> [m, n/P]; gathers x [m, k]
@@ -134,6 +163,14 @@ class Problem(BaseModel):
 
     def check(self, config: Decomposition) -> None:
         """Raise `ValueError` naming the field and reason if ``config`` cannot run this problem."""
+        if self.collective in _DUALS:  # as its activation ring; fuse (keep the gathered weight) is the op's
+            if config.fuse and self.collective != "reduce_scatter_grad_weight":
+                raise ValueError(f"fuse=True is not for {self.collective}: it belongs to the weight-gradient config "
+                                 "(collective reduce_scatter_grad_weight) of an op's backward; remove fuse")
+            check_decomposition(config.model_copy(update={"fuse": False}), collective=self.dual.collective,
+                                block_rows=self.block_rows, axis_size=self.axis_size, dtype=self.dtype,
+                                rows=f"{_DUALS[self.collective][1]} / axis_size")
+            return
         check_decomposition(
             config,
             collective=self.collective,
@@ -181,13 +218,13 @@ def resolved_accumulate(config: Decomposition, *, collective: str, dtype: str) -
     """The accumulate mode a ring actually uses (fills in the collective's default)."""
     if config.accumulate is not None:
         return config.accumulate
-    if collective == "allgather_matmul":
+    if _DUALS.get(collective, (collective,))[0] == "allgather_matmul":
         return "update_slice"
     return "input_dtype" if dtype == "float32" else "float32"
 
 
 def check_decomposition(
-    config: Decomposition, *, collective: str, block_rows: int, axis_size: int, dtype: str
+    config: Decomposition, *, collective: str, block_rows: int, axis_size: int, dtype: str, rows: str = "m / axis_size"
 ) -> None:
     """Raise `ValueError` if ``config`` is not a valid program for this ring.
 
@@ -197,12 +234,13 @@ def check_decomposition(
         block_rows: rows of the m dimension in one ring block (m / axis_size).
         axis_size: devices in the ring.
         dtype: the input dtype name (``float32``, ``bfloat16``, ...).
+        rows: what ``block_rows`` is, for the message.
 
     Raises:
         ValueError: naming the field and the reason.
     """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    if collective not in ACTIVATION_COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {ACTIVATION_COLLECTIVES}")
     if config.fuse and collective != "allgather_grad_weight":
         raise ValueError(
             f"fuse=True is not for {collective}: it belongs to the weight-gradient config "
@@ -228,7 +266,7 @@ def check_decomposition(
     if block_rows % config.chunks:
         raise ValueError(
             f"chunks={config.chunks} does not divide a block of {block_rows} rows "
-            f"(m / axis_size); choose chunks dividing {block_rows}"
+            f"({rows}); choose chunks dividing {block_rows}"
         )
     if config.unroll != "full":
         trips = loop_trips(config, axis_size)

@@ -11,11 +11,15 @@ will do), takes the module as XLA's SPMD partitioner left it, and `scan` finds i
 - in the backward, the dots of the same role: its input gradient (a dot with the forward's weight
   as an operand) and its weight gradient (a dot of two activations, contracting the rows, whose
   result has the weight's shape).  Their problems come from the one rule of
-  `collective_matmul.planning.models.slot_problems`, applied to the forward call.
+  `collective_matmul.planning.models.slot_problems`, applied to the forward call;
+- an all-gather of the weight feeding a projection (FSDP): a ``weight_allgather_matmul_k`` (the weight gathered
+  on its contracting dimension) or ``_n`` (on its output dimension), whose slots are the weight gathered again
+  for the input gradient and the weight gradient reduce-scattered onto the weight's layout
+  (``reduce_scatter_grad_weight``; the CPU backend prints it as an all-reduce and slices).
 
 Each problem gets its slot, its role (`collective_matmul.programs.roles`) and how often it runs per step
 (a ``scan`` over layers counts its trip count; remat's recomputation is not counted again).
-Gathers that feed no activation × weight product (attention's K/V, FSDP weight gathers) and
+Gathers that feed no activation × weight product (attention's K/V, both operands gathered) and
 all-reduces that are not scattered are listed as skipped, with the reason.  The asynchronous
 ``all-gather-start`` / ``-done`` pairs of accelerator backends are read too.
 
@@ -38,7 +42,7 @@ from unittest import mock
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from collective_matmul.planning.models import COLUMN, ROW, SLOTS, Role, rings, slot_problems
+from collective_matmul.planning.models import COLUMN, ROW, SLOTS, WEIGHT_K, WEIGHT_N, Role, rings, slot_problems
 from collective_matmul.programs.hlo import EIGHT_BIT, Computation, Instruction, Module, parse_module
 from collective_matmul.programs.roles import group_label, label, source_of
 from collective_matmul.wire import StepProblem
@@ -378,7 +382,8 @@ def _finding(product: _Product, axes: dict) -> _Skip | _Found | None:
             return skip
     if product.lhs_b:
         return None
-    found = _column(product, axes) if product.gathered_lhs else _row(product, axes) if product.scattered else None
+    found = (_column(product, axes) if product.gathered_lhs else _weight(product, axes) if product.gathered_rhs
+             else _row(product, axes) if product.scattered else None)
     if not isinstance(found, _Found) or found.ring < 2:
         return found if isinstance(found, _Skip) else None
     return _operand_types(product, found) or _with_slots(product, found)
@@ -412,18 +417,7 @@ def _both_gathered(product: _Product) -> _Skip | None:
                  "cmtune's ops, whose weight stays sharded")
 
 
-def _weight_gathered(product: _Product) -> _Skip | None:
-    rhs = product.gathered_rhs
-    if product.lhs_b or rhs is None or product.gathered_lhs is not None:
-        return None
-    where = "contracting" if rhs.dim in product.rhs_c else "output"
-    return _Skip(f"{rhs.collective.opcode} {rhs.collective.name} -> {product.dot.name}",
-                 f"XLA gathers the weight (on its {where} dimension) over a ring of {rhs.ring}: FSDP, or a weight "
-                 "smaller than the activation; the activation stays sharded, so there is no activation all-gather "
-                 "to overlap (shard the activation on its rows and the weight on its output columns)")
-
-
-_REFUSALS = (_exchange, _batched, _both_gathered, _weight_gathered)
+_REFUSALS = (_exchange, _batched, _both_gathered)
 
 
 def _column(product: _Product, axes: dict) -> _Skip | _Found:
@@ -441,6 +435,23 @@ def _column(product: _Product, axes: dict) -> _Skip | _Found:
     return _Found(COLUMN, gathered.ring, _axis_of(product.module, gathered.collective, axes),
                   m=product.size(rows, lhs), k=product.size(product.lhs_c, lhs),
                   n=product.size(cols, rhs) * gathered.ring, what=what)
+
+
+def _weight(product: _Product, axes: dict) -> _Skip | _Found:
+    """A product of a gathered weight (FSDP, or a weight smaller than the activation): the weight's shards on the
+    ring, gathered on its contracting dimension (FSDP's usual layout) or on its output dimension.  The activation
+    keeps this device's rows, its share of the ring's (FSDP's batch, sharded over the same axis)."""
+    gathered, lhs, rhs = product.gathered_rhs, product.lhs, product.rhs
+    what = f"{gathered.collective.opcode} {gathered.collective.name} -> {product.dot.name}"
+    if product.lhs_c != (len(lhs.shape.dims) - 1,):
+        return _Skip(what, f"XLA gathers the weight, but the product contracts the activation's dimensions "
+                           f"{set(product.lhs_c)}, not its last (its features): not a projection")
+    rows = [d for d in range(len(lhs.shape.dims)) if d not in product.lhs_c]
+    cols = [d for d in range(len(rhs.shape.dims)) if d not in product.rhs_c]
+    collective = WEIGHT_K if gathered.dim in product.rhs_c else WEIGHT_N
+    return _Found(collective, gathered.ring, _axis_of(product.module, gathered.collective, axes),
+                  m=product.size(rows, lhs) * gathered.ring, k=product.size(product.lhs_c, lhs),
+                  n=product.size(cols, rhs), what=what)
 
 
 def _row(product: _Product, axes: dict) -> _Skip | _Found | None:

@@ -45,6 +45,23 @@ def test_tune_writes_a_bundle_the_ops_accept(tmp_path):
     np.testing.assert_allclose(np.asarray(out), x_np @ w_np, rtol=1e-4, atol=1e-4)
 
 
+def test_tune_times_fsdps_collective_matmuls_and_their_bounds(tmp_path):
+    """The weight gathered on k and on n, and its gradient reduce-scattered: each tuned for real (compiled,
+    validated, timed against its baseline, its bounds beside it), stored under its own key."""
+    bundle_path = tmp_path / "fsdp.json"
+    specs = ["wk:256x128x64:float32:8", "wn:256x64x128:float32:8", "rsw:256x128x64:float32:8"]
+    run = cmtune("tune", *(arg for spec in specs for arg in ("--problem", spec)), "--trials", "3", "--repeats", "3",
+                 "--out", str(bundle_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    bundle = Bundle.load(bundle_path)
+    for spec in specs:
+        problem = Problem.parse(spec)
+        entry = bundle.lookup(problem, Hardware.detect())
+        assert entry is not None and entry.problem == problem and entry.trials == 3, spec
+        assert entry.baseline_s > 0 and entry.compute_s > 0 and entry.communication_s > 0
+        assert says(run, problem.key)
+
+
 @pytest.mark.slow  # the two-process path of every command is the worker's too (tests/workers/test_daemon.py)
 def test_tune_model_on_two_processes(tmp_path):
     bundle_path = tmp_path / "tuned.json"

@@ -218,3 +218,35 @@ def test_detect_names_the_slice_a_ring_is_part_of():
     ring = Hardware.detect(jax.devices()[:4], slice_devices=8)
     assert ring.key == f"cpu:{ring.device_kind}:4:1/8" and ring.software is not None
     assert Hardware.detect(jax.devices(), slice_devices=8).slice_devices is None
+
+
+@pytest.mark.parametrize("spec, dual, sharded", [
+    ("wk:1024x256x512:bfloat16:8", "allgather_grad_weight:256x512x1024:bfloat16:8", "k"),
+    ("wn:1024x512x256:bfloat16:8", "allgather_matmul:256x512x1024:bfloat16:8", "n"),
+    ("rsw:1024x256x512:bfloat16:8", "matmul_reduce_scatter:256x1024x512:bfloat16:8", "k"),
+])
+def test_the_weight_collectives_are_keyed_as_their_own_and_run_as_their_dual(spec, dual, sharded):
+    """FSDP's problems: their own keys (never an activation's), the space and memory of the activation ring they
+    run as, and a ring of m's rows and of the sharded weight dimension."""
+    problem = Problem.parse(spec)
+    assert problem.key.startswith(problem.collective) and problem.collective.startswith(("weight_", "reduce_"))
+    assert problem.dual == Problem.parse(dual) and problem.dual.dual == problem.dual
+    assert Problem.model_validate_json(problem.model_dump_json()) == problem
+    assert candidates(problem) == candidates(problem.dual) and problem.device_bytes == problem.dual.device_bytes
+    assert problem.block_rows == getattr(problem, sharded) // 8
+    for name in ("m", sharded):
+        fields = problem.model_dump() | {name: 1004}
+        with pytest.raises(ValidationError, match=f"{problem.collective}: {name}=1004 is not divisible by axis_size"):
+            Problem(**fields)
+    with pytest.raises(ValueError, match=rf"does not divide a block of 32 rows \({sharded} / axis_size\)"):
+        problem.check(Decomposition(chunks=64))
+
+
+def test_fuse_is_the_weight_gradients_in_fsdps_collectives_too():
+    """fuse (the backward keeps the gathered weight) is a weight-gradient config's, never a candidate."""
+    gradient = Problem.parse("rsw:1024x256x512:float32:8")
+    gradient.check(Decomposition.baseline(fuse=True))
+    assert not any(c.fuse for c in candidates(gradient))
+    for spec in ("wk:1024x256x512:float32:8", "wn:1024x256x512:float32:8"):
+        with pytest.raises(ValueError, match=f"fuse=True is not for {Problem.parse(spec).collective}"):
+            Problem.parse(spec).check(Decomposition.baseline(fuse=True))

@@ -99,3 +99,20 @@ def test_a_slot_label_reads_back_and_a_slot_names_its_collective():
     assert slot_collective("matmul_reduce_scatter", "grad_input") == "allgather_matmul"
     with pytest.raises(ValueError, match="collective must be one of"):
         slot_collective("allgather_grad_weight", "forward")
+
+
+def test_the_slots_of_a_weight_gathered_product_are_fsdps_own_collectives():
+    """A weight gathered on k: dx gathers it again as, transposed, a weight gathered on n, and dW is reduce-scattered
+    onto its rows; gathered on n, the reverse, dW transposed."""
+    from collective_matmul.planning.models import WEIGHT_K, WEIGHT_N, slot_problems
+
+    k_slots = slot_problems(WEIGHT_K, m=4096, k=1024, n=512, dtype="bfloat16", axis_size=8)
+    assert {slot: p.key for slot, p in k_slots.items()} == {
+        "forward": "weight_allgather_matmul_k:4096x1024x512:bfloat16:8",
+        "grad_input": "weight_allgather_matmul_n:4096x512x1024:bfloat16:8",
+        "grad_weight": "reduce_scatter_grad_weight:4096x1024x512:bfloat16:8"}
+    n_slots = slot_problems(WEIGHT_N, m=4096, k=1024, n=512, dtype="bfloat16", axis_size=8)
+    assert {slot: p.key for slot, p in n_slots.items()} == {
+        "forward": "weight_allgather_matmul_n:4096x1024x512:bfloat16:8",
+        "grad_input": "weight_allgather_matmul_k:4096x512x1024:bfloat16:8",
+        "grad_weight": "reduce_scatter_grad_weight:4096x512x1024:bfloat16:8"}

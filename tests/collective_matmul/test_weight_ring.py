@@ -62,8 +62,8 @@ CASES = [
     ("fsdp8", "k", (8, 4, 32), 16, "float32", "ring-bi-c2-full-in", "ring-bi-c2-u1-cat", "ring-bi-c2-u2-in"),
     ("fsdp8", "n", (16, 24), 64, "float32", "ring-uni-c2-u1-dus", "ring-bi-c1-full-in", "ring-uni-c1-u1-in"),
     ("fsdp8", "n", (8, 2, 24), 32, "float32", "ring-bi-c1-full-cat", "ring-uni-c2-u2-in", "ring-bi-c2-full-in"),
-    ("fsdp8", "k", (16, 64), 24, "float32", "ring-bi-c1-full-in", "ring-bi-c1-full-dus-fuse", "ring-bi-c1-u1-in"),
-    ("fsdp8", "n", (16, 24), 64, "float32", "ring-uni-c1-full-cat", "ring-uni-c1-full-in-fuse", "baseline"),
+    ("fsdp8", "k", (16, 64), 24, "float32", "ring-bi-c1-full-in", "baseline", "ring-bi-c1-u1-in-fuse"),
+    ("fsdp8", "n", (16, 24), 64, "float32", "ring-uni-c1-full-cat", "ring-uni-c1-full-in", "baseline-fuse"),
     ("data2-fsdp4", "k", (8, 4, 32), 16, "float32", "ring-uni-c1-u1-in", "ring-uni-c1-full-dus", "ring-bi-c2-full-in"),
     ("data2-fsdp4", "n", (16, 24), 32, "float32", "ring-uni-c1-full-dus", "baseline", "ring-uni-c2-u1-in"),
     ("fsdp4-model2", "k", (8, 32), 16, "float32", "ring-uni-c2-full-in", "ring-bi-c1-full-cat", "ring-uni-c1-u1-in"),
@@ -87,8 +87,8 @@ def test_values_and_gradients_equal_float64(mesh_name, weight_dim, x_shape, n, d
 
 @pytest.mark.parametrize("weight_dim", ["k", "n"])
 def test_random_shapes_meshes_and_configs_equal_float64(weight_dim):
-    """Twelve draws of mesh, shape, dtype and a valid config for each product."""
-    from collective_matmul import Problem
+    """Six draws of mesh, shape, dtype and, for each product, a candidate of its slot's problem."""
+    from collective_matmul.planning.models import SLOTS, WEIGHT_K, WEIGHT_N, slot_problems
     from collective_matmul.planning.space import candidates
 
     rng = np.random.default_rng(7 if weight_dim == "k" else 8)
@@ -100,17 +100,15 @@ def test_random_shapes_meshes_and_configs_equal_float64(weight_dim):
         dtype = str(rng.choice(["float32", "bfloat16"]))
         lead = (rows,) if rng.random() < 0.5 else (rows, 2)
         options, x, w, g, want = setup(mesh_name, weight_dim, (*lead, k), n, dtype, seed=int(rng.integers(1 << 20)))
-        # the products as their activation rings see them (collective_matmul.ops.weight_ring, 1.-4.)
-        sharded = k if weight_dim == "k" else n
+        # each slot's config drawn from its own problem's candidates (the keys a tuned config is stored under)
         tensor = 2 if MESHES[mesh_name][4] else 1
-        other = (n if weight_dim == "k" else k) // tensor
-        forward = "allgather_grad_weight" if weight_dim == "k" else "allgather_matmul"
-        backward = "allgather_matmul" if weight_dim == "k" else "allgather_grad_weight"
+        forward = WEIGHT_K if weight_dim == "k" else WEIGHT_N
+        m = rows // (2 if MESHES[mesh_name][3] else 1) * int(np.prod(lead[1:]))  # one ring's rows, batch folded
+        slots = slot_problems(forward, m=m, k=k // (tensor if weight_dim == "n" else 1),
+                              n=n // (tensor if weight_dim == "k" else 1), dtype=dtype, axis_size=ring)
         pick = []
-        for collective, m2, k2, n2 in ((forward, sharded, other, ring), (backward, sharded, other, ring),
-                                       ("matmul_reduce_scatter", sharded, ring, other)):
-            space = [c for c in candidates(Problem(collective=collective, m=m2, k=k2, n=n2, dtype=dtype,
-                                                   axis_size=ring)) if c.method != "xla"]
+        for slot in SLOTS:
+            space = [c for c in candidates(slots[slot]) if c.method != "xla"]
             pick.append(space[int(rng.integers(len(space)))])
         got = run(options, x, w, g, *pick)
         for name, actual, expected in zip(("y", "dx", "dw"), got, want, strict=True):
@@ -135,7 +133,9 @@ def test_a_ring_moves_the_weight_with_permutes_and_the_baseline_gathers_it(weigh
     assert ring["collective_permute"] == 3 * 7 and ring["all_gather"] == ring["reduce_scatter"] == 0, ring
     base = lowered(*operands, Decomposition.baseline(), Decomposition.baseline(), Decomposition.baseline())
     assert base["all_gather"] == 2 and base["reduce_scatter"] == 1 and base["collective_permute"] == 0, base
-    kept = lowered(*operands, D("ring-uni-c1-full-auto"), Decomposition.baseline(fuse=True), D("ring-uni-c1-full-in"))
+    autodiff = lowered(*operands, Decomposition.baseline(), None, None)  # the defaults: the weight kept
+    assert autodiff["all_gather"] == 1 and autodiff["reduce_scatter"] == 1, autodiff
+    kept = lowered(*operands, D("ring-uni-c1-full-auto"), Decomposition.baseline(), D("ring-uni-c1-full-in-fuse"))
     assert kept["collective_permute"] == 2 * 7 and kept["all_gather"] == 0, kept  # no second gather
 
 
@@ -149,7 +149,8 @@ def test_xla_leaves_the_product_as_written():
     (dict(weight_dim="m"), "weight_dim='m': give 'k'"),
     (dict(config=D("ring-uni-c64-full-auto")), "chunks=64"),
     (dict(grad_weight=D("ring-uni-c1-full-dus")), "grad_weight: "),
-    (dict(config=Decomposition.baseline(fuse=True)), "fuse=True is the input gradient's"),
+    (dict(config=Decomposition.baseline(fuse=True)), "fuse=True is the weight gradient's"),
+    (dict(grad_input=Decomposition.baseline(fuse=True)), "grad_input: fuse=True is the weight gradient's"),
     (dict(grad_input=Decomposition.xla()), "method='xla' is for the whole op"),
 ])
 def test_what_does_not_fit_is_refused_saying_why(change, message):

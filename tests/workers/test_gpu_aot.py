@@ -30,7 +30,9 @@ from tests.cli import cmtune
 pytestmark = pytest.mark.gpu_aot
 CARDS = ["h100", "b200"]
 D = Decomposition.from_id
-FAMILIES = ["ag:1024x512x1024:bfloat16:4", "rs:1024x512x1024:bfloat16:4", "gw:1024x512x1024:bfloat16:4"]
+FAMILIES = ["ag:1024x512x1024:bfloat16:4", "rs:1024x512x1024:bfloat16:4", "gw:1024x512x1024:bfloat16:4",
+            # FSDP's: the weight gathered (sharded on k, on n) and its gradient reduce-scattered
+            "wk:1024x512x1024:bfloat16:4", "wn:1024x512x1024:bfloat16:4", "rsw:1024x512x1024:bfloat16:4"]
 
 
 @pytest.fixture(scope="module", params=CARDS)
@@ -99,7 +101,7 @@ def test_every_family_compiles_with_its_memory_and_a_verdict(devices, key):
     assert all(r.status == "compiled" and r.memory_bytes and r.compile_s for r in records), [
         (r.decomposition.id, r.message) for r in records]
     assert records[0].overlap == "no permutes"  # cmtune's baseline: a plain collective, then the product
-    accumulate = "dus" if problem.collective == "allgather_matmul" else "f32"
+    accumulate = "dus" if problem.dual.collective == "allgather_matmul" else "f32"
     for unroll in ("u1", "full"):
         ring = session.compile(D(f"ring-uni-c2-{unroll}-{accumulate}"))
         assert ring.overlap == "overlaps", (unroll, ring.overlap_note)

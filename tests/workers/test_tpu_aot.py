@@ -1,10 +1,11 @@
 """TPU without a TPU: programs compiled for TPU slices by XLA's real TPU compiler (libtpu), nothing run.
 
 Every candidate family (an all-gather matmul, a matmul reduce-scatter, the weight gradient's ring, a fused
-backward) compiles for v4, v5e and v5p topologies; the overlap verdict is read from the schedule both ways (a
-ring whose permutes hide behind its products, one built so they cannot); discovery on a TPU compile lists
-what it lists on CPU devices, and names what XLA's windowed einsum decomposes itself.  Marked ``tpu_aot``:
-skipped, saying what to install, where libtpu is not installed (CI installs it).
+backward, and FSDP's: the weight gathered on either dimension and its gradient reduce-scattered) compiles for
+v4, v5e and v5p topologies; the overlap verdict is read from the schedule both ways (a ring whose permutes hide
+behind its products, one built so they cannot); discovery on a TPU compile lists what it lists on CPU devices,
+and names what XLA's windowed einsum decomposes itself.  Marked ``tpu_aot``: skipped, saying what to install,
+where libtpu is not installed (CI installs it).
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def test_a_topology_gives_devices_that_only_compile_and_a_mesh_of_them(devices):
         tpu_devices("v9x:2x2")
 
 
-@pytest.mark.parametrize("key", ["ag:512x256x512:bfloat16:4", "rs:512x256x512:bfloat16:4",
-                                 "gw:512x256x512:bfloat16:4"])
+FAMILIES = ["ag:512x256x512:bfloat16:4", "rs:512x256x512:bfloat16:4", "gw:512x256x512:bfloat16:4",
+            # FSDP's: the weight gathered (sharded on k, on n) and its gradient reduce-scattered
+            "wk:512x256x512:bfloat16:4", "wn:512x256x512:bfloat16:4", "rsw:512x256x512:bfloat16:4"]
+
+
+@pytest.mark.parametrize("key", FAMILIES)
 def test_every_family_compiles_with_its_memory_and_a_verdict(devices, key):
     """A sample of each family's space (both directions, chunked, a loop, each accumulation) compiles for the
     slice; each record carries its memory per device and its schedule's verdict (the slow tier compiles all)."""
@@ -60,8 +65,7 @@ def test_every_family_compiles_with_its_memory_and_a_verdict(devices, key):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["ag:512x256x512:bfloat16:4", "rs:512x256x512:bfloat16:4",
-                                 "gw:512x256x512:bfloat16:4"])
+@pytest.mark.parametrize("key", FAMILIES)
 def test_every_candidate_compiles_for_a_v5p_slice(key):
     problem = Problem.parse(key)
     for topology in ("v5p:2x2x1",):  # (the quick tier compiles a sample of each family on every topology)
