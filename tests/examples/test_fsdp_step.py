@@ -1,0 +1,105 @@
+"""examples/fsdp_step.py: a plain-JAX FSDP step's collective matmuls are found, tuned and run through `Tuned`.
+
+Discovery lists each weight's forward, input-gradient and weight-gradient problems (the weight gathered, and
+its gradient reduce-scattered, which XLA's CPU backend writes as an all-reduce and slices); the step through
+the drop-in, every product a ring, computes the loss and the updated weights of the step as written; `cmtune
+tune --step` and `verify --step` run it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from collective_matmul import Bundle, Decomposition, Tuned
+from collective_matmul.planning.models import ring_hardware, slot_problems
+from collective_matmul.planning.problem import Software
+from collective_matmul.programs.discovery import discover
+from collective_matmul.wire.bundle import TunedConfig
+from examples import fsdp_step
+from tests.cli import cmtune, flat
+
+D = Decomposition.from_id
+RINGS = {  # a ring for every product (accumulate as each collective's ring takes it)
+    "weight_allgather_matmul_k": D("ring-bi-c2-full-in"),
+    "weight_allgather_matmul_n": D("ring-uni-c1-u1-dus"),
+    "reduce_scatter_grad_weight": D("ring-uni-c2-full-in"),
+}
+
+
+def found(spec) -> set[tuple[str, str, str]]:
+    step, args, mesh = spec()
+    return {(p.role, p.slot, p.problem.key) for p in discover(step, args, mesh).problems}
+
+
+def test_discovery_lists_each_weights_three_products():
+    assert found(fsdp_step.tiny_fsdp_step) == {
+        ("mlp_up", "forward", "weight_allgather_matmul_k:256x128x256:float32:8"),
+        ("mlp_up", "grad_weight", "reduce_scatter_grad_weight:256x128x256:float32:8"),  # x is no parameter: no dx
+        ("mlp_down", "forward", "weight_allgather_matmul_k:256x256x128:float32:8"),
+        ("mlp_down", "grad_input", "weight_allgather_matmul_n:256x128x256:float32:8"),
+        ("mlp_down", "grad_weight", "reduce_scatter_grad_weight:256x256x128:float32:8"),
+    }
+    # FSDP x tensor parallelism: each ring over fsdp, of one model shard's product
+    assert found(fsdp_step.fsdp_tp_step) == {
+        ("mlp_up", "forward", "weight_allgather_matmul_k:256x128x128:float32:4"),
+        ("mlp_up", "grad_weight", "reduce_scatter_grad_weight:256x128x128:float32:4"),
+        ("mlp_down", "forward", "weight_allgather_matmul_n:256x128x128:float32:4"),
+        ("mlp_down", "grad_input", "weight_allgather_matmul_k:256x128x128:float32:4"),
+        ("mlp_down", "grad_weight", "reduce_scatter_grad_weight:256x128x128:float32:4"),
+    }
+
+
+def ring_bundle(spec, keep: bool = False) -> Bundle:
+    """Every problem of the step's products on its rings' hardware, a ring; ``keep``: the weight kept for dx."""
+    step, args, mesh = spec()
+    bundle, hardware = Bundle(), ring_hardware(mesh, "fsdp")
+    for problem in discover(step, args, mesh).problems:
+        for slot_problem in slot_problems(problem.problem.collective, m=problem.problem.m, k=problem.problem.k,
+                                          n=problem.problem.n, dtype="float32",
+                                          axis_size=problem.problem.axis_size).values():
+            ring = RINGS[slot_problem.collective]
+            ring = ring.model_copy(update={"fuse": keep}) if slot_problem.collective.startswith("reduce") else ring
+            bundle.add(TunedConfig(problem=slot_problem, hardware=hardware, decomposition=ring, time_s=1.0,
+                                   baseline_s=1.1, speedup=1.1, software=Software.detect()))
+    return bundle
+
+
+@pytest.mark.parametrize("spec, keep", [(fsdp_step.tiny_fsdp_step, False), (fsdp_step.tiny_fsdp_step, True),
+                                        (fsdp_step.fsdp_tp_step, False)])
+def test_the_step_through_the_drop_in_equals_the_step_as_written(spec, keep, tmp_path):
+    path = tmp_path / "rings.json"
+    ring_bundle(spec, keep).save(path)
+    tuned = Tuned(bundle=path)
+    written, args, _ = spec()
+    through, _, _ = spec(tuned)
+    (want_params, want_loss), (got_params, got_loss) = written(*args), through(*args)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for name in want_params:
+        np.testing.assert_allclose(np.asarray(got_params[name]), np.asarray(want_params[name]), rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+    configs = {site.role: site.configs for site in tuned.report()}
+    assert set(configs) == {"mlp_up", "mlp_down"} and all(c.forward.method == "ring" for c in configs.values())
+    assert all(c.grad_weight.fuse == keep for c in configs.values())
+    text = jax.jit(lambda *a: through(*a)).lower(*args).compile().as_text()
+    assert "collective-permute" in text
+
+
+def test_tune_and_verify_the_step(tmp_path):
+    out, measured = tmp_path / "tuned.json", tmp_path / "step.json"
+    spec = "examples/fsdp_step.py:tiny_fsdp_step"
+    run = cmtune("tune", "--step", spec, "--devices", "virtual:8", "--trials", "2", "--repeats", "2", "--out",
+                 str(out), timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert {c.problem.collective for c in Bundle.load(out).configs} == set(RINGS)
+    ring_bundle(fsdp_step.tiny_fsdp_step).save(out)  # rings everywhere, so the drop-in runs them
+    run = cmtune("verify", "--step", spec, "--devices", "virtual:8", "--bundle", str(out), "--repeats", "2",
+                 "--warmup", "1", "--json", str(measured), timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 applied, 0 fell back" in flat(run.stdout)
+    result = json.loads(measured.read_text())
+    assert {v["status"] for v in result["variants"]} == {"ok"}  # equal to the step as written, then timed
+    assert [v["name"] for v in result["variants"]][:3] == ["as-written", "baseline", "tuned"]
