@@ -6,6 +6,7 @@
     python bench/step.py --example --devices processes:2x4 --runs 2   # the NNX GPT example, as a user runs it
     python bench/step.py --example wide_gpt_step --devices processes:2x4  # the same, heads of 128
     python bench/step.py --example --parts --devices processes:2x4 --runs 1   # and where its gain goes
+    python bench/step.py --example examples/fsdp_step.py:fsdp_step --devices processes:2x4  # plain-JAX FSDP
     python bench/step_variants.py <dir>/large-processes2.step.json always-ring ...  # a search's variants side by side
 
 ``--example`` takes `examples/flax_nnx_gpt.py:gpt_step` (the demo preset's shapes) through the commands a
@@ -205,7 +206,10 @@ def speedup(result, name: str, against: str | None = None) -> str:
 
 EXAMPLES = {"gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16 (the demo preset's shapes), 2 layers",
             "wide_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 128, 2 layers",
-            "one_layer_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16, one layer"}
+            "one_layer_gpt_step": "d_model 1024, d_ff 2048, 8 heads of 16, one layer",
+            # a plain-JAX FSDP step: the weights' shards on the ring (weight_allgather_matmul)
+            "examples/fsdp_step.py:fsdp_step": "FSDP over 8: batch 16 x seq 256, d_model 1024, d_ff 2048, an MLP, "
+                                               "float32, SGD"}
 
 
 def cmtune(*args: str) -> tuple[str, float]:
@@ -231,7 +235,7 @@ def example_main(args) -> None:
     name = args.example
     if name not in EXAMPLES:
         raise SystemExit(f"--example: one of {sorted(EXAMPLES)}")
-    example = f"examples/flax_nnx_gpt.py:{name}"
+    example = name if ":" in name else f"examples/flax_nnx_gpt.py:{name}"
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-example-"))
     bundle = directory / "tuned.json"
     _, tune_s = cmtune("tune", "--step", example, "--devices", devices, "--trials", str(args.trials),
@@ -251,9 +255,9 @@ def example_main(args) -> None:
         rows.append(f"| {run + 1} | {devices} | {result.variant('as-written').timing.median_s * 1e3:.0f} ms "
                     f"| {speedup(result, 'baseline')} | {speedup(result, 'tuned')} | {compiles} | {verify_s:.0f} s |")
         print(rows[-1], flush=True)
-    print(f"\n{os.cpu_count()} CPUs, {example} ({EXAMPLES[name]}, seq 512, batch 4, "
-          f"float32, AdamW), {args.repeats} interleaved rounds per variant; tuning: {args.trials} trials per problem "
-          f"({tune_s:.0f} s), decision {decide_s:.0f} s\n")
+    shapes = EXAMPLES[name] if ":" in name else f"{EXAMPLES[name]}, seq 512, batch 4, float32, AdamW"
+    print(f"\n{os.cpu_count()} CPUs, {example} ({shapes}), {args.repeats} interleaved rounds per variant; tuning: "
+          f"{args.trials} trials per problem ({tune_s:.0f} s), decision {decide_s:.0f} s\n")
     print("| run | devices | as written (GSPMD) | drop-in, baseline | drop-in, tuned "
           "| compile s (as written / baseline / tuned) | verify |")
     print("|---|---|---|---|---|---|---|")
@@ -392,5 +396,7 @@ if __name__ == "__main__":
     from results import recorded  # bench/results.py: rewrites bench/results/step-*.result.jsonl
 
     runs = "fresh rounds of every variant, interleaved (--repeats), slowest process per round"
-    with recorded("step", runs=runs, bench="step_example" if "--example" in sys.argv else "step"):
+    bench = "step" if "--example" not in sys.argv else "step_fsdp" if "examples/fsdp_step.py:fsdp_step" in sys.argv \
+        else "step_example"  # each writes its own records
+    with recorded("step", runs=runs, bench=bench):
         main()

@@ -35,6 +35,7 @@ _EXPORTS = {
     "allgather_matmul": "ops.collective",
     "matmul_reduce_scatter": "ops.collective",
     "allgather_grad_weight": "ops.collective",
+    "weight_allgather_matmul": "ops.collective",
     "allgather_matmul_shard": "ops.ring",
     "matmul_reduce_scatter_shard": "ops.ring",
     "allgather_grad_weight_shard": "ops.ring",
@@ -52,6 +53,7 @@ __all__ = [
     "allgather_matmul",
     "matmul_reduce_scatter",
     "allgather_grad_weight",
+    "weight_allgather_matmul",
     "allgather_matmul_shard",
     "matmul_reduce_scatter_shard",
     "allgather_grad_weight_shard",
@@ -76,7 +78,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from collective_matmul.client.tuned import Tuned
-    from collective_matmul.ops.collective import allgather_grad_weight, allgather_matmul, matmul_reduce_scatter
+    from collective_matmul.ops.collective import (
+        allgather_grad_weight,
+        allgather_matmul,
+        matmul_reduce_scatter,
+        weight_allgather_matmul,
+    )
     from collective_matmul.ops.ring import (
         allgather_grad_weight_shard,
         allgather_matmul_shard,

@@ -58,6 +58,8 @@ def ring_bundle(spec, keep: bool = False) -> Bundle:
     step, args, mesh = spec()
     bundle, hardware = Bundle(), ring_hardware(mesh, "fsdp")
     for problem in discover(step, args, mesh).problems:
+        if problem.slot != "forward":  # a forward's three slots are added with it
+            continue
         for slot_problem in slot_problems(problem.problem.collective, m=problem.problem.m, k=problem.problem.k,
                                           n=problem.problem.n, dtype="float32",
                                           axis_size=problem.problem.axis_size).values():

@@ -778,3 +778,24 @@ def test_a_screen_that_does_not_fit_its_submission_is_refused_and_stores_nothing
     assert twice.status_code == 422 and "is screened twice" in twice.text
     with api.db.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(Study)).scalar() == 0
+
+
+@pytest.mark.parametrize("collective", ["weight_allgather_matmul_k", "weight_allgather_matmul_n",
+                                        "reduce_scatter_grad_weight"])
+def test_fsdps_problems_are_studied_under_their_own_keys(api, collective):
+    """A weight-gathered problem is submitted, leased, timed and tuned like the others, keyed as itself (the same
+    shape of an activation's ring is another study)."""
+    from collective_matmul import Problem
+    from collective_matmul.planning.space import candidates
+
+    problem = PROBLEM | {"collective": collective}
+    created = api.admin.post("/v1/studies", json={"problem": problem, "hardware": HARDWARE, "budget": {"trials": 3},
+                                                 "warm_start": False})
+    assert created.status_code == 201, created.text
+    (study,) = created.json()["studies"]
+    assert study["problem_key"] == Problem(**problem).key and study["space_size"] == len(candidates(Problem(**problem)))
+    worker = register(api.worker)
+    leased = [run_trial(worker) for _ in range(3)]
+    assert all(grant["trial"]["problem"]["collective"] == collective for grant in leased)
+    activation = api.admin.post("/v1/studies", json={"problem": PROBLEM, "hardware": HARDWARE})
+    assert activation.status_code == 201 and activation.json()["studies"][0]["id"] != study["id"]

@@ -200,7 +200,7 @@ def test_bench_compile_only_on_a_gpu_node_says_what_it_set():
 
 
 @pytest.mark.parametrize("spec, listed_problems", [("examples/flax_nnx_gpt.py:tiny_gpt_step", 12),
-                                                    ("examples/flax_linen_llama.py:tiny_bf16_llama_step", 23)])
+                                                    ("examples/flax_linen_llama.py:tiny_bf16_llama_step", 26)])
 def test_a_users_step_lists_the_same_problems_on_a_gpu_node_as_on_cpu_devices(spec, listed_problems):
     """`cmtune problems --step` for an H100 node compiled ahead of time (an NNX model; a linen Llama with nn.scan
     over remat layers, in bfloat16) lists the roles, slots, problems and counts of CPU devices of the same mesh."""
