@@ -81,7 +81,8 @@ class FixedConfigs:
             raise ValueError(f"unknown roles {unknown}; the block's roles are {list(ROLES)}")
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "",
+                via: str = "op") -> OpConfigs:
         return self.per_role.get(role, self.default)
 
     def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
@@ -95,7 +96,8 @@ class AsWritten:
     """
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "",
+                via: str = "op") -> OpConfigs:
         return OpConfigs()
 
     def fell_back(self, role: str, reason: str, *, source: str = "") -> None:

@@ -313,9 +313,10 @@ class _Recorder:
         self.source = source
         self.used: dict[str, OpConfigs] = {}
 
-    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None, source: str = "", via: str = "op"):
+    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None, tensor_axis=None, source: str = "",
+                via: str = "op"):
         configs = self.source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
-                                      source=source, via=via)
+                                      tensor_axis=tensor_axis, source=source, via=via)
         self.used[role] = configs
         return configs
 

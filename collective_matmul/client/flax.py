@@ -14,9 +14,17 @@ either the kind of projection or MaxText-style logical kernel axes::
   tensor axis, the kernel ``[K..., N...]`` on its output columns; the result sharded on N.
 - ``row`` (matmul → reduce-scatter): the input sharded on its contracting features, the kernel
   on its input rows; the result summed over the axis and scattered on M.
-- ``kernel_axes``: a kernel whose input axes hold a tensor-parallel logical name (``mlp``,
-  ``heads``, ``kv_heads``, ``q_heads``, ``vocab``) is ``row``, one whose output axes hold one
-  is ``column``; a kernel with none is not sharded over the tensor axis and runs plain.
+- ``fsdp`` (the weight all-gathered before its product, FSDP's): the kernel sharded over the ring
+  ``axis`` on its input rows K (``fsdp``) or on its output columns N (``fsdp_out``), the input's
+  first dimension sharded over the other mesh axes and the ring; ``tensor_axis`` names a mesh axis
+  sharding the kernel's other dimension (FSDP x tensor parallelism).  The weight's shards go round
+  the ring (`collective_matmul.weight_allgather_matmul`), its gradient reduce-scattered onto them.
+- ``kernel_axes``: with ``fsdp_axis`` (a mesh axis larger than 1), a kernel whose axes hold an FSDP
+  logical name (``embed``) is ``fsdp`` over it (``fsdp_out`` if the name is an output axis), with
+  ``axis`` as its ``tensor_axis`` where the kernel's other axes hold a tensor-parallel name.
+  Otherwise a kernel whose input axes hold a tensor-parallel logical name (``mlp``, ``heads``,
+  ``kv_heads``, ``q_heads``, ``vocab``) is ``row``, one whose output axes hold one is ``column``;
+  a kernel with neither is not sharded over a ring and runs plain.
 
 Multi-dimensional kernels (``DenseGeneral`` / ``LinearGeneral``, heads × head_dim) are folded
 to ``[K, N]`` and the result unfolded.  Each call runs the tuned op with its custom VJP
@@ -34,13 +42,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from collective_matmul.ops.collective import OPS, allgather_matmul_keep, check_call, gathered_matmul, is_explicit
+from collective_matmul.ops.collective import (
+    OPS,
+    WEIGHT_DIM_OF,
+    allgather_matmul_keep,
+    check_call,
+    gathered_matmul,
+    is_explicit,
+    weight_allgather_matmul,
+)
 from collective_matmul.ops.share import GATHERS, Group
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.programs.roles import call_site, group_label
@@ -48,54 +64,87 @@ from collective_matmul.programs.roles import call_site, group_label
 if TYPE_CHECKING:
     from collective_matmul.client.sources import ConfigSource
 
-__all__ = ["AUTO", "KINDS", "TENSOR_NAMES", "DotGeneral", "dot_general", "dot_general_cls"]
+__all__ = ["AUTO", "FSDP_NAMES", "KINDS", "TENSOR_NAMES", "DotGeneral", "dot_general", "dot_general_cls"]
 
 KINDS = {"column": "allgather_matmul", "row": "matmul_reduce_scatter",
-         "allgather_matmul": "allgather_matmul", "matmul_reduce_scatter": "matmul_reduce_scatter"}
+         "fsdp": "weight_allgather_matmul_k", "fsdp_out": "weight_allgather_matmul_n",
+         **{c: c for c in ("allgather_matmul", "matmul_reduce_scatter", "weight_allgather_matmul_k",
+                           "weight_allgather_matmul_n")}}
 TENSOR_NAMES = ("mlp", "heads", "kv_heads", "q_heads", "vocab")
+FSDP_NAMES = ("embed",)
 AUTO = "auto"
+
+
+class _Route(NamedTuple):
+    """How one call runs: its collective, the ring's mesh axis, the weight's tensor axis (FSDP x TP)."""
+
+    collective: str
+    axis: str
+    tensor_axis: str | None = None
 
 
 class DotGeneral:
     """A ``lax.dot_general`` replacement for one layer (see the module docstring)."""
 
-    def __init__(self, source: ConfigSource, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+    def __init__(self, source: ConfigSource, *, mesh: Mesh, axis: str | None = "model", kind: str | None = None,
                  kernel_axes: Sequence[str | None] | None = None, tensor_names: Sequence[str] = TENSOR_NAMES,
-                 batch_axis=AUTO, role: str | None = None):
-        if axis not in mesh.shape:
-            raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+                 batch_axis=AUTO, role: str | None = None, tensor_axis: str | None = None,
+                 fsdp_axis: str | None = None, fsdp_names: Sequence[str] = FSDP_NAMES):
+        for what, name in (("axis", axis), ("tensor_axis", tensor_axis), ("fsdp_axis", fsdp_axis)):
+            if name is not None and name not in mesh.shape:
+                raise ValueError(f"{what} {name!r} is not an axis of the mesh {dict(mesh.shape)}")
         if (kind is None) == (kernel_axes is None):
-            raise ValueError("give the projection's kind ('column' or 'row') or its kernel_axes (one of them)")
+            raise ValueError("give the projection's kind ('column', 'row', 'fsdp' or 'fsdp_out') or its kernel_axes "
+                             "(one of them)")
         if kind is not None and kind not in KINDS:
-            raise ValueError(f"kind must be 'column' (all-gather -> matmul) or 'row' (matmul -> reduce-scatter), "
-                             f"or the collective's name (allgather_matmul, matmul_reduce_scatter), got {kind!r}")
+            raise ValueError("kind must be 'column' (all-gather -> matmul), 'row' (matmul -> reduce-scatter), 'fsdp' "
+                             "or 'fsdp_out' (the weight gathered: sharded on its input rows or output columns), or "
+                             f"the collective's name ({', '.join(sorted(set(KINDS.values())))}), got {kind!r}")
+        weight = kind is not None and KINDS[kind] in WEIGHT_DIM_OF
+        if tensor_axis is not None and not weight:
+            raise ValueError("tensor_axis is the weight's other sharded axis under FSDP: give it with kind='fsdp' or "
+                             "'fsdp_out' (kernel_axes take axis as the tensor axis of an FSDP kernel)")
+        if tensor_axis is not None and tensor_axis == axis:
+            raise ValueError(f"tensor_axis {tensor_axis!r} is the ring's axis: give a different mesh axis")
+        if axis is None and (kind is not None or fsdp_axis is None):
+            raise ValueError("axis=None runs FSDP kernels only: give kernel_axes and the fsdp_axis")
+        if fsdp_axis is not None and fsdp_axis == axis:
+            raise ValueError(f"fsdp_axis {fsdp_axis!r} is the tensor-parallel axis too: give two different axes")
         self.source, self.mesh, self.axis = source, mesh, axis
         self.kind = KINDS[kind] if kind is not None else None
         self.kernel_axes = tuple(kernel_axes) if kernel_axes is not None else None
-        self.tensor_names = tuple(tensor_names)
+        self.tensor_names, self.fsdp_names = tuple(tensor_names), tuple(fsdp_names)
+        self.tensor_axis, self.fsdp_axis = tensor_axis, fsdp_axis
         self.batch_axis, self.role = batch_axis, role
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
         label, where = call_site()
         role = self.role or label
         try:
-            collective, x, w, unfold = self._fit(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                                                 kwargs)
-            batch_axis = self._batch_axis(x)
-            check_call(collective, x, w, mesh=self.mesh, axis=self.axis, batch_axis=batch_axis)
+            route, x, w, unfold = self._fit(lhs, rhs, dimension_numbers, precision, preferred_element_type, kwargs)
+            batch_axis = self._batch_axis(x, route)
+            check_call(route.collective, x, w, mesh=self.mesh, axis=route.axis, batch_axis=batch_axis,
+                       tensor_axis=route.tensor_axis)
         except ValueError as exc:  # _Unfit, or shapes that do not divide over the ring
             return self._plain(role, where, str(exc), lhs, rhs, dimension_numbers, precision,
                                preferred_element_type, kwargs)
-        y = self._run(role, where, collective, lhs, x, w, batch_axis).reshape(unfold)
+        y = self._run(role, where, route, lhs, x, w, batch_axis).reshape(unfold)
         out_sharding = kwargs.get("out_sharding")
         if out_sharding is not None:
             y = _reshard(y, out_sharding, self.mesh)
         return y
 
-    def _run(self, role, where, collective, lhs, x, w, batch_axis):
+    def _run(self, role, where, route: _Route, lhs, x, w, batch_axis):
         """The op of one call; a column call of an activation an earlier one gathered reuses its gather."""
+        collective = route.collective
+        where_to = dict(mesh=self.mesh, axis=route.axis, batch_axis=batch_axis)
+        if collective in WEIGHT_DIM_OF:  # FSDP's: the weight's shards go round the ring
+            configs = self.source.configs(role, collective, x, w, **where_to, tensor_axis=route.tensor_axis,
+                                          source=where, via="dot_general")
+            return weight_allgather_matmul(x, w, **where_to, weight_dim=WEIGHT_DIM_OF[collective],
+                                           tensor_axis=route.tensor_axis, config=configs.forward,
+                                           grad_input=configs.grad_input, grad_weight=configs.grad_weight)
         share = collective == "allgather_matmul" and getattr(self.source, "share", False)
-        where_to = dict(mesh=self.mesh, axis=self.axis, batch_axis=batch_axis)
         found = GATHERS.find(lhs, **where_to) if share else None
         if found is not None and found[0].shape[1:] == x.shape:  # the same activation, folded alike
             stack, group = found
@@ -143,32 +192,45 @@ class DotGeneral:
         unknown = sorted(set(kwargs) - {"out_sharding"})
         if unknown:
             raise _Unfit(f"arguments the ops do not take: {unknown}")
-        collective = self.kind or self._kind_from_axes(len(rhs_c), rhs.ndim)
+        route = self._route(len(rhs_c), rhs.ndim)
         k = math.prod(lhs.shape[d] for d in lhs_c)
         n = math.prod(rhs.shape[len(rhs_c):])
         x = lhs.reshape(*lhs.shape[: lhs.ndim - len(lhs_c)], k)
         w = rhs.reshape(k, n)
         unfold = (*lhs.shape[: lhs.ndim - len(lhs_c)], *rhs.shape[len(rhs_c):])
-        return collective, x, w, unfold
+        return route, x, w, unfold
 
-    def _kind_from_axes(self, contracted: int, ndim: int) -> str:
+    def _route(self, contracted: int, ndim: int) -> _Route:
+        """The call's collective and axes: its ``kind``, else what its ``kernel_axes`` say (module docstring)."""
+        if self.kind is not None:
+            return _Route(self.kind, self.axis, self.tensor_axis)
         axes = self.kernel_axes
         if len(axes) != ndim:
             raise _Unfit(f"kernel_axes {axes} name {len(axes)} axes, the kernel has {ndim}")
         inputs, outputs = axes[:contracted], axes[contracted:]
-        if any(a in self.tensor_names for a in inputs):
-            return "matmul_reduce_scatter"
-        if any(a in self.tensor_names for a in outputs):
-            return "allgather_matmul"
-        raise _Unfit(f"kernel_axes {axes} hold no tensor-parallel name {self.tensor_names}: the kernel is not "
-                     f"sharded over {self.axis!r}")
+        tensor_in, tensor_out = (any(a in self.tensor_names for a in side) for side in (inputs, outputs))
+        tensor = self.axis is not None and self.mesh.shape[self.axis] > 1
+        if self.fsdp_axis is not None and self.mesh.shape[self.fsdp_axis] > 1:
+            for sharded, other, collective in ((inputs, tensor_out, "weight_allgather_matmul_k"),
+                                               (outputs, tensor_in, "weight_allgather_matmul_n")):
+                if any(a in self.fsdp_names for a in sharded):
+                    return _Route(collective, self.fsdp_axis, self.axis if other and tensor else None)
+        if self.axis is not None and tensor_in:
+            return _Route("matmul_reduce_scatter", self.axis)
+        if self.axis is not None and tensor_out:
+            return _Route("allgather_matmul", self.axis)
+        rings = " or ".join(f"{names} over {a!r}" for names, a in ((self.fsdp_names, self.fsdp_axis),
+                                                                   (self.tensor_names, self.axis)) if a)
+        raise _Unfit(f"kernel_axes {axes} hold no name of {rings}: the kernel is not sharded over a ring")
 
-    def _batch_axis(self, x):
+    def _batch_axis(self, x, route: _Route):
         if self.batch_axis != AUTO:
             return self.batch_axis
-        if x.ndim < 3:
+        weight = route.collective in WEIGHT_DIM_OF  # FSDP's rows are sharded over the other axes and the ring
+        if x.ndim < 3 and not weight:
             return None
-        others = tuple(a for a in self.mesh.axis_names if a != self.axis and self.mesh.shape[a] > 1)
+        ring = (route.axis, route.tensor_axis) if weight else (route.axis,)
+        others = tuple(a for a in self.mesh.axis_names if a not in ring and self.mesh.shape[a] > 1)
         size = math.prod(self.mesh.shape[a] for a in others)
         if not others or x.shape[0] % size:
             return None
@@ -181,38 +243,47 @@ class DotGeneral:
 
     def __repr__(self) -> str:
         what = self.kind or f"kernel_axes={self.kernel_axes}"
-        return f"collective_matmul.client.flax.DotGeneral({what}, axis={self.axis!r})"
+        fsdp = f", fsdp_axis={self.fsdp_axis!r}" if self.fsdp_axis else ""
+        tensor = f", tensor_axis={self.tensor_axis!r}" if self.tensor_axis else ""
+        return f"collective_matmul.client.flax.DotGeneral({what}, axis={self.axis!r}{tensor}{fsdp})"
 
 
 class _Unfit(ValueError):
     """A call that does not fit the decomposed ops' layout (it runs ``lax.dot_general``)."""
 
 
-def dot_general(source: ConfigSource | None, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+def dot_general(source: ConfigSource | None, *, mesh: Mesh, axis: str | None = "model", kind: str | None = None,
                 kernel_axes: Sequence[str | None] | None = None, tensor_names: Sequence[str] = TENSOR_NAMES,
-                batch_axis=AUTO, role: str | None = None):
+                batch_axis=AUTO, role: str | None = None, tensor_axis: str | None = None,
+                fsdp_axis: str | None = None, fsdp_names: Sequence[str] = FSDP_NAMES):
     """A ``dot_general`` for a Flax layer that runs ``source``'s configs; ``lax.dot_general`` if ``source`` is None.
 
     Args:
         source: a `collective_matmul.client.sources.ConfigSource` (a `collective_matmul.Tuned`, a step variant of
             one, fixed configs), or None for the step as written (then this is ``jax.lax.dot_general`` itself).
         mesh: the device mesh.
-        axis: the tensor-parallel mesh axis (the ring).
-        kind: ``"column"`` (all-gather → matmul) or ``"row"`` (matmul → reduce-scatter).
+        axis: the ring's mesh axis: the tensor-parallel one (``column``, ``row``, ``kernel_axes``), the FSDP one
+            (``fsdp``, ``fsdp_out``); None with ``kernel_axes`` and ``fsdp_axis``: no tensor parallelism.
+        kind: ``"column"`` (all-gather → matmul), ``"row"`` (matmul → reduce-scatter), ``"fsdp"`` or
+            ``"fsdp_out"`` (the weight all-gathered, sharded on its input rows or its output columns).
         kernel_axes: instead of ``kind``, the kernel's logical axes (MaxText style).
         tensor_names: the logical names that ``kernel_axes`` shard over ``axis``.
-        batch_axis: the mesh axis (or axes) sharding the input's first dimension; ``"auto"``:
-            every other mesh axis, where the batch divides over them.
+        batch_axis: the mesh axis (or axes) sharding the input's first dimension (beside the ring's, for FSDP);
+            ``"auto"``: every other mesh axis, where the batch divides over them.
         role: the calls' role (default: the Flax module path, named scope or source location).
+        tensor_axis: with ``kind="fsdp"``/``"fsdp_out"``, a mesh axis sharding the kernel's other dimension.
+        fsdp_axis: with ``kernel_axes``, the mesh axis FSDP shards kernels over (MaxText's ``fsdp``).
+        fsdp_names: the logical names that ``kernel_axes`` shard over ``fsdp_axis``.
 
     Raises:
-        ValueError: if ``axis`` is not a mesh axis, or neither (or both) of ``kind`` and
-            ``kernel_axes`` are given.
+        ValueError: if an axis is not a mesh axis, neither (or both) of ``kind`` and ``kernel_axes`` are given, or
+            the axes given do not go together.
     """
     if source is None:
         return lax.dot_general
     return DotGeneral(source, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, tensor_names=tensor_names,
-                      batch_axis=batch_axis, role=role)
+                      batch_axis=batch_axis, role=role, tensor_axis=tensor_axis, fsdp_axis=fsdp_axis,
+                      fsdp_names=fsdp_names)
 
 
 def dot_general_cls(source: ConfigSource | None, **options):

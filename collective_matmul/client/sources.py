@@ -49,15 +49,17 @@ class ConfigSource(Protocol):
     """
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, source: str = "", via: str = "op") -> OpConfigs:
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "",
+                via: str = "op") -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call.
 
         Args:
             role: the call's role: one of `ROLES` in the block; a Flax module path, named scope or
                 source location in the drop-in; None where the call has none.
-            collective: ``allgather_matmul`` or ``matmul_reduce_scatter``.
+            collective: ``allgather_matmul``, ``matmul_reduce_scatter`` or a weight-gathered (FSDP) one
+                (``weight_allgather_matmul_k`` / ``_n``).
             x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`: the shapes matter).
-            mesh, axis, batch_axis: as for the op.
+            mesh, axis, batch_axis: as for the op; ``tensor_axis``: the weight's other sharded axis (FSDP x TP).
             source: ``file:line`` of the call (the drop-in gives it), for a report of the calls.
             via: how the call came: ``op`` (the block, `Tuned`'s ops) or ``dot_general`` (the drop-in).
 

@@ -179,12 +179,12 @@ class Tuned:
         return OPS[collective](x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
                                grad_input=configs.grad_input, grad_weight=configs.grad_weight)
 
-    def dot_general(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+    def dot_general(self, *, mesh: Mesh, axis: str | None = "model", kind: str | None = None,
                     kernel_axes: tuple | None = None, **options):
         """The Flax drop-in: a ``dot_general`` running these configs (`collective_matmul.client.flax.dot_general`)."""
         return drop_in.dot_general(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
 
-    def dot_general_cls(self, *, mesh: Mesh, axis: str = "model", kind: str | None = None,
+    def dot_general_cls(self, *, mesh: Mesh, axis: str | None = "model", kind: str | None = None,
                         kernel_axes: tuple | None = None, **options):
         """For linen's ``dot_general_cls=``: a factory of `dot_general` (see `collective_matmul.client.flax`)."""
         return drop_in.dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)

@@ -483,10 +483,19 @@ _SHARDED = {"allgather_matmul": (("M", -2, "x"), ("N", -1, "w")),
             "matmul_reduce_scatter": (("M", -2, "x"), ("K", -1, "x"))}
 
 
-def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None) -> None:
-    """Raise `ValueError` (what does not fit, and why) if ``x`` and ``w`` do not fit ``collective``'s layout."""
+def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
+               tensor_axis: str | None = None) -> None:
+    """Raise `ValueError` (what does not fit, and why) if ``x`` and ``w`` do not fit ``collective``'s layout
+    (``tensor_axis``: the weight's other sharded axis, for a weight-gathered collective)."""
+    weight_dim = WEIGHT_DIM_OF.get(collective)
+    if weight_dim is not None:
+        _weight_specs(x, w, mesh, axis, weight_dim, batch_axis, tensor_axis)
+        return
     if collective not in _SHARDED:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {sorted(_SHARDED)}")
+        known = sorted(_SHARDED) + sorted(WEIGHT_DIM_OF)
+        raise ValueError(f"unknown collective {collective!r}; expected one of {known}")
+    if tensor_axis is not None:
+        raise ValueError(f"tensor_axis is for a weight-gathered collective, not {collective}")
     _check(x, w, mesh, axis, batch_axis, sharded=_SHARDED[collective])
 
 
@@ -647,3 +656,5 @@ def _check(x, w, mesh: Mesh, axis: str, batch_axis: BatchAxis, *, sharded, contr
 
 # The two forward ops by collective (what the drop-in, the block and the client call).
 OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter}
+# The weight-gathered (FSDP) forward collectives: the weight's dimension sharded over the ring.
+WEIGHT_DIM_OF = {"weight_allgather_matmul_k": "k", "weight_allgather_matmul_n": "n"}

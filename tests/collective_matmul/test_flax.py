@@ -228,10 +228,95 @@ def test_kernel_axes_decide_the_kind_maxtext_style():
     trace(plain, x, jax.ShapeDtypeStruct((D_MODEL, D_MODEL), jnp.float32))
     by_role = {s.role: s for s in tuned.report()}
     assert by_role["up"].collective == "allgather_matmul" and by_role["down"].collective == "matmul_reduce_scatter"
-    assert not by_role["replicated"].applied and "no tensor-parallel name" in by_role["replicated"].reason
+    assert not by_role["replicated"].applied and "not sharded over a ring" in by_role["replicated"].reason
     assert cm_flax.dot_general(None, mesh=mesh, kind="column") is lax.dot_general  # the step as written
     with pytest.raises(ValueError, match="kind"):
         cm_flax.dot_general(tuned, mesh=mesh)
+
+
+# ---- FSDP: kernels sharded on their embed axis, the weight gathered (alone and under tensor parallelism) ----
+
+FSDP_BATCH = 8
+# rings in every slot of both weight-gathered collectives (the input gradient's is the other one's problem)
+WEIGHT_K = OpConfigs(forward=D("ring-bi-c2-full-in"), grad_input=D("ring-uni-c1-u1-dus"),
+                     grad_weight=D("ring-uni-c2-full-in"))
+WEIGHT_N = OpConfigs(forward=D("ring-uni-c1-u1-dus"), grad_input=D("ring-bi-c2-full-in"),
+                     grad_weight=D("ring-uni-c2-full-in-fuse"))
+
+
+class FsdpMlp(nn.Module):
+    """MaxText's MLP shape: ``wi`` (embed, mlp) and ``wo`` (mlp, embed), embed sharded over ``fsdp``."""
+
+    mesh: object
+    tuned: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        model = "model" if "model" in self.mesh.shape else None
+
+        def dense(features, axes, name):
+            spec = tuple("fsdp" if a == "embed" else model for a in axes)
+            return nn.Dense(features, use_bias=False, name=name,
+                            kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), spec),
+                            dot_general=cm_flax.dot_general(self.tuned, mesh=self.mesh, axis=model, kernel_axes=axes,
+                                                            fsdp_axis="fsdp"))
+
+        batch = tuple(a for a in self.mesh.axis_names if a != "model")
+        h = shard(self.mesh, jax.nn.gelu(dense(D_FF, ("embed", "mlp"), "wi")(x)), batch, None, model)
+        return shard(self.mesh, dense(D_MODEL, ("mlp", "embed"), "wo")(h), batch, None, None)
+
+
+@pytest.mark.parametrize("axes", [("data", "fsdp"), ("fsdp", "model")])
+def test_fsdp_kernels_run_the_weight_rings_and_match_float64(axes):
+    """kernel_axes with ``fsdp_axis``: ``wi`` (embed on its input rows) is a weight gathered on K, ``wo`` (on its
+    output columns) one gathered on N; beside a data axis, and with the model axis sharding their other dimension
+    (FSDP x tensor parallelism); loss and every gradient equal float64's of the layers as written."""
+    mesh = jax.make_mesh((2, 4) if axes[0] == "data" else (4, 2), axes, axis_types=(AxisType.Auto,) * 2)
+    batch = tuple(a for a in axes if a != "model")
+    x = jax.device_put(jnp.asarray(np.random.default_rng(2).standard_normal((FSDP_BATCH, SEQ, D_MODEL)), jnp.float32),
+                       NamedSharding(mesh, P(batch, None, None)))
+    specs = nn.get_partition_spec(jax.eval_shape(FsdpMlp(mesh).init, jax.random.key(0), x))
+    params = jax.jit(lambda k: nn.unbox(FsdpMlp(mesh).init(k, x)),
+                     out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs))(jax.random.key(0))
+
+    def loss_and_grads(tuned, params, x):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(FsdpMlp(mesh, tuned).apply(p, x) ** 2)))(params)
+
+    tuned = Tuned().variant("rings", lambda role, configs: WEIGHT_K if role.endswith("wi") else WEIGHT_N)
+    value, grads = loss_and_grads(tuned, params, x)
+    with jax.enable_x64(True):
+        want_value, want_grads = loss_and_grads(None, to64(params), to64(x))
+    check(value, grads, float(want_value), want_grads, "float32")
+    sites = {s.role.rsplit("/", 1)[-1]: s for s in tuned.report()}
+    assert set(sites) == {"wi", "wo"} and all(s.applied for s in sites.values()), tuned.report()
+    tensor = mesh.shape.get("model", 1)
+    rows = FSDP_BATCH * SEQ // (2 if "data" in axes else 1)  # a ring's rows: the data axis shards the batch
+    keys = {name: site.problems["forward"].key for name, site in sites.items()}
+    assert keys == {"wi": f"weight_allgather_matmul_k:{rows}x{D_MODEL}x{D_FF // tensor}:float32:4",
+                    "wo": f"weight_allgather_matmul_n:{rows}x{D_FF // tensor}x{D_MODEL}:float32:4"}
+    assert sites["wi"].problems["grad_weight"].collective == "reduce_scatter_grad_weight"
+    assert "weight_allgather_matmul_k" in sites["wi"].line() and sites["wi"].axis == "fsdp"
+    text = jax.jit(lambda p: loss_and_grads(tuned, p, x)).lower(params).compile().as_text()
+    assert "collective-permute" in text
+
+
+def test_fsdp_kinds_and_their_axes_are_checked():
+    mesh = jax.make_mesh((4, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    tuned = Tuned()
+    by_kind = cm_flax.dot_general(tuned, mesh=mesh, axis="fsdp", kind="fsdp", tensor_axis="model", role="up")
+    x = jax.ShapeDtypeStruct((FSDP_BATCH, SEQ, D_MODEL), jnp.float32)
+    jax.eval_shape(lambda a, b: by_kind(a, b, (((2,), (0,)), ((), ()))), x,
+                   jax.ShapeDtypeStruct((D_MODEL, D_FF), jnp.float32))
+    (site,) = tuned.report()
+    assert site.collective == "weight_allgather_matmul_k" and site.problems["forward"].n == D_FF // 2
+    with pytest.raises(ValueError, match="tensor_axis is the weight's other sharded axis"):
+        cm_flax.dot_general(tuned, mesh=mesh, kind="column", tensor_axis="model")
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        cm_flax.dot_general(tuned, mesh=mesh, kernel_axes=("embed", "mlp"), fsdp_axis="data")
+    with pytest.raises(ValueError, match="axis=None runs FSDP kernels only"):
+        cm_flax.dot_general(tuned, mesh=mesh, axis=None, kind="fsdp")
+    with pytest.raises(ValueError, match="kind must be"):
+        cm_flax.dot_general(tuned, mesh=mesh, kind="weights")
 
 
 def test_every_call_that_does_not_fit_runs_plain_and_is_reported(caplog):
