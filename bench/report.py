@@ -49,7 +49,8 @@ def render(entries: list[dict]) -> str:
             question = entry["question"]
             out.append(f"## {QUESTIONS[question][0].upper()}{QUESTIONS[question][1:]}\n")
         title = entry.get("title") or entry["bench"]
-        out.append(f"**{title}** (`bench/{entry['bench']}.py`)\n")
+        script = entry.get("script") or f"{entry['bench']}.py"
+        out.append(f"**{title}** (`bench/{script}`)\n")
         out.append(f"- machine: {entry['machine']}; software: {entry['software']}")
         out.append(f"- date: {entry['date']}; commit: {entry['commit']}")
         out.append(f"- runs: {entry['runs']}")

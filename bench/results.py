@@ -103,6 +103,7 @@ def record(question: str, rows: list[list[Any]], *, command: str | None = None, 
         "question": question,
         "title": title,
         "bench": bench,
+        "script": Path(sys.argv[0]).name,  # the bench that wrote it (several write under names of their own)
         "command": command or " ".join([".venv/bin/python", *sys.argv]),
         "machine": fields.pop("machine", None) or machine(),
         "date": fields.pop("date", None) or datetime.date.today().isoformat(),

@@ -4,6 +4,7 @@ GPU compiler, JAX's CUDA plugin), nothing run.
     .venv/bin/pip install -e '.[tpu]'
     .venv/bin/python bench/tpu_compile.py                          # v4:2x2x1, v5e:2x2, v5p:2x2x1 (~15 min here)
     .venv/bin/python bench/tpu_compile.py --topologies v5p:2x2x2 --problems ag:8192x4096x16384:bfloat16:8
+    .venv/bin/python bench/tpu_compile.py --fsdp                   # FSDP's weight rings (wk, wn, rsw)
     .venv/bin/pip install -e '.[gpu]'
     .venv/bin/python bench/tpu_compile.py --topologies gpu:h100:1x4 gpu:b200:1x4   # GPU nodes (~4 min here)
 
@@ -29,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 PROBLEMS = ["ag:4096x2048x8192:bfloat16:4", "rs:4096x8192x2048:bfloat16:4", "gw:4096x2048x8192:bfloat16:4"]
+# --fsdp: the weight on the ring (gathered on K, on N, and the weight gradient reduce-scattered), the same products
+FSDP_PROBLEMS = ["wk:4096x2048x8192:bfloat16:4", "wn:4096x2048x8192:bfloat16:4", "rsw:4096x2048x8192:bfloat16:4"]
 TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1"]
 
 
@@ -64,8 +67,10 @@ def row(topology: str, key: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topologies", nargs="+", default=TOPOLOGIES)
-    parser.add_argument("--problems", nargs="+", default=PROBLEMS)
+    parser.add_argument("--problems", nargs="+", default=None, help=f"default: {' '.join(PROBLEMS)}")
+    parser.add_argument("--fsdp", action="store_true", help=f"FSDP's families: {' '.join(FSDP_PROBLEMS)}")
     args = parser.parse_args()
+    args.problems = args.problems or (FSDP_PROBLEMS if args.fsdp else PROBLEMS)
     import importlib.metadata
 
     import jax
@@ -91,6 +96,8 @@ if __name__ == "__main__":
     note = ("Cards' target configs from JAX's CUDA plugin; cuBLAS GEMMs (no autotuning without a GPU), XLA's "
             "windowed einsum on one stream, the latency-hiding scheduler on (docs/deploy.md); each ring step "
             "fenced (collective_matmul.ops.ring._Ring.fence)." if gpus else "")
-    with recorded("gpu_compile" if gpus else "tpu_compile", note=note,
-                  runs="one compile per candidate (32 per problem), one run; compiled, not measured"):
+    question = "gpu_compile" if gpus else "tpu_compile"
+    with recorded(question, note=note, bench=f"{question}_fsdp" if "--fsdp" in sys.argv else None,
+                  runs="one compile per candidate (every ring of each problem's space), one run; compiled, not "
+                       "measured"):
         main()
