@@ -491,8 +491,11 @@ def _gather_ring(
     ring = _Ring(axis, lax.axis_size(axis), config)
     uses = _BlockUses(u, ring, config, rhs=rhs, v=v, acc_dtype=acc_dtype, keep=keep)
     schedule = RingSchedule.of(config.direction, ring.size)
-    state = uses.start()
-    state, runs = _run_schedule(schedule, ring, uses.tiling.split(u), uses.use, state)
+    # On older JAX (0.10) an optimization barrier makes all it fences vary over every mesh axis one of them
+    # varies over (each step fences its blocks with its products): the blocks and the state start so, or the
+    # loop's carry would change type at its first fence
+    own, state = _vary_together((uses.tiling.split(u), uses.start()), rhs, v)
+    state, runs = _run_schedule(schedule, ring, own, uses.use, state)
     return uses.finish(state, runs, first=schedule.first)
 
 
@@ -749,6 +752,13 @@ def _varying_axes(value: jax.Array) -> frozenset[str]:
     aval = jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9
     return manual.varying if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _vary_together(tree, *likes: jax.Array | None):
+    """Every array of ``tree`` marked as varying over each mesh axis one of them or of ``likes`` varies over
+    (`check_vma`)."""
+    leaves = jax.tree.leaves((tree, likes))
+    return jax.tree.map(lambda value: _vary_like(value, *leaves), tree)
 
 
 def _vary_like(value: jax.Array, *likes: jax.Array) -> jax.Array:
