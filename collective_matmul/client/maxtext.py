@@ -16,7 +16,8 @@ rules, without which every activation constraint is silently replicated), which 
 lowering and run.
 
 Given a config source (``tuned``), every ``DenseGeneral`` of the model runs its product through cmtune's drop-in
-on the mesh's tensor-parallel axis, each layer's kernel axes telling column from row projections (`dense_layers`):
+on the mesh's tensor-parallel axis, each layer's kernel axes telling column from row projections, and on its FSDP
+axis (MaxText's default sharding) a kernel sharded over it as a weight gathered on a ring (`dense_layers`):
 MaxText is not forked, and its step is otherwise the one it runs.  Roles are MaxText's module paths
 (``decoder/layers_0/mlp/wi_0``): its NNX layers push no name scope, so the context names each call after its
 path in the model's graph.  MaxText is imported only when a function here is called.
@@ -35,6 +36,8 @@ OFFLINE = ("run_name=cmtune", "enable_checkpointing=false", "dataset_type=synthe
            "skip_jax_distributed_system=true")  # cmtune sets the cluster up itself (`cmtune.workers.cluster`)
 # MaxText's tensor-parallel mesh axes: the drop-in's ring is the one of them larger than 1.
 TENSOR_AXES = ("tensor", "tensor_sequence", "tensor_transpose")
+# MaxText's FSDP axis (``ici_fsdp_parallelism``, -1 by default): a weight sharded over it is gathered on a ring of it.
+FSDP_AXIS = "fsdp"
 
 
 def config(argv: Sequence[str], *, devices: Sequence | None = None, base_output_directory: str | None = None):
@@ -98,12 +101,15 @@ def step_spec(argv: Sequence[str], *, tuned=None, devices: Sequence | None = Non
                    donate_argnums=donate_argnums)
     ring = tensor_axis(mesh) if tuned is not None else None  # the step as written needs no ring
     names = tensor_names(cfg.logical_axis_rules, ring) if ring else ()
+    fsdp = FSDP_AXIS if tuned is not None and mesh.shape.get(FSDP_AXIS, 1) > 1 else None
+    fsdp_names = tensor_names(cfg.logical_axis_rules, fsdp) if fsdp else ()
 
     def context():
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(mesh))
         stack.enter_context(logical_axis_rules(cfg.logical_axis_rules))
-        stack.enter_context(dense_layers(tuned, mesh=mesh, axis=ring, tensor_names=names))
+        stack.enter_context(dense_layers(tuned, mesh=mesh, axis=ring, tensor_names=names, fsdp_axis=fsdp,
+                                         fsdp_names=fsdp_names))
         return stack
 
     if abstract:
@@ -130,8 +136,9 @@ def tensor_axis(mesh) -> str | None:
 
 
 def tensor_names(rules, axis: str) -> tuple[str, ...]:
-    """The logical names MaxText's ``logical_axis_rules`` may shard over ``axis`` (``mlp``, ``heads``, ...): a kernel
-    with one among its input axes is a row projection, among its output axes a column one."""
+    """The logical names MaxText's ``logical_axis_rules`` may shard over ``axis``: for a tensor axis (``mlp``,
+    ``heads``, ...) a kernel with one among its input axes is a row projection, among its output axes a column one;
+    for `FSDP_AXIS` (``embed``, ...) a kernel with one is gathered on that dimension's ring."""
     names = []
     for name, axes in rules:
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
@@ -141,11 +148,13 @@ def tensor_names(rules, axis: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def dense_layers(source=None, *, mesh=None, axis: str | None = None, tensor_names: Sequence[str] = ()):
+def dense_layers(source=None, *, mesh=None, axis: str | None = None, tensor_names: Sequence[str] = (),
+                 fsdp_axis: str | None = None, fsdp_names: Sequence[str] = ()):
     """Inside, every MaxText ``linears.DenseGeneral`` call runs under a name scope of its module path
     (``decoder/layers_0/self_attention/query``, which discovery reads as its role) and, given a config ``source``,
     its product through cmtune's drop-in (`collective_matmul.client.flax.DotGeneral`, the layer's own ``kernel_axes``
-    telling column from row).
+    telling column from row over the tensor ``axis``, or, with ``fsdp_axis``, a kernel sharded over it on one of
+    ``fsdp_names`` gathered on its ring: FSDP's weight rings, under tensor parallelism too).
 
     The hook is MaxText 0.2.5's: ``DenseGeneral.__call__`` (the layer and its kernel axes) and the module function
     ``linears._compute_dot_general_nnx`` it calls for the product (replaced while inside; a quantized product,
@@ -190,11 +199,13 @@ def dense_layers(source=None, *, mesh=None, axis: str | None = None, tensor_name
         if layer is not None:
             if quant_dot_general is not None or kernel_scale is not None or inputs.dtype != kernel.dtype:
                 why = "a quantized product (MaxText's quant): it runs MaxText's own"
-            elif axis is None:
-                why = f"no tensor-parallel axis of size > 1 in the mesh {dict(mesh.shape)} ({', '.join(TENSOR_AXES)})"
+            elif axis is None and fsdp_axis is None:
+                why = (f"no tensor-parallel or FSDP axis of size > 1 in the mesh {dict(mesh.shape)} "
+                       f"({', '.join((*TENSOR_AXES, FSDP_AXIS))})")
             else:
                 drop_in = DotGeneral(source, mesh=mesh, axis=axis, kernel_axes=layer.kernel_axes,
-                                     tensor_names=tensor_names, role=layer._cmtune_role)
+                                     tensor_names=tensor_names, fsdp_axis=fsdp_axis, fsdp_names=fsdp_names,
+                                     role=layer._cmtune_role)
                 kept = {"out_sharding": out_sharding} if out_sharding is not None else {}
                 return drop_in(inputs, kernel, ((tuple(axes), tuple(contract_ind)), ((), ())),
                                precision=jax.lax.Precision(matmul_precision), **kept)

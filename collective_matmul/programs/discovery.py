@@ -413,8 +413,9 @@ def _both_gathered(product: _Product) -> _Skip | None:
         return None
     return _Skip(f"{lhs.collective.opcode} {lhs.collective.name}, {rhs.collective.opcode} {rhs.collective.name} -> "
                  f"{product.dot.name}",
-                 "both operands are gathered (the weight too: FSDP with sequence parallelism): not the layout of "
-                 "cmtune's ops, whose weight stays sharded")
+                 "both operands are gathered (the activation over one ring, the weight over another: FSDP beside "
+                 "sequence or tensor parallelism that shards the activation): not the layout of cmtune's ops, "
+                 "which gather one of the two")
 
 
 _REFUSALS = (_exchange, _batched, _both_gathered)
@@ -443,9 +444,10 @@ def _weight(product: _Product, axes: dict) -> _Skip | _Found:
     keeps this device's rows, its share of the ring's (FSDP's batch, sharded over the same axis)."""
     gathered, lhs, rhs = product.gathered_rhs, product.lhs, product.rhs
     what = f"{gathered.collective.opcode} {gathered.collective.name} -> {product.dot.name}"
-    if product.lhs_c != (len(lhs.shape.dims) - 1,):
+    ndim = len(lhs.shape.dims)
+    if tuple(sorted(product.lhs_c)) != tuple(range(ndim - len(product.lhs_c), ndim)):  # heads x head_dim folds
         return _Skip(what, f"XLA gathers the weight, but the product contracts the activation's dimensions "
-                           f"{set(product.lhs_c)}, not its last (its features): not a projection")
+                           f"{set(product.lhs_c)}, not its last ones (its features): not a projection")
     rows = [d for d in range(len(lhs.shape.dims)) if d not in product.lhs_c]
     cols = [d for d in range(len(rhs.shape.dims)) if d not in product.rhs_c]
     collective = WEIGHT_K if gathered.dim in product.rhs_c else WEIGHT_N

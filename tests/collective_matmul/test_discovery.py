@@ -133,6 +133,23 @@ def test_a_small_weight_gathered_by_xla_is_a_weight_ring_problem():
         "proj", "forward", "weight_allgather_matmul_n:128x32x16:float32:8") and not found.skipped
 
 
+def test_an_fsdp_out_projection_over_heads_and_head_dim_is_a_weight_ring_problem():
+    """An attention output projection under FSDP (MaxText's ``out``: kernel [heads, head_dim, embed], embed over
+    fsdp): the product contracts the activation's last two dimensions, folded to one K."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    o = jax.ShapeDtypeStruct((16, 32, 4, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None, None, None)))
+    w = jax.ShapeDtypeStruct((4, 16, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "fsdp")))
+
+    def step(o, w):
+        with jax.named_scope("out"):
+            y = jnp.einsum("bshd,hde->bse", o, w)
+            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("fsdp", None, None)))
+
+    found = discover(step, (o, w), mesh)
+    assert [(p.role, p.slot, p.problem.key) for p in found.problems] == [
+        ("out", "forward", "weight_allgather_matmul_n:512x64x64:float32:8")] and not found.skipped
+
+
 def test_the_labelling_rule():
     assert scopes("jit(step)/transpose(jvp(Model))/jvp(Model)/checkpoint/rematted_computation/layers/up") == [
         "Model", "layers", "up"]

@@ -26,8 +26,12 @@ PROJECTIONS = [f"decoder/layers_{layer}/{proj}" for layer in (0, 1)
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def _problems(devices: str) -> dict:
-    run = cmtune("problems", "--step", SPEC, "--devices", devices, "--json", env=ENV, timeout=900)
+FSDP_SPEC = "examples/maxtext_step.py:tiny_fsdp_maxtext_step"
+DENSE = [*PROJECTIONS, "decoder/logits_dense"]
+
+
+def _problems(devices: str, spec: str = SPEC) -> dict:
+    run = cmtune("problems", "--step", spec, "--devices", devices, "--json", env=ENV, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(run.stdout[run.stdout.index("{"):])
 
@@ -43,13 +47,14 @@ def test_maxtexts_step_lists_its_collective_matmuls_by_module_path_on_cpu_device
     every projection of both layers is a problem with its three slots, named by its module path."""
     found = on_cpu
     forward = {p["role"]: p["problem"] for p in found["problems"] if p["slot"] == "forward"}
-    assert set(forward) == set(PROJECTIONS), sorted(forward)
+    assert set(forward) == set(DENSE), sorted(forward)
     assert forward["decoder/layers_0/mlp/wi_0"]["collective"] == "allgather_matmul"
     assert forward["decoder/layers_0/mlp/wo"]["collective"] == "matmul_reduce_scatter"
     assert all(p["axis"] == "tensor_sequence" for p in found["problems"])
     slots = {(p["role"], p["slot"]) for p in found["problems"]}
     assert ("decoder/layers_1/mlp/wo", "grad_weight") in slots and ("decoder/layers_1/mlp/wo", "grad_input") in slots
-    assert [s["role"] for s in found["skipped"]] == ["decoder/logits_dense"]  # its weight is gathered (FSDP-like)
+    # the logits' weight (vocab over tensor_sequence) is gathered, not the activation: a weight ring of its own
+    assert not found["skipped"] and forward["decoder/logits_dense"]["collective"] == "weight_allgather_matmul_n"
     assert ["decoder/layers_0/mlp/wi_0", "decoder/layers_0/mlp/wi_1"] in found["groups"]
     assert not any("linears.py" in p["role"] for p in found["problems"])
 
@@ -66,7 +71,7 @@ def test_maxtexts_step_compiled_for_a_tpu_slice_lists_what_cpu_devices_list(on_c
     on_tpu = _problems("tpu:v5e:2x4")
     assert on_tpu["mesh"]["tensor_sequence"] == 8
     assert _listed(on_tpu) == _listed(on_cpu)
-    assert len(_listed(on_tpu)[0]) == 3 * len(PROJECTIONS) + 4  # three slots each, and the groups' input gradients
+    assert len(_listed(on_tpu)[0]) == 3 * len(DENSE) + 4  # three slots each, and the groups' input gradients
 
 
 def test_a_tiny_maxtext_model_tuned_then_verified_through_the_drop_in(tmp_path):
@@ -89,6 +94,70 @@ def test_a_tiny_maxtext_model_tuned_then_verified_through_the_drop_in(tmp_path):
     for role in (*PROJECTIONS, "decoder/logits_dense"):
         assert role in text, role
     assert "(exact)" in text  # the tuned configs were found for the step's own problems
+
+
+@pytest.fixture(scope="module")
+def fsdp_on_cpu() -> dict:
+    """``cmtune problems --json`` of the tiny decoder under MaxText's default sharding (FSDP) on 8 CPU devices."""
+    return _problems("virtual:8", FSDP_SPEC)
+
+
+def test_maxtexts_default_fsdp_sharding_lists_every_dense_layers_weight_rings(fsdp_on_cpu):
+    """ici_fsdp_parallelism=-1 (MaxText's default): every dense layer's weight is gathered over fsdp, so each is a
+    weight-gathered problem (on K where embed is its input axis, on N where it is its output axis) with its input
+    gradient and its weight gradient reduce-scattered; nothing is skipped."""
+    found = fsdp_on_cpu
+    forward = {p["role"]: p["problem"]["collective"] for p in found["problems"] if p["slot"] == "forward"}
+    assert set(forward) == set(DENSE), sorted(forward)
+    assert {r: c for r, c in forward.items() if c == "weight_allgather_matmul_n"}.keys() == {
+        f"decoder/layers_{layer}/{proj}" for layer in (0, 1) for proj in ("mlp/wo", "self_attention/out")}
+    by_slot = {(p["role"], p["slot"]): p["problem"]["collective"] for p in found["problems"]}
+    assert all(by_slot[(role, "grad_weight")] == "reduce_scatter_grad_weight" for role in DENSE)
+    assert by_slot[("decoder/layers_0/mlp/wo", "grad_input")] == "weight_allgather_matmul_k"
+    assert all(p["axis"] == "fsdp" for p in found["problems"]) and not found["skipped"], found["skipped"]
+    assert len(found["problems"]) == 3 * len(DENSE)
+
+
+def test_maxtexts_fsdp_step_compiled_for_a_tpu_slice_lists_what_cpu_devices_list(fsdp_on_cpu):
+    """The FSDP decoder's mesh on a v5p 2x2x2 slice's devices: the same weight rings as on 8 CPU devices."""
+    on_tpu = _problems("tpu:v5p:2x2x2", FSDP_SPEC)
+    assert on_tpu["mesh"]["fsdp"] == 8
+    assert _listed(on_tpu) == _listed(fsdp_on_cpu)
+
+
+def test_maxtexts_fsdp_with_tensor_parallelism_lists_the_weight_rings_of_its_row_layers():
+    """ici_fsdp_parallelism=4 with ici_tensor_parallelism=2: the row layers' (wo, out) weights are gathered over fsdp,
+    their inputs sharded on K over tensor (weight rings of one tensor shard's product); in the column layers XLA
+    gathers the activation over tensor and the weight over fsdp, which cmtune's ops do not take, and says so."""
+    found = _problems("virtual:8", "examples/maxtext_step.py:tiny_fsdp_tp_maxtext_step")
+    rows = {f"decoder/layers_{layer}/{proj}" for layer in (0, 1) for proj in ("mlp/wo", "self_attention/out")}
+    forward = {p["role"]: p["problem"] for p in found["problems"] if p["slot"] == "forward"}
+    assert forward.keys() == rows and all(p["axis"] == "fsdp" for p in found["problems"])
+    assert {p["collective"] for p in forward.values()} == {"weight_allgather_matmul_n"}
+    assert forward["decoder/layers_0/mlp/wo"]["k"] == 512 // 2 and forward["decoder/layers_0/mlp/wo"]["axis_size"] == 4
+    skipped = {s["role"]: s["reason"] for s in found["skipped"]}
+    assert skipped.keys() == set(DENSE) - rows
+    assert all("both operands are gathered" in reason for reason in skipped.values())
+
+
+def test_maxtexts_fsdp_step_tuned_then_verified_through_the_drop_in(tmp_path):
+    """Tuned on 8 CPU devices under FSDP, then verified with every DenseGeneral's weight on a ring: every variant
+    equals the step as written and every dense layer is applied."""
+    bundle, out = tmp_path / "tuned.json", tmp_path / "step.json"
+    run = cmtune("tune", "--step", FSDP_SPEC, "--devices", "virtual:8", "--trials", "2", "--repeats", "2",
+                 "--out", str(bundle), env=ENV, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert {c.problem.collective for c in Bundle.load(bundle).configs} == {
+        "weight_allgather_matmul_k", "weight_allgather_matmul_n", "reduce_scatter_grad_weight"}
+    run = cmtune("verify", "--step", FSDP_SPEC, "--devices", "virtual:8", "--bundle", str(bundle), "--repeats", "2",
+                 "--warmup", "1", "--json", str(out), env=ENV, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = StepMeasurement.model_validate_json(out.read_text())
+    assert result.mesh["fsdp"] == 8
+    assert {v.status for v in result.variants} == {"ok"}, [(v.name, v.message) for v in result.variants]
+    text = flat(run.stdout)
+    assert f"{len(DENSE)} applied, 0 fell back" in text
+    assert "(exact)" in text
 
 
 def test_the_drop_in_hook_says_when_maxtext_moved_it(monkeypatch):
