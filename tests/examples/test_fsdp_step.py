@@ -20,7 +20,7 @@ from collective_matmul.planning.problem import Software
 from collective_matmul.programs.discovery import discover
 from collective_matmul.wire.bundle import TunedConfig
 from examples import fsdp_step
-from tests.cli import cmtune, flat
+from tests.cli import cmtune, flat, says
 
 D = Decomposition.from_id
 RINGS = {  # a ring for every product (accumulate as each collective's ring takes it)
@@ -53,10 +53,12 @@ def test_discovery_lists_each_weights_three_products():
     }
 
 
-def ring_bundle(spec, keep: bool = False) -> Bundle:
-    """Every problem of the step's products on its rings' hardware, a ring; ``keep``: the weight kept for dx."""
+def ring_bundle(spec, keep: bool = False, processes: int = 1) -> Bundle:
+    """Every problem of the step's products on its rings' hardware (a ring over ``processes`` processes), a ring;
+    ``keep``: the weight kept for dx."""
     step, args, mesh = spec()
-    bundle, hardware = Bundle(), ring_hardware(mesh, "fsdp")
+    bundle = Bundle()
+    hardware = ring_hardware(mesh, "fsdp").model_copy(update={"process_count": processes})
     for problem in discover(step, args, mesh).problems:
         if problem.slot != "forward":  # a forward's three slots are added with it
             continue
@@ -105,3 +107,26 @@ def test_tune_and_verify_the_step(tmp_path):
     result = json.loads(measured.read_text())
     assert {v["status"] for v in result["variants"]} == {"ok"}  # equal to the step as written, then timed
     assert [v["name"] for v in result["variants"]][:3] == ["as-written", "baseline", "tuned"]
+
+
+@pytest.mark.slow  # a step search of the FSDP step on two processes (about a minute)
+def test_the_step_search_on_two_processes_decides_among_the_weight_rings(tmp_path):
+    """`verify --step --decide` of the FSDP step on two processes of four devices (a ring of 8 spans both, over
+    gloo): every variant equals the step as written, the search's rounds change an FSDP role's configs, and the
+    decision is written (overrides, for the roles' own problems, only where it changed a role)."""
+    path, out = tmp_path / "rings.json", tmp_path / "step.json"
+    ring_bundle(fsdp_step.tiny_fsdp_step, processes=2).save(path)  # the rings of the two processes' hardware
+    run = cmtune("verify", "--step", "examples/fsdp_step.py:tiny_fsdp_step", "--devices", "processes:2x4",
+                 "--bundle", str(path), "--decide", "--search-rounds", "2", "--round-variants", "2", "--repeats",
+                 "2", "--warmup", "1", "--json", str(out), timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = flat(run.stdout)
+    assert "2 applied, 0 fell back" in text and "round 2 (mlp_" in text
+    assert says(run, "ring-bi-c2-full-in (exact)")  # the rings found for the two processes' ring, not the baseline
+    result = json.loads(out.read_text())
+    assert result["hardware"]["process_count"] == 2
+    assert {v["status"] for v in result["variants"]} == {"ok"}, [(v["name"], v["message"]) for v in result["variants"]]
+    assert len(result["variants"]) > 3  # the seeds and the search's changes beside as-written, baseline, tuned
+    assert "decision: " in text and says(run, "per-role override(s) of 'tiny_fsdp_step'")  # decided, then written
+    saved = [o for o in Bundle.load(path).overrides if o.model == "tiny_fsdp_step"]
+    assert all(o.role in {"mlp_up", "mlp_down"} and o.problems is not None for o in saved)
