@@ -257,6 +257,36 @@ def test_the_configs_table_shows_every_configs_verdict_and_memory_at_an_ordinary
     context.close()
 
 
+def test_an_fsdp_problem_is_studied_and_listed_under_its_own_key(browser, tmp_path):
+    """A weight-gathered problem (FSDP's) submitted alone and tuned: its study page names it by its own key, with
+    its plots and tuned ring, and its config is listed under that key on the configs page."""
+    url = f"sqlite:///{tmp_path / 'ui.sqlite'}"
+    tokens = contract.create_tokens(url)
+    problem = contract.PROBLEM | {"collective": "weight_allgather_matmul_k"}
+    with running_server(database_url=url) as server:
+        seed = Seeder(server.url, tokens["admin"], tokens["worker"])
+        created = seed.admin.post("/v1/studies", json={"problem": problem, "hardware": HARDWARE,
+                                                      "budget": {"trials": 4}, "warm_start": False})
+        assert created.status_code == 201, created.text
+        (study,) = created.json()["studies"]
+        key = study["problem_key"]
+        assert key.startswith("weight_allgather_matmul_k:")
+        while seed.run_trial(BOUNDS) is not None:
+            pass
+        context = browser.new_context(viewport={"width": 1366, "height": 800})
+        page = context.new_page()
+        page.goto(link(server.url, f"/ui/studies/{study['id']}", tokens["reader"]))
+        page.wait_for_selector("#trial-plot circle.trial-point")
+        assert page.locator("#study-problem").inner_text() == key
+        assert "ring-" in page.locator("#tuned").inner_text()
+        shot(page, "study-fsdp")
+        page.goto(f"{server.url}/ui/configs")
+        page.wait_for_selector("#configs tbody tr")
+        rows = page.locator("#configs tbody").inner_text()
+        assert key in rows and "allgather_matmul:" not in rows.replace(key, "")
+        context.close()
+
+
 def test_without_a_token_the_page_asks_for_one(browser, site):
     context = browser.new_context()
     page = context.new_page()
