@@ -108,6 +108,9 @@ class DotGeneral:
             raise ValueError(f"tensor_axis {tensor_axis!r} is the ring's axis: give a different mesh axis")
         if axis is None and (kind is not None or fsdp_axis is None):
             raise ValueError("axis=None runs FSDP kernels only: give kernel_axes and the fsdp_axis")
+        if kind is not None and fsdp_axis is not None:
+            raise ValueError("fsdp_axis decides an FSDP kernel from its kernel_axes: with kind='fsdp' or 'fsdp_out' "
+                             "the ring is axis (and tensor_axis the weight's other sharded axis); give one of them")
         if fsdp_axis is not None and fsdp_axis == axis:
             raise ValueError(f"fsdp_axis {fsdp_axis!r} is the tensor-parallel axis too: give two different axes")
         self.source, self.mesh, self.axis = source, mesh, axis
@@ -229,8 +232,10 @@ class DotGeneral:
         weight = route.collective in WEIGHT_DIM_OF  # FSDP's rows are sharded over the other axes and the ring
         if x.ndim < 3 and not weight:
             return None
-        ring = (route.axis, route.tensor_axis) if weight else (route.axis,)
-        others = tuple(a for a in self.mesh.axis_names if a not in ring and self.mesh.shape[a] > 1)
+        # never the ring, nor the tensor axis (an FSDP kernel's other side may hold no tensor name: the activation
+        # is still not sharded over it)
+        rings = {route.axis, route.tensor_axis, self.axis}
+        others = tuple(a for a in self.mesh.axis_names if a not in rings and self.mesh.shape[a] > 1)
         size = math.prod(self.mesh.shape[a] for a in others)
         if not others or x.shape[0] % size:
             return None

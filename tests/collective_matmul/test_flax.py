@@ -317,6 +317,27 @@ def test_fsdp_kinds_and_their_axes_are_checked():
         cm_flax.dot_general(tuned, mesh=mesh, axis=None, kind="fsdp")
     with pytest.raises(ValueError, match="kind must be"):
         cm_flax.dot_general(tuned, mesh=mesh, kind="weights")
+    with pytest.raises(ValueError, match="tensor_axis 'fsdp' is the ring's axis"):
+        cm_flax.dot_general(tuned, mesh=mesh, axis="fsdp", kind="fsdp", tensor_axis="fsdp")
+    with pytest.raises(ValueError, match="fsdp_axis 'model' is the tensor-parallel axis too"):
+        cm_flax.dot_general(tuned, mesh=mesh, kernel_axes=("embed", "mlp"), fsdp_axis="model")
+    with pytest.raises(ValueError, match="fsdp_axis decides an FSDP kernel from its kernel_axes"):
+        cm_flax.dot_general(tuned, mesh=mesh, axis="fsdp", kind="fsdp", fsdp_axis="fsdp")
+
+
+def test_an_fsdp_kernel_without_a_tensor_name_takes_no_tensor_axis_as_its_batch():
+    """A kernel ``("embed", None)`` on fsdp x model: a weight ring over fsdp of the whole product (no tensor axis),
+    and the model axis, which shards nothing of it, is not taken as the input's batch axis."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    tuned = Tuned()
+    dense = cm_flax.dot_general(tuned, mesh=mesh, kernel_axes=("embed", None), fsdp_axis="fsdp", role="up")
+    x = jax.ShapeDtypeStruct((FSDP_BATCH, SEQ, D_MODEL), jnp.float32)
+    jax.eval_shape(lambda a, b: dense(a, b, (((2,), (0,)), ((), ()))), x,
+                   jax.ShapeDtypeStruct((D_MODEL, D_FF), jnp.float32))
+    (site,) = tuned.report()
+    forward = site.problems["forward"]
+    assert site.collective == "weight_allgather_matmul_k" and (forward.k, forward.n) == (D_MODEL, D_FF)
+    assert forward.m == FSDP_BATCH * SEQ and forward.axis_size == 4  # every row on the fsdp ring: no batch axis
 
 
 def test_every_call_that_does_not_fit_runs_plain_and_is_reported(caplog):
