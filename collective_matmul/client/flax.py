@@ -16,7 +16,8 @@ either the kind of projection or MaxText-style logical kernel axes::
   on its input rows; the result summed over the axis and scattered on M.
 - ``fsdp`` (the weight all-gathered before its product, FSDP's): the kernel sharded over the ring
   ``axis`` on its input rows K (``fsdp``) or on its output columns N (``fsdp_out``), the input's
-  first dimension sharded over the other mesh axes and the ring; ``tensor_axis`` names a mesh axis
+  first dimension sharded over the batch axes (``auto``: the other mesh axes but the tensor axes)
+  and the ring; ``tensor_axis`` names a mesh axis
   sharding the kernel's other dimension (FSDP x tensor parallelism).  The weight's shards go round
   the ring (`collective_matmul.weight_allgather_matmul`), its gradient reduce-scattered onto them.
 - ``kernel_axes``: with ``fsdp_axis`` (a mesh axis larger than 1), a kernel whose axes hold an FSDP

@@ -9,9 +9,10 @@ import os
 
 import pytest
 
+from collective_matmul import Decomposition
 from collective_matmul.wire import StepMeasurement
 from collective_matmul.wire.bundle import Bundle
-from tests.cli import cmtune, flat
+from tests.cli import cmtune, flat, says
 
 pytestmark = [
     pytest.mark.maxtext,
@@ -140,15 +141,25 @@ def test_maxtexts_fsdp_with_tensor_parallelism_lists_the_weight_rings_of_its_row
     assert all("both operands are gathered" in reason for reason in skipped.values())
 
 
+# a ring for each of FSDP's collectives, so that the drop-in runs one for every tuned problem
+RINGS = {"weight_allgather_matmul_k": "ring-uni-c1-u1-in", "weight_allgather_matmul_n": "ring-uni-c1-u1-dus",
+         "reduce_scatter_grad_weight": "ring-uni-c1-full-in"}
+
+
 def test_maxtexts_fsdp_step_tuned_then_verified_through_the_drop_in(tmp_path):
-    """Tuned on 8 CPU devices under FSDP, then verified with every DenseGeneral's weight on a ring: every variant
-    equals the step as written and every dense layer is applied."""
+    """Tuned on 8 CPU devices under FSDP, then (each tuned problem's config set to a ring, so that every slot runs
+    one whatever two trials found) verified with every DenseGeneral's weight on a ring: every variant equals the
+    step as written, every dense layer is applied and its configs are the bundle's own."""
     bundle, out = tmp_path / "tuned.json", tmp_path / "step.json"
     run = cmtune("tune", "--step", FSDP_SPEC, "--devices", "virtual:8", "--trials", "2", "--repeats", "2",
                  "--out", str(bundle), env=ENV, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert {c.problem.collective for c in Bundle.load(bundle).configs} == {
-        "weight_allgather_matmul_k", "weight_allgather_matmul_n", "reduce_scatter_grad_weight"}
+    tuned = Bundle.load(bundle)
+    assert {c.problem.collective for c in tuned.configs} == set(RINGS)
+    rings = Bundle()
+    for config in tuned.configs:
+        rings.add(config.model_copy(update={"decomposition": Decomposition.from_id(RINGS[config.problem.collective])}))
+    rings.save(bundle)
     run = cmtune("verify", "--step", FSDP_SPEC, "--devices", "virtual:8", "--bundle", str(bundle), "--repeats", "2",
                  "--warmup", "1", "--json", str(out), env=ENV, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -157,7 +168,23 @@ def test_maxtexts_fsdp_step_tuned_then_verified_through_the_drop_in(tmp_path):
     assert {v.status for v in result.variants} == {"ok"}, [(v.name, v.message) for v in result.variants]
     text = flat(run.stdout)
     assert f"{len(DENSE)} applied, 0 fell back" in text
-    assert "(exact)" in text
+    assert all(says(run, f"{ring} (exact)") for ring in RINGS.values())  # the rings found for the step's problems
+
+
+def test_maxtexts_fsdp_with_tensor_parallelism_through_the_drop_in_equals_the_step_as_written(tmp_path):
+    """FSDP x tensor parallelism verified through the drop-in (no bundle: the cost model's configs): every dense
+    layer runs as a weight ring over fsdp of one tensor shard's product, the column layers too, which discovery
+    skips (XLA gathers both operands: the drop-in reshards their input before the ring); every variant equals the
+    step as written."""
+    out = tmp_path / "step.json"
+    run = cmtune("verify", "--step", "examples/maxtext_step.py:tiny_fsdp_tp_maxtext_step", "--devices", "virtual:8",
+                 "--repeats", "2", "--warmup", "1", "--json", str(out), env=ENV, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = StepMeasurement.model_validate_json(out.read_text())
+    assert (result.mesh["fsdp"], result.mesh["tensor"]) == (4, 2)
+    assert {v.status for v in result.variants} == {"ok"}, [(v.name, v.message) for v in result.variants]
+    assert f"{len(DENSE)} applied, 0 fell back" in flat(run.stdout)
+    assert says(run, "weight_allgather_matmul_n") and says(run, "weight_allgather_matmul_k")
 
 
 def test_the_drop_in_hook_says_when_maxtext_moved_it(monkeypatch):
