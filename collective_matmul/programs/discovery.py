@@ -382,7 +382,7 @@ def _finding(product: _Product, axes: dict) -> _Skip | _Found | None:
             return skip
     if product.lhs_b:
         return None
-    found = (_column(product, axes) if product.gathered_lhs else _weight(product, axes) if product.gathered_rhs
+    found = (_weight(product, axes) if product.gathered_rhs else _column(product, axes) if product.gathered_lhs
              else _row(product, axes) if product.scattered else None)
     if not isinstance(found, _Found) or found.ring < 2:
         return found if isinstance(found, _Skip) else None
@@ -411,11 +411,12 @@ def _both_gathered(product: _Product) -> _Skip | None:
     lhs, rhs = product.gathered_lhs, product.gathered_rhs
     if product.lhs_b or lhs is None or rhs is None:
         return None
+    if lhs.dim in product.lhs_c:  # the activation's features gathered (FSDP x TP's column layers): the weight's ring
+        return None               # is the collective matmul (`_weight`), the activation's gather stays XLA's
     return _Skip(f"{lhs.collective.opcode} {lhs.collective.name}, {rhs.collective.opcode} {rhs.collective.name} -> "
                  f"{product.dot.name}",
-                 "both operands are gathered (the activation over one ring, the weight over another: FSDP beside "
-                 "sequence or tensor parallelism that shards the activation): not the layout of cmtune's ops, "
-                 "which gather one of the two")
+                 "both operands are gathered (the activation on its rows over one ring, the weight over another: "
+                 "FSDP beside sequence parallelism): not the layout of cmtune's ops, which gather one of the two")
 
 
 _REFUSALS = (_exchange, _batched, _both_gathered)

@@ -150,6 +150,26 @@ def test_an_fsdp_out_projection_over_heads_and_head_dim_is_a_weight_ring_problem
         ("out", "forward", "weight_allgather_matmul_n:512x64x64:float32:8")] and not found.skipped
 
 
+@pytest.mark.parametrize("features", ["model", None])
+def test_a_weight_gathered_beside_an_activation_gathered_on_its_features_is_the_weights_ring(features):
+    """FSDP x tensor parallelism's column layer as MaxText shards it: the weight [K, N] on K over fsdp and on N over
+    model, the activation's rows over fsdp and (``features``) its K over model.  XLA gathers the activation's K over
+    model as well as the weight: the weight's ring over fsdp of one model shard's product is the problem, the
+    activation's gather XLA's; without it the same problem."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "model"), axis_types=(AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", features)))
+    w = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", "model")))
+
+    def step(x, w):
+        with jax.named_scope("up"):
+            return jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P("fsdp", "model")))
+
+    found = discover(step, (x, w), mesh)
+    assert [(p.role, p.slot, p.problem.key, p.axis) for p in found.problems] == [
+        ("up", "forward", "weight_allgather_matmul_k:64x128x128:float32:4", "fsdp")], found.skipped
+    assert not found.skipped
+
+
 def test_the_labelling_rule():
     assert scopes("jit(step)/transpose(jvp(Model))/jvp(Model)/checkpoint/rematted_computation/layers/up") == [
         "Model", "layers", "up"]

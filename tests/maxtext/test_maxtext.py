@@ -126,19 +126,18 @@ def test_maxtexts_fsdp_step_compiled_for_a_tpu_slice_lists_what_cpu_devices_list
     assert _listed(on_tpu) == _listed(fsdp_on_cpu)
 
 
-def test_maxtexts_fsdp_with_tensor_parallelism_lists_the_weight_rings_of_its_row_layers():
-    """ici_fsdp_parallelism=4 with ici_tensor_parallelism=2: the row layers' (wo, out) weights are gathered over fsdp,
-    their inputs sharded on K over tensor (weight rings of one tensor shard's product); in the column layers XLA
-    gathers the activation over tensor and the weight over fsdp, which cmtune's ops do not take, and says so."""
+def test_maxtexts_fsdp_with_tensor_parallelism_lists_every_layers_weight_ring_over_fsdp():
+    """ici_fsdp_parallelism=4 with ici_tensor_parallelism=2: every weight is gathered over fsdp, each a ring of one
+    tensor shard's product: the row layers (wo, out) with their K over tensor, the column layers with their N over
+    it, where XLA also gathers the activation's features over tensor (its gather stays XLA's); nothing skipped."""
     found = _problems("virtual:8", "examples/maxtext_step.py:tiny_fsdp_tp_maxtext_step")
     rows = {f"decoder/layers_{layer}/{proj}" for layer in (0, 1) for proj in ("mlp/wo", "self_attention/out")}
     forward = {p["role"]: p["problem"] for p in found["problems"] if p["slot"] == "forward"}
-    assert forward.keys() == rows and all(p["axis"] == "fsdp" for p in found["problems"])
-    assert {p["collective"] for p in forward.values()} == {"weight_allgather_matmul_n"}
+    assert forward.keys() == set(DENSE) and all(p["axis"] == "fsdp" for p in found["problems"])
+    assert {r for r, p in forward.items() if p["collective"] == "weight_allgather_matmul_n"} == rows
     assert forward["decoder/layers_0/mlp/wo"]["k"] == 512 // 2 and forward["decoder/layers_0/mlp/wo"]["axis_size"] == 4
-    skipped = {s["role"]: s["reason"] for s in found["skipped"]}
-    assert skipped.keys() == set(DENSE) - rows
-    assert all("both operands are gathered" in reason for reason in skipped.values())
+    assert forward["decoder/layers_0/mlp/wi_0"]["n"] == 512 // 2  # mlp over tensor: one shard's columns
+    assert len(found["problems"]) == 3 * len(DENSE) and not found["skipped"], found["skipped"]
 
 
 # a ring for each of FSDP's collectives, so that the drop-in runs one for every tuned problem
@@ -173,9 +172,9 @@ def test_maxtexts_fsdp_step_tuned_then_verified_through_the_drop_in(tmp_path):
 
 def test_maxtexts_fsdp_with_tensor_parallelism_through_the_drop_in_equals_the_step_as_written(tmp_path):
     """FSDP x tensor parallelism verified through the drop-in (no bundle: the cost model's configs): every dense
-    layer runs as a weight ring over fsdp of one tensor shard's product, the column layers too, which discovery
-    skips (XLA gathers both operands: the drop-in reshards their input before the ring); every variant equals the
-    step as written."""
+    layer runs as a weight ring over fsdp of one tensor shard's product, under the problem discovery lists for it
+    (the column layers' input resharded before the ring, where XLA gathers it); every variant equals the step as
+    written."""
     out = tmp_path / "step.json"
     run = cmtune("verify", "--step", "examples/maxtext_step.py:tiny_fsdp_tp_maxtext_step", "--devices", "virtual:8",
                  "--repeats", "2", "--warmup", "1", "--json", str(out), env=ENV, timeout=1200)
@@ -184,7 +183,9 @@ def test_maxtexts_fsdp_with_tensor_parallelism_through_the_drop_in_equals_the_st
     assert (result.mesh["fsdp"], result.mesh["tensor"]) == (4, 2)
     assert {v.status for v in result.variants} == {"ok"}, [(v.name, v.message) for v in result.variants]
     assert f"{len(DENSE)} applied, 0 fell back" in flat(run.stdout)
-    assert says(run, "weight_allgather_matmul_n") and says(run, "weight_allgather_matmul_k")
+    # looked up under the keys discovery lists (wi_0's and wo's of the listing test)
+    assert says(run, "weight_allgather_matmul_k:1024x256x256:float32:4")
+    assert says(run, "weight_allgather_matmul_n:1024x256x256:float32:4")
 
 
 def test_the_drop_in_hook_says_when_maxtext_moved_it(monkeypatch):
