@@ -228,9 +228,15 @@ class DotGeneral:
         raise _Unfit(f"kernel_axes {axes} hold no name of {rings}: the kernel is not sharded over a ring")
 
     def _batch_axis(self, x, route: _Route):
-        if self.batch_axis != AUTO:
-            return self.batch_axis
         weight = route.collective in WEIGHT_DIM_OF  # FSDP's rows are sharded over the other axes and the ring
+        if self.batch_axis != AUTO:
+            if not weight or self.batch_axis is None:
+                return self.batch_axis
+            # the batch axes a tensor route takes (("data", "fsdp")) with the weight's ring and tensor axis left out:
+            # the ring follows them on the rows
+            given = (self.batch_axis,) if isinstance(self.batch_axis, str) else tuple(self.batch_axis)
+            kept = tuple(a for a in given if a not in (route.axis, route.tensor_axis))
+            return None if not kept else kept[0] if len(kept) == 1 else kept
         if x.ndim < 3 and not weight:
             return None
         # never the ring, nor the tensor axis (an FSDP kernel's other side may hold no tensor name: the activation
@@ -274,8 +280,9 @@ def dot_general(source: ConfigSource | None, *, mesh: Mesh, axis: str | None = "
             ``"fsdp_out"`` (the weight all-gathered, sharded on its input rows or its output columns).
         kernel_axes: instead of ``kind``, the kernel's logical axes (MaxText style).
         tensor_names: the logical names that ``kernel_axes`` shard over ``axis``.
-        batch_axis: the mesh axis (or axes) sharding the input's first dimension (beside the ring's, for FSDP);
-            ``"auto"``: every other mesh axis, where the batch divides over them.
+        batch_axis: the mesh axis (or axes) sharding the input's first dimension (for FSDP, the ring's follows
+            them: given with ``fsdp_axis``, the FSDP calls leave their ring and tensor axis out of it);
+            ``"auto"``: every other mesh axis but the tensor axes, where the batch divides over them.
         role: the calls' role (default: the Flax module path, named scope or source location).
         tensor_axis: with ``kind="fsdp"``/``"fsdp_out"``, a mesh axis sharding the kernel's other dimension.
         fsdp_axis: with ``kernel_axes``, the mesh axis FSDP shards kernels over (MaxText's ``fsdp``).

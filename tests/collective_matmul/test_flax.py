@@ -325,6 +325,22 @@ def test_fsdp_kinds_and_their_axes_are_checked():
         cm_flax.dot_general(tuned, mesh=mesh, axis="fsdp", kind="fsdp", fsdp_axis="fsdp")
 
 
+def test_a_batch_axis_given_for_every_layer_leaves_an_fsdp_calls_ring_out():
+    """``batch_axis=("data", "fsdp")`` (the activation's rows, as a tensor-parallel layer takes them) with
+    ``fsdp_axis``: an FSDP kernel's call shards its rows over data, then its ring, instead of running plain."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    tuned = Tuned()
+    dense = cm_flax.dot_general(tuned, mesh=mesh, axis=None, kernel_axes=("embed", "mlp"), fsdp_axis="fsdp",
+                                batch_axis=("data", "fsdp"), role="up")
+    x = jax.ShapeDtypeStruct((FSDP_BATCH, SEQ, D_MODEL), jnp.float32)
+    jax.eval_shape(lambda a, b: dense(a, b, (((2,), (0,)), ((), ()))), x,
+                   jax.ShapeDtypeStruct((D_MODEL, D_FF), jnp.float32))
+    report = tuned.report()
+    assert not report.fell_back, report.fell_back
+    (site,) = report.applied
+    assert site.collective == "weight_allgather_matmul_k" and site.problems["forward"].m == FSDP_BATCH * SEQ // 2
+
+
 def test_an_fsdp_kernel_without_a_tensor_name_takes_no_tensor_axis_as_its_batch():
     """A kernel ``("embed", None)`` on fsdp x model: a weight ring over fsdp of the whole product (no tensor axis),
     and the model axis, which shards nothing of it, is not taken as the input's batch axis."""
