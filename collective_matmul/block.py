@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from collective_matmul.client.sources import ConfigSource
-from collective_matmul.ops.collective import OPS, BatchAxis, axes_size, is_explicit, placed
+from collective_matmul.ops.collective import OPS, BatchAxis, axes_size, batch_names, is_explicit, placed
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.planning.models import ROLES as MODEL_ROLES
 from collective_matmul.planning.models import TransformerBlock
@@ -415,7 +415,7 @@ def _check_call(block: TransformerBlock, x, mesh: Mesh, axis: str, batch_axis: B
         raise ValueError(f"axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
     if x.ndim != 3 or x.shape[-1] != block.d_model:
         raise ValueError(f"expected x [batch, seq, d_model={block.d_model}], got shape {x.shape}")
-    if batch_axis is not None and axis in ((batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)):
+    if axis in batch_names(batch_axis):
         raise ValueError(f"batch_axis must differ from the tensor axis {axis!r}")
     shaped = block.model_copy(update={"seq_len": x.shape[1]})
     check_block(shaped, tensor_size=mesh.shape[axis], batch_shards=axes_size(mesh, batch_axis), batch=x.shape[0])

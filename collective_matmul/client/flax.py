@@ -53,6 +53,8 @@ from collective_matmul.ops.collective import (
     OPS,
     WEIGHT_DIM_OF,
     allgather_matmul_keep,
+    batch_axis_of,
+    batch_names,
     check_call,
     gathered_matmul,
     is_explicit,
@@ -230,13 +232,11 @@ class DotGeneral:
     def _batch_axis(self, x, route: _Route):
         weight = route.collective in WEIGHT_DIM_OF  # FSDP's rows are sharded over the other axes and the ring
         if self.batch_axis != AUTO:
-            if not weight or self.batch_axis is None:
+            if not weight:
                 return self.batch_axis
             # the batch axes a tensor route takes (("data", "fsdp")) with the weight's ring and tensor axis left out:
             # the ring follows them on the rows
-            given = (self.batch_axis,) if isinstance(self.batch_axis, str) else tuple(self.batch_axis)
-            kept = tuple(a for a in given if a not in (route.axis, route.tensor_axis))
-            return None if not kept else kept[0] if len(kept) == 1 else kept
+            return batch_axis_of([a for a in batch_names(self.batch_axis) if a not in (route.axis, route.tensor_axis)])
         if x.ndim < 3 and not weight:
             return None
         # never the ring, nor the tensor axis (an FSDP kernel's other side may hold no tensor name: the activation
@@ -246,7 +246,7 @@ class DotGeneral:
         size = math.prod(self.mesh.shape[a] for a in others)
         if not others or x.shape[0] % size:
             return None
-        return others[0] if len(others) == 1 else others
+        return batch_axis_of(others)
 
     def _plain(self, role, where, reason, lhs, rhs, dimension_numbers, precision, preferred, kwargs):
         self.source.fell_back(role, reason, source=where)

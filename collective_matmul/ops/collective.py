@@ -7,6 +7,7 @@ Each op's backward runs its own configs (``grad_input``, ``grad_weight``): see
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -429,7 +430,7 @@ def _weight_specs(x, w, mesh: Mesh, axis: str, weight_dim: str, batch_axis: Batc
         raise ValueError(f"expected x [B, ..., K] and w [K, N], got shapes {x.shape} and {w.shape}")
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"contraction mismatch: x has K={x.shape[-1]} but w has K={w.shape[0]}")
-    batch = () if batch_axis is None else (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)
+    batch = batch_names(batch_axis)
     for name in (axis, *batch, *([tensor_axis] if tensor_axis else [])):
         if name not in mesh.shape:
             raise ValueError(f"axis {name!r} is not an axis of the mesh {dict(mesh.shape)}")
@@ -615,10 +616,18 @@ def placed(mesh: Mesh, specs: tuple, *arrays: jax.Array) -> tuple:
     )
 
 
+def batch_names(axes: BatchAxis) -> tuple[str, ...]:
+    """A ``batch_axis`` as the tuple of its mesh axis names (none for None)."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def batch_axis_of(names: Sequence[str]) -> BatchAxis:
+    """The ``batch_axis`` of mesh axis ``names``: None, the one name, or the tuple."""
+    return None if not names else names[0] if len(names) == 1 else tuple(names)
+
+
 def axes_size(mesh: Mesh, axes: BatchAxis) -> int:
-    if axes is None:
-        return 1
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = batch_names(axes)
     for name in names:
         if name not in mesh.shape:
             raise ValueError(f"batch_axis {name!r} is not an axis of the mesh {dict(mesh.shape)}")
