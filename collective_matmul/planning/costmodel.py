@@ -30,7 +30,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.planning.decomposition import Decomposition
-from collective_matmul.planning.problem import Hardware, Problem, resolved_accumulate, ring_hops
+from collective_matmul.planning.problem import Collective, Hardware, Problem, resolved_accumulate, ring_hops
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -148,11 +148,11 @@ def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) 
         return profile.latency_s + nbytes / profile.link_bytes_per_s
 
     acc_bytes = 0.0  # local accumulator traffic per piece (weight gradient)
-    if problem.collective == "allgather_matmul":
+    if problem.collective == Collective.ALLGATHER_MATMUL:
         block_bytes = rows * problem.k * elt
         block_flops = 2 * rows * problem.k * (problem.n // p)
         out_bytes = problem.m * (problem.n // p) * elt
-    elif problem.collective == "allgather_grad_weight":
+    elif problem.collective == Collective.ALLGATHER_GRAD_WEIGHT:
         acc = resolved_accumulate(config, collective=problem.collective, dtype=problem.dtype)
         acc_elt = 4 if (config.method == "ring" and acc == "float32") else elt
         block_bytes = rows * problem.k * elt
@@ -169,7 +169,7 @@ def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) 
     if config.method in ("baseline", "xla"):  # XLA's own: no figures for its windowed einsum, priced as written
         collective = profile.op_s + (p - 1) * message(block_bytes)
         compute = matmul(problem.m, block_flops * p)
-        if problem.collective == "matmul_reduce_scatter":
+        if problem.collective == Collective.MATMUL_REDUCE_SCATTER:
             collective += (p - 1) * block_bytes / profile.memory_bytes_per_s  # the reductions
         return collective + compute
 
@@ -182,7 +182,7 @@ def estimate(problem: Problem, config: Decomposition, profile: HardwareProfile) 
     # every permute is its own op (issued one after another); the bytes share links only
     # when two streams go the same way over half-duplex links
     step_transfer = streams * c * profile.op_s + share * c * message(block_bytes / c)
-    if problem.collective == "matmul_reduce_scatter":
+    if problem.collective == Collective.MATMUL_REDUCE_SCATTER:
         step_compute += streams * block_bytes / profile.memory_bytes_per_s  # the adds
     step_compute += streams * c * acc_bytes / profile.memory_bytes_per_s  # local accumulator adds
     step = max(step_compute, step_transfer) if profile.overlap else step_compute + step_transfer

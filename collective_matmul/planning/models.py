@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from collective_matmul.planning.problem import DType, Hardware, Problem
+from collective_matmul.planning.problem import Collective, DType, Hardware, Problem
 from collective_matmul.planning.text import label
 
 MODEL_NAME_LENGTH = 200  # a model's name: role_overrides.model
@@ -153,16 +153,17 @@ Role = label(MAX_ROLE_LENGTH)  # role_overrides.role
 
 ROLES: tuple[str, ...] = ("qkv", "attn_out", "mlp_up", "mlp_down")  # the reference block's
 SLOTS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
-COLUMN, ROW = "allgather_matmul", "matmul_reduce_scatter"  # the two forward collectives of an activation's ring
-GRAD_WEIGHT = "allgather_grad_weight"  # their weight-gradient collective
+COLUMN, ROW = Collective.ALLGATHER_MATMUL, Collective.MATMUL_REDUCE_SCATTER  # an activation ring's two forwards
+GRAD_WEIGHT = Collective.ALLGATHER_GRAD_WEIGHT  # their weight-gradient collective
 # FSDP's forwards, the weight gathered (sharded on k, on n), and their weight gradient reduce-scattered
-WEIGHT_K, WEIGHT_N, WEIGHT_GRAD = "weight_allgather_matmul_k", "weight_allgather_matmul_n", "reduce_scatter_grad_weight"
+WEIGHT_K, WEIGHT_N = Collective.WEIGHT_ALLGATHER_MATMUL_K, Collective.WEIGHT_ALLGATHER_MATMUL_N
+WEIGHT_GRAD = Collective.REDUCE_SCATTER_GRAD_WEIGHT
 DUAL = {COLUMN: ROW, ROW: COLUMN, WEIGHT_K: WEIGHT_N, WEIGHT_N: WEIGHT_K}  # the collective of a forward's dx
 _GRAD_WEIGHTS = {COLUMN: GRAD_WEIGHT, ROW: GRAD_WEIGHT, WEIGHT_K: WEIGHT_GRAD, WEIGHT_N: WEIGHT_GRAD}
 _KN_ORDER = (COLUMN, WEIGHT_K)  # forwards whose weight gradient is [K, N] (the others': [N, K], transposed)
 
 
-def slot_collective(collective: str, slot: str) -> str:
+def slot_collective(collective: Collective, slot: str) -> Collective:
     """The collective of ``slot`` of an op call whose forward is ``collective``: the forward itself, its dual for
     the input gradient (`DUAL`: an all-gather matmul's ``dx`` is a matmul reduce-scatter, and the reverse; a weight
     gathered on k is, transposed, gathered on n), `GRAD_WEIGHT` for the weight gradient (`WEIGHT_GRAD` of FSDP's).
@@ -188,7 +189,7 @@ def parse_slot_label(text: str) -> tuple[str, str]:
     return (role, slot) if dot and slot in SLOTS else (text, "forward")
 
 
-def slot_problems(collective: str, *, m: int, k: int, n: int, dtype: str, axis_size: int) -> dict[str, Problem]:
+def slot_problems(collective: Collective, *, m: int, k: int, n: int, dtype: str, axis_size: int) -> dict[str, Problem]:
     """The three problems of one op call, ``{"forward" | "grad_input" | "grad_weight": problem}``: the one rule.
 
     The forward is ``(collective, m, k, n)``.  The input gradient is the dual collective

@@ -8,6 +8,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -19,16 +20,31 @@ from collective_matmul.planning.decomposition import (
 )
 from collective_matmul.planning.text import as_label, label
 
-Collective = Literal["allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight",
-                     "weight_allgather_matmul_k", "weight_allgather_matmul_n", "reduce_scatter_grad_weight"]
+
+class Collective(StrEnum):
+    """The collectives cmtune decomposes with the product that depends on them; each value is the name the keys,
+    the wire and the database carry (``allgather_matmul:1024x256x1024:float32:8``)."""
+
+    ALLGATHER_MATMUL = "allgather_matmul"  # the activation gathered on its rows before the product
+    MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"  # the product reduce-scattered onto its rows after it
+    ALLGATHER_GRAD_WEIGHT = "allgather_grad_weight"  # the weight gradient: all-gather on the contracting rows
+    # FSDP's (`collective_matmul.ops.weight_ring`): the weight gathered before its product, sharded on k or on n,
+    # and the weight gradient reduce-scattered onto the weight's layout
+    WEIGHT_ALLGATHER_MATMUL_K = "weight_allgather_matmul_k"
+    WEIGHT_ALLGATHER_MATMUL_N = "weight_allgather_matmul_n"
+    REDUCE_SCATTER_GRAD_WEIGHT = "reduce_scatter_grad_weight"
+
+
 DType = Literal["float32", "bfloat16", "float16"]
 # the rings of activations: what every other collective runs as (`Problem.dual`)
-ACTIVATION_COLLECTIVES: tuple[str, ...] = ("allgather_matmul", "matmul_reduce_scatter", "allgather_grad_weight")
+ACTIVATION_COLLECTIVES: tuple[Collective, ...] = (Collective.ALLGATHER_MATMUL, Collective.MATMUL_REDUCE_SCATTER,
+                                                  Collective.ALLGATHER_GRAD_WEIGHT)
 # FSDP's: the weight gathered before its product, sharded on k or on n, and the weight gradient reduce-scattered
 # onto the weight's layout (`collective_matmul.ops.weight_ring`)
-WEIGHT_COLLECTIVES: tuple[str, ...] = ("weight_allgather_matmul_k", "weight_allgather_matmul_n",
-                                       "reduce_scatter_grad_weight")
-COLLECTIVES: tuple[str, ...] = ACTIVATION_COLLECTIVES + WEIGHT_COLLECTIVES
+WEIGHT_COLLECTIVES: tuple[Collective, ...] = (Collective.WEIGHT_ALLGATHER_MATMUL_K,
+                                              Collective.WEIGHT_ALLGATHER_MATMUL_N,
+                                              Collective.REDUCE_SCATTER_GRAD_WEIGHT)
+COLLECTIVES: tuple[Collective, ...] = tuple(Collective)
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 # Largest single dimension accepted: 2**24 rows of tokens is far beyond any one ring today,
@@ -36,17 +52,19 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 MAX_DIM = 1 << 24
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-_ALIASES = {"ag": "allgather_matmul", "rs": "matmul_reduce_scatter", "gw": "allgather_grad_weight",
-            "wk": "weight_allgather_matmul_k", "wn": "weight_allgather_matmul_n", "rsw": "reduce_scatter_grad_weight"}
+_ALIASES = {"ag": Collective.ALLGATHER_MATMUL, "rs": Collective.MATMUL_REDUCE_SCATTER,
+            "gw": Collective.ALLGATHER_GRAD_WEIGHT, "wk": Collective.WEIGHT_ALLGATHER_MATMUL_K,
+            "wn": Collective.WEIGHT_ALLGATHER_MATMUL_N, "rsw": Collective.REDUCE_SCATTER_GRAD_WEIGHT}
 # The dimensions each collective shards over the ring (besides m, always sharded).
-_SHARDED = {"allgather_matmul": "n", "matmul_reduce_scatter": "k", "allgather_grad_weight": "n",
-            "weight_allgather_matmul_k": "k", "weight_allgather_matmul_n": "n", "reduce_scatter_grad_weight": "k"}
+_SHARDED = {Collective.ALLGATHER_MATMUL: "n", Collective.MATMUL_REDUCE_SCATTER: "k",
+            Collective.ALLGATHER_GRAD_WEIGHT: "n", Collective.WEIGHT_ALLGATHER_MATMUL_K: "k",
+            Collective.WEIGHT_ALLGATHER_MATMUL_N: "n", Collective.REDUCE_SCATTER_GRAD_WEIGHT: "k"}
 # A weight collective as the activation ring it runs as: (collective, the dims that become its m, k, n).
-_DUALS = {"weight_allgather_matmul_k": ("allgather_grad_weight", "k", "n", "m"),
-          "weight_allgather_matmul_n": ("allgather_matmul", "n", "k", "m"),
-          "reduce_scatter_grad_weight": ("matmul_reduce_scatter", "k", "m", "n")}
+_DUALS = {Collective.WEIGHT_ALLGATHER_MATMUL_K: (Collective.ALLGATHER_GRAD_WEIGHT, "k", "n", "m"),
+          Collective.WEIGHT_ALLGATHER_MATMUL_N: (Collective.ALLGATHER_MATMUL, "n", "k", "m"),
+          Collective.REDUCE_SCATTER_GRAD_WEIGHT: (Collective.MATMUL_REDUCE_SCATTER, "k", "m", "n")}
 # The collectives whose ring carries a reduction accumulator (accumulate = its dtype).
-_ACCUMULATING = ("matmul_reduce_scatter", "allgather_grad_weight")
+_ACCUMULATING = (Collective.MATMUL_REDUCE_SCATTER, Collective.ALLGATHER_GRAD_WEIGHT)
 
 
 def _canonical(model: BaseModel) -> str:
@@ -122,9 +140,9 @@ class Problem(BaseModel):
             return self.dual.device_bytes
         p, elt = self.axis_size, _BYTES[self.dtype]
         m, k, n = self.m, self.k, self.n
-        if self.collective == "allgather_matmul":  # x [m/P, k], w [k, n/P] -> [m, n/P]; gathers x [m, k]
+        if self.collective == Collective.ALLGATHER_MATMUL:  # x [m/P, k], w [k, n/P] -> [m, n/P]; gathers x [m, k]
             elements = m // p * k + k * n // p + 2 * m * n // p + m * k
-        elif self.collective == "matmul_reduce_scatter":  # x [m, k/P], w [k/P, n] -> [m/P, n]; product [m, n]
+        elif self.collective == Collective.MATMUL_REDUCE_SCATTER:  # x [m, k/P], w [k/P, n] -> [m/P, n]; product [m, n]
             elements = m * k // p + k // p * n + 2 * m // p * n + m * n
         else:  # u [m/P, k], v [m, n/P] -> [k, n/P]; gathers u [m, k]
             elements = m // p * k + m * n // p + 2 * k * n // p + m * k
@@ -164,7 +182,7 @@ class Problem(BaseModel):
     def check(self, config: Decomposition) -> None:
         """Raise `ValueError` naming the field and reason if ``config`` cannot run this problem."""
         if self.collective in _DUALS:  # as its activation ring; fuse (keep the gathered weight) is the op's
-            if config.fuse and self.collective != "reduce_scatter_grad_weight":
+            if config.fuse and self.collective != Collective.REDUCE_SCATTER_GRAD_WEIGHT:
                 raise ValueError(f"fuse=True is not for {self.collective}: it belongs to the weight-gradient config "
                                  "(collective reduce_scatter_grad_weight) of an op's backward; remove fuse")
             check_decomposition(config.model_copy(update={"fuse": False}), collective=self.dual.collective,
@@ -214,17 +232,18 @@ def loop_trips(config: Decomposition, axis_size: int) -> int:
     return first if config.direction == "unidirectional" else second - 1
 
 
-def resolved_accumulate(config: Decomposition, *, collective: str, dtype: str) -> str:
+def resolved_accumulate(config: Decomposition, *, collective: Collective, dtype: str) -> str:
     """The accumulate mode a ring actually uses (fills in the collective's default)."""
     if config.accumulate is not None:
         return config.accumulate
-    if _DUALS.get(collective, (collective,))[0] == "allgather_matmul":
+    if _DUALS.get(collective, (collective,))[0] == Collective.ALLGATHER_MATMUL:
         return "update_slice"
     return "input_dtype" if dtype == "float32" else "float32"
 
 
 def check_decomposition(
-    config: Decomposition, *, collective: str, block_rows: int, axis_size: int, dtype: str, rows: str = "m / axis_size"
+    config: Decomposition, *, collective: Collective, block_rows: int, axis_size: int, dtype: str,
+    rows: str = "m / axis_size",
 ) -> None:
     """Raise `ValueError` if ``config`` is not a valid program for this ring.
 
@@ -241,7 +260,7 @@ def check_decomposition(
     """
     if collective not in ACTIVATION_COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {ACTIVATION_COLLECTIVES}")
-    if config.fuse and collective != "allgather_grad_weight":
+    if config.fuse and collective != Collective.ALLGATHER_GRAD_WEIGHT:
         raise ValueError(
             f"fuse=True is not for {collective}: it belongs to the weight-gradient config "
             "(collective allgather_grad_weight) of an op's backward; remove fuse"

@@ -12,7 +12,7 @@ from collective_matmul.planning.decomposition import (
     UNROLL_CHOICES,
     Decomposition,
 )
-from collective_matmul.planning.problem import Problem
+from collective_matmul.planning.problem import Collective, Problem
 
 
 def candidates(problem: Problem, *, include_baseline: bool = True, platform: str | None = None) -> list[Decomposition]:
@@ -36,7 +36,7 @@ def candidates(problem: Problem, *, include_baseline: bool = True, platform: str
 def _candidates(problem: Problem, include_baseline: bool) -> tuple[Decomposition, ...]:
     """`candidates`, computed once per problem (a study, its searcher and its settings each ask)."""
     accumulates = (
-        ALLGATHER_ACCUMULATE if problem.dual.collective == "allgather_matmul" else REDUCE_SCATTER_ACCUMULATE
+        ALLGATHER_ACCUMULATE if problem.dual.collective == Collective.ALLGATHER_MATMUL else REDUCE_SCATTER_ACCUMULATE
     )
     found = [Decomposition.baseline()] if include_baseline else []
     for direction, chunks, unroll, accumulate in itertools.product(
