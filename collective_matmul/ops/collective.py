@@ -29,7 +29,7 @@ from collective_matmul.ops.ring import (
 from collective_matmul.ops.share import Group
 from collective_matmul.ops.weight_ring import reduce_scatter_grad_weight_shard, weight_allgather_matmul_shard
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-from collective_matmul.planning.problem import Problem
+from collective_matmul.planning.problem import Collective, Problem
 
 BatchAxis = str | tuple[str, ...] | None
 
@@ -70,9 +70,9 @@ def allgather_matmul(
         ValueError: if the shapes do not fit the mesh or a config is invalid for them.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
-    specs = _specs("allgather_matmul", lead, axis)
+    specs = _specs(Collective.ALLGATHER_MATMUL, lead, axis)
     if _left_to_xla(config, grad_input, grad_weight):
-        return _as_written("allgather_matmul", x, w, mesh=mesh, specs=specs)
+        return _as_written(Collective.ALLGATHER_MATMUL, x, w, mesh=mesh, specs=specs)
     body = partial(allgather_matmul_shard, axis=axis, config=config, grad_input=grad_input, grad_weight=grad_weight)
     return _run(body, x, w, mesh=mesh, specs=specs)
 
@@ -104,8 +104,8 @@ def allgather_matmul_keep(
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("N", -1, "w")))
     if _left_to_xla(config, grad_input, grad_weight):
         raise ValueError("allgather_matmul_keep: method='xla' leaves the gather to XLA, which shares it itself")
-    call = _Keep(mesh, axis, _specs("allgather_matmul", lead, axis), P(axis, *lead, None, None), config, grad_input,
-                 grad_weight, group)
+    call = _Keep(mesh, axis, _specs(Collective.ALLGATHER_MATMUL, lead, axis), P(axis, *lead, None, None), config,
+                 grad_input, grad_weight, group)
     return _keep(*placed(mesh, call.specs[:2], x, w), call)
 
 
@@ -203,7 +203,7 @@ def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, ba
                          f"allgather_matmul_keep with K={w.shape[0]}, got {stack.shape}")
     lead = _check(jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype), w, mesh, axis, batch_axis,
                   sharded=(("N", -1, "w"),))
-    _, w_spec, out_spec = _specs("allgather_matmul", lead, axis)
+    _, w_spec, out_spec = _specs(Collective.ALLGATHER_MATMUL, lead, axis)
     stack_spec = P(axis, *lead, None, None)
     product = jax.shard_map(lambda s, w: jnp.matmul(s[0], w), mesh=mesh, in_specs=(stack_spec, w_spec),
                             out_specs=out_spec)
@@ -275,9 +275,9 @@ def matmul_reduce_scatter(
         ValueError: if the shapes do not fit the mesh or a config is invalid for them.
     """
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("K", -1, "x")))
-    specs = _specs("matmul_reduce_scatter", lead, axis)
+    specs = _specs(Collective.MATMUL_REDUCE_SCATTER, lead, axis)
     if _left_to_xla(config, grad_input, grad_weight):
-        return _as_written("matmul_reduce_scatter", x, w, mesh=mesh, specs=specs)
+        return _as_written(Collective.MATMUL_REDUCE_SCATTER, x, w, mesh=mesh, specs=specs)
     body = partial(matmul_reduce_scatter_shard, axis=axis, config=config, grad_input=grad_input,
                    grad_weight=grad_weight)
     return _run(body, x, w, mesh=mesh, specs=specs)
@@ -318,9 +318,9 @@ def allgather_grad_weight(
             f"expected u [..., M, A] and v [..., M, B] with equal leading dims, got {u.shape} and {v.shape}"
         )
     lead = _check(u, v, mesh, axis, batch_axis, sharded=(("M", -2, "x"), ("B", -1, "w")), contraction=False)
-    specs = _specs("allgather_grad_weight", lead, axis)
+    specs = _specs(Collective.ALLGATHER_GRAD_WEIGHT, lead, axis)
     if config.method == "xla":
-        return _as_written("allgather_grad_weight", u, v, mesh=mesh, specs=specs)
+        return _as_written(Collective.ALLGATHER_GRAD_WEIGHT, u, v, mesh=mesh, specs=specs)
     kernel = partial(allgather_grad_weight_shard, axis=axis, config=config)
     body = kernel if batch_axis is None else lambda a, b: lax.psum(kernel(a, b), batch_axis)
     return _run(body, u, v, mesh=mesh, specs=specs)
@@ -457,7 +457,7 @@ def _weight_specs(x, w, mesh: Mesh, axis: str, weight_dim: str, batch_axis: Batc
 
 
 def plain_baseline(
-    collective: str,
+    collective: Collective,
     x: jax.Array,
     w: jax.Array,
     *,
@@ -471,20 +471,21 @@ def plain_baseline(
     the reference of a step measurement.  Same layouts and errors as `allgather_matmul` /
     `matmul_reduce_scatter`.
     """
-    kernels = {"allgather_matmul": (baseline_allgather_matmul_shard, ("N", -1, "w")),
-               "matmul_reduce_scatter": (baseline_matmul_reduce_scatter_shard, ("K", -1, "x"))}
+    kernels = {Collective.ALLGATHER_MATMUL: (baseline_allgather_matmul_shard, ("N", -1, "w")),
+               Collective.MATMUL_REDUCE_SCATTER: (baseline_matmul_reduce_scatter_shard, ("K", -1, "x"))}
     if collective not in kernels:
-        raise ValueError(f"plain_baseline: unknown collective {collective!r}; expected one of {sorted(kernels)}")
+        raise ValueError(f"plain_baseline: unknown collective {collective!r}; "
+                         f"expected one of {sorted(map(str, kernels))}")
     kernel, sharded = kernels[collective]
     lead = _check(x, w, mesh, axis, batch_axis, sharded=(("M", -2, "x"), sharded))
     return _run(partial(kernel, axis=axis), x, w, mesh=mesh, specs=_specs(collective, lead, axis))
 
 
-_SHARDED = {"allgather_matmul": (("M", -2, "x"), ("N", -1, "w")),
-            "matmul_reduce_scatter": (("M", -2, "x"), ("K", -1, "x"))}
+_SHARDED = {Collective.ALLGATHER_MATMUL: (("M", -2, "x"), ("N", -1, "w")),
+            Collective.MATMUL_REDUCE_SCATTER: (("M", -2, "x"), ("K", -1, "x"))}
 
 
-def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
+def check_call(collective: Collective, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
                tensor_axis: str | None = None) -> None:
     """Raise `ValueError` (what does not fit, and why) if ``x`` and ``w`` do not fit ``collective``'s layout
     (``tensor_axis``: the weight's other sharded axis, for a weight-gathered collective)."""
@@ -493,7 +494,7 @@ def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: Batc
         _weight_specs(x, w, mesh, axis, weight_dim, batch_axis, tensor_axis)
         return
     if collective not in _SHARDED:
-        known = sorted(_SHARDED) + sorted(WEIGHT_DIM_OF)
+        known = sorted(map(str, _SHARDED)) + sorted(map(str, WEIGHT_DIM_OF))
         raise ValueError(f"unknown collective {collective!r}; expected one of {known}")
     if tensor_axis is not None:
         raise ValueError(f"tensor_axis is for a weight-gathered collective, not {collective}")
@@ -501,18 +502,18 @@ def check_call(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: Batc
 
 
 # (x, w, result) of the weight collectives on 2-D operands, "a" standing for the ring's axis
-_WEIGHT_SPECS = {"weight_allgather_matmul_k": (("a", None), ("a", None), ("a", None)),
-                 "weight_allgather_matmul_n": (("a", None), (None, "a"), ("a", None)),
-                 "reduce_scatter_grad_weight": (("a", None), ("a", None), ("a", None))}
+_WEIGHT_SPECS = {Collective.WEIGHT_ALLGATHER_MATMUL_K: (("a", None), ("a", None), ("a", None)),
+                 Collective.WEIGHT_ALLGATHER_MATMUL_N: (("a", None), (None, "a"), ("a", None)),
+                 Collective.REDUCE_SCATTER_GRAD_WEIGHT: (("a", None), ("a", None), ("a", None))}
 
 
-def _specs(collective: str, lead: tuple, axis: str) -> tuple[P, P, P]:
+def _specs(collective: Collective, lead: tuple, axis: str) -> tuple[P, P, P]:
     """Partition specs of (x, w, result), or (u, v, result), for a collective (docs/decompositions.md, layouts)."""
-    if collective == "allgather_matmul":
+    if collective == Collective.ALLGATHER_MATMUL:
         return P(*lead, axis, None), P(None, axis), P(*lead, None, axis)
-    if collective == "matmul_reduce_scatter":
+    if collective == Collective.MATMUL_REDUCE_SCATTER:
         return P(*lead, None, axis), P(axis, None), P(*lead, axis, None)
-    if collective == "allgather_grad_weight":
+    if collective == Collective.ALLGATHER_GRAD_WEIGHT:
         return P(*lead, axis, None), P(*lead, None, axis), P(None, axis)
     if collective in _WEIGHT_SPECS and not lead:  # FSDP's: the rows are the ring's devices' own
         return tuple(P(*(axis if d == "a" else d for d in spec)) for spec in _WEIGHT_SPECS[collective])
@@ -537,13 +538,13 @@ def _left_to_xla(forward: Decomposition, grad_input: Decomposition | None, grad_
     return xla[0]
 
 
-def _as_written(collective: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:
+def _as_written(collective: Collective, x: jax.Array, w: jax.Array, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:
     """The product as a user writes it (``method="xla"``): one ``jnp`` product of the sharded operands, its result
     laid out as the op lays it, GSPMD placing the collective (XLA's windowed einsum may decompose it)."""
     x_spec, w_spec, out_spec = specs
     x, w = placed(mesh, (x_spec, w_spec), x, w)
     lead = "abcdefgh"[: x.ndim - 2]
-    if collective == "allgather_grad_weight":  # the rows and the leading dimensions contracted
+    if collective == Collective.ALLGATHER_GRAD_WEIGHT:  # the rows and the leading dimensions contracted
         subscripts = f"{lead}mk,{lead}mn->kn"
     else:
         subscripts = f"{lead}mk,kn->{lead}mn"
@@ -560,7 +561,7 @@ def _run(body, x, w, *, mesh: Mesh, specs: tuple[P, P, P]) -> jax.Array:
 
 
 def input_shardings(
-    collective: str, mesh: Mesh, axis: str, *, batch_dims: int = 0, batch_axis: BatchAxis = None
+    collective: Collective, mesh: Mesh, axis: str, *, batch_dims: int = 0, batch_axis: BatchAxis = None
 ) -> tuple[NamedSharding, NamedSharding]:
     """The shardings of an op's two inputs, for placing them with `device_put`.
 
@@ -572,7 +573,7 @@ def input_shardings(
 
 
 def problem_of(
-    collective: str,
+    collective: Collective,
     x: jax.Array,
     w: jax.Array,
     *,
@@ -591,7 +592,7 @@ def problem_of(
     k, n = x.shape[-1], w.shape[-1]
     if tensor_axis is not None:
         tensor = mesh.shape[tensor_axis]
-        k, n = (k, n // tensor) if collective == "weight_allgather_matmul_k" else (k // tensor, n)
+        k, n = (k, n // tensor) if collective == Collective.WEIGHT_ALLGATHER_MATMUL_K else (k // tensor, n)
     return Problem(
         collective=collective,
         m=rows,
@@ -664,6 +665,6 @@ def _check(x, w, mesh: Mesh, axis: str, batch_axis: BatchAxis, *, sharded, contr
 
 
 # The two forward ops by collective (what the drop-in, the block and the client call).
-OPS = {"allgather_matmul": allgather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter}
+OPS = {Collective.ALLGATHER_MATMUL: allgather_matmul, Collective.MATMUL_REDUCE_SCATTER: matmul_reduce_scatter}
 # The weight-gathered (FSDP) forward collectives: the weight's dimension sharded over the ring.
-WEIGHT_DIM_OF = {"weight_allgather_matmul_k": "k", "weight_allgather_matmul_n": "n"}
+WEIGHT_DIM_OF = {Collective.WEIGHT_ALLGATHER_MATMUL_K: "k", Collective.WEIGHT_ALLGATHER_MATMUL_N: "n"}
