@@ -180,3 +180,48 @@ def test_the_labelling_rule():
     assert len(label("a" * 500)) == 200
     assert agree("layers/up", "Model/layers/up") and not agree("ayers/up", "Model/layers/up")
     assert not agree("model.py:42", "other.py:42")
+
+
+PAST_THE_CACHE = """
+import os, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from collective_matmul.programs.discovery import partitioned_module
+
+cache = tempfile.mkdtemp()
+for name, value in (("jax_compilation_cache_dir", cache), ("jax_persistent_cache_min_compile_time_secs", 0),
+                    ("jax_persistent_cache_min_entry_size_bytes", 0)):
+    jax.config.update(name, value)
+mesh = Mesh(np.array(jax.devices()), ("x",))
+args = (jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x", None))),
+        jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "x"))))
+
+def dumped(fn):
+    directory = tempfile.mkdtemp()
+    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": directory,
+                                                       "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    return any("spmd-partitioning" in f for f in os.listdir(directory))
+
+step = lambda a, b: jnp.tanh(a @ b).sum()
+other = lambda a, b: jnp.sin(a @ b).sum()
+print(dumped(step), len(os.listdir(cache)), dumped(step))  # the second compile is served from the cache
+text, note = partitioned_module(step, args)
+print("all-gather" in text, note, len(os.listdir(cache)))
+text, note = partitioned_module(other, args)
+print("all-gather" in text, note, len(os.listdir(cache)))  # compiled, not written
+print(jax.config.jax_enable_compilation_cache, dumped(step))  # the user's cache is back
+"""
+
+
+def test_discovery_compiles_past_the_persistent_cache():
+    """A compile served from JAX's persistent cache writes no partitioned module: discovery compiles past the cache
+    (neither read nor written) after the process's first compile turned it on, and leaves it on.  Through JAX's
+    public API: this fails where JAX moves it."""
+    import os
+    import subprocess
+
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", PAST_THE_CACHE], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["True 1 False", "True None 1", "True None 1", "True False"]
