@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul import Tuned, discover
 from collective_matmul.block import AS_WRITTEN, activation_sharding, apply, init_params
 from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
-from collective_matmul.programs.roles import agree, label, scopes
+from collective_matmul.programs.discovery.scanning import in_backward
+from collective_matmul.programs.hlo import parse_module
+from collective_matmul.programs.roles import agree, label, scopes, transforms
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -181,6 +183,24 @@ def test_the_labelling_rule():
     assert agree("layers/up", "Model/layers/up") and not agree("ayers/up", "Model/layers/up")
     assert not agree("model.py:42", "other.py:42")
 
+
+
+def test_a_product_is_in_the_backward_when_its_name_stack_runs_under_transpose():
+    """The name stack's transforms say it, not a name that merely holds the word; unbalanced text falls back."""
+    assert transforms("jit(step)/transpose(jvp(Model))/jvp(Model)/layers/up") == ["jit", "transpose", "jvp", "jvp"]
+    assert transforms("jit(transpose)/layers/up") == ["jit"] and transforms("a(b/c") is None
+
+    def dot(op_name: str):
+        text = ("HloModule m\n\nENTRY %main (a: f32[2,2], b: f32[2,2]) -> f32[2,2] {\n"
+                "  %a = f32[2,2]{1,0} parameter(0)\n  %b = f32[2,2]{1,0} parameter(1)\n"
+                "  ROOT %d = f32[2,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+                f'metadata={{op_name="{op_name}"}}\n}}\n')
+        return parse_module(text).entry.instructions["d"]
+
+    assert in_backward(dot("jit(step)/transpose(jvp(Model))/layers/up/dot_general"))
+    assert not in_backward(dot("jit(step)/jvp(Model)/layers/up/dot_general"))
+    assert not in_backward(dot("jit(transpose)/layers/up/dot_general"))
+    assert in_backward(dot("jit(step)/transpose(jvp(Model)/layers/up/dot_general"))  # unbalanced: the text test
 
 PAST_THE_CACHE = """
 import os, tempfile

@@ -21,7 +21,7 @@ from collective_matmul.programs.discovery.rules import Product, Skip, finding
 from collective_matmul.programs.discovery.tally import Tally
 from collective_matmul.programs.hlo import Computation, Instruction, Module, parse_module
 from collective_matmul.programs.products import convolution_as_dot, products
-from collective_matmul.programs.roles import group_label, label, source_of
+from collective_matmul.programs.roles import group_label, label, source_of, transforms
 from collective_matmul.wire import StepProblem
 
 
@@ -45,7 +45,7 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
             and "rematted_computation" not in dot.op_name]  # remat's recompute: counted once
     for backward in (False, True):  # the forward first: a weight gradient is known by its weight's shape
         for dot, times in dots:
-            if ("transpose(" in dot.op_name) == backward:
+            if in_backward(dot) == backward:
                 _classify(module, dot, times, axes, tally, backward=backward)
     _gathered_convolutions(module, tally)
     decomposed = []
@@ -78,6 +78,23 @@ def scan(module: Module | str, mesh: Mapping[str, int] | None = None) -> Discove
     problems += [p for p in (_summed_input_gradient(roles, tally) for roles in groups) if p is not None]
     return Discovery(problems=problems, skipped=skipped, decomposed=decomposed, warnings=warnings,
                      mesh=dict(mesh or {}), groups=groups, seen=_seen(module, dots))
+
+
+def in_backward(dot: Instruction) -> bool:
+    """Whether JAX's autodiff emitted ``dot`` for the backward pass: its name stack runs under ``transpose``.
+
+    The module's structure cannot say it.  Forward and backward are one dataflow graph in which the residuals and
+    cotangents a backward product reads are values like any other: an input gradient reads the forward's weight
+    as the forward does, a weight gradient is a product of two activations as attention's are, and a square
+    weight leaves even their shapes alike.  Nor does JAX mark the pass in the program beyond the name stack: its
+    backward pass (`jax._src.interpreters.ad`) runs every transposed equation under the ``transpose`` transform,
+    and the lowering writes that name stack into each instruction's ``op_name``, which XLA's passes carry to the
+    products they rewrite (a jaxpr's equations hold the same name stack, no more).  So the ``op_name`` is read as
+    a name stack, its transforms (`collective_matmul.programs.roles.transforms`); the fallback, for one whose
+    parentheses do not balance (not a name stack JAX wrote), is the plain text test for ``transpose(``.
+    """
+    found = transforms(dot.op_name.rpartition("/")[0])
+    return "transpose(" in dot.op_name if found is None else "transpose" in found
 
 
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
