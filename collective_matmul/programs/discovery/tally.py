@@ -19,6 +19,8 @@ class Seen:
 
 @dataclass
 class Tally:
+    """What a scan has seen so far, per role."""
+
     problems: dict[tuple, Seen] = field(default_factory=dict)  # (role, forward problem key) -> what was seen
     skipped: dict[tuple, int] = field(default_factory=dict)
     backward: dict[str, set[str]] = field(default_factory=dict)  # role -> slots its backward computes
