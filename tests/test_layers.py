@@ -120,6 +120,36 @@ def test_the_jax_free_parts_of_the_library_import_no_jax():
         assert not any(n.split(".")[0] in ("jax", "jaxlib", "flax") for n in imports_of_any(path)), path
 
 
+def test_the_modules_of_programs_import_each_other_without_a_cycle():
+    """Inside `programs` too every import points down (discovery's package over `products` over `hlo`)."""
+    folder = ROOT / "collective_matmul" / "programs"
+    name_of = {p: ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in folder.rglob("*.py")}
+    modules = set(name_of.values())
+    edges: dict[str, set[str]] = {}
+    for path, name in name_of.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                # ``from package import module`` imports that module; ``from module import name`` the module
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        edges[name] = found - {name}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"an import cycle in programs/: {' -> '.join((*path, name))}"
+        if name not in done:
+            for target in sorted(edges[name]):
+                visit(target, (*path, name))
+            done.add(name)
+
+    for name in sorted(edges):
+        visit(name, ())
+
+
 def test_moved_paths_still_resolve_with_a_warning():
     """`collective_matmul.flax`, `.topology` and `collective_matmul.client.Tuned` work for one more release."""
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"

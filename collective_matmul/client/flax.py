@@ -60,7 +60,7 @@ from collective_matmul.ops.collective import (
     is_explicit,
     weight_allgather_matmul,
 )
-from collective_matmul.ops.share import GATHERS, Group
+from collective_matmul.ops.share import GATHERS, SharedGather
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.programs.roles import call_site, group_label
 
@@ -162,7 +162,7 @@ class DotGeneral:
         # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
         configs = self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general")
         if share and configs.forward.method != "xla":
-            group = Group(role)
+            group = SharedGather(role)
 
             def summed(n: int) -> Decomposition:  # at the backward's trace, once every reader has joined
                 group_w = jax.ShapeDtypeStruct((w.shape[0], n), w.dtype)

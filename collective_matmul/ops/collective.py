@@ -26,7 +26,7 @@ from collective_matmul.ops.ring import (
     allgather_matmul_shard,
     matmul_reduce_scatter_shard,
 )
-from collective_matmul.ops.share import Group
+from collective_matmul.ops.share import SharedGather
 from collective_matmul.ops.weight_ring import reduce_scatter_grad_weight_shard, weight_allgather_matmul_shard
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.planning.problem import Collective, Problem
@@ -87,7 +87,7 @@ def allgather_matmul_keep(
     batch_axis: BatchAxis = None,
     grad_input: Decomposition | None = None,
     grad_weight: Decomposition | None = None,
-    group: Group | None = None,
+    group: SharedGather | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`allgather_matmul` that also returns what it gathered, for `gathered_matmul` to reuse.
 
@@ -120,7 +120,7 @@ class _Keep:
     config: Decomposition
     grad_input: Decomposition | None
     grad_weight: Decomposition | None
-    group: Group | None
+    group: SharedGather | None
 
     def configs(self, grad_input: Decomposition | None = None) -> dict:
         return dict(axis=self.axis, config=self.config, grad_input=grad_input or self.grad_input,
@@ -183,17 +183,17 @@ _keep.defvjp(_keep_fwd, _keep_bwd, symbolic_zeros=True)
 
 
 def gathered_matmul(stack: jax.Array, w: jax.Array, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
-                    group: Group | None = None) -> jax.Array:
+                    group: SharedGather | None = None) -> jax.Array:
     """``all_gather(x) @ w`` from the gathered ``x`` an `allgather_matmul_keep` returned: a local product on every
     device, no collective.  Its weight gradient is the local product of the gathered ``x`` with the output
     gradient, summed over ``batch_axis``.  Its input gradient: with the ``group`` of that op, its output gradient
-    and ``w`` go to the op's one reduce-scatter ring (`Group.hand_over`); without, it is the local product,
+    and ``w`` go to the op's one reduce-scatter ring (`SharedGather.hand_over`); without, it is the local product,
     which autodiff sums into the stack's cotangent, which the op adds before its ring.
 
     Args:
         stack: ``[P, ..., M, K]`` as `allgather_matmul_keep` returned it.
         w: ``[K, N]``, N sharded over ``axis``.
-        group: the `Group` that op was given.
+        group: the `SharedGather` that op was given.
 
     Returns:
         ``[..., M, N]`` with N sharded over ``axis``, as `allgather_matmul` lays it.
@@ -218,7 +218,7 @@ class _Reuse:
     """The static half of one `gathered_matmul` call of a group (hashed by identity)."""
 
     product: object  # the local product, a shard_map of (stack, w)
-    group: Group
+    group: SharedGather
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

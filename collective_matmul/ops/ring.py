@@ -229,7 +229,7 @@ def allgather_grad_weight_shard(
     return _allgather_grad_weight(u, v, axis, config).astype(jnp.result_type(u, v))
 
 
-class _Plan(NamedTuple):
+class _ActivationRingPlan(NamedTuple):
     """The static half of one op call: the ring axis and the three configs."""
 
     axis: str
@@ -247,12 +247,12 @@ def _plan(
     grad_weight: Decomposition | None,
     *,
     block_rows: int,
-) -> _Plan:
+) -> _ActivationRingPlan:
     """Fill in the backward defaults and check all three configs (the same ring blocks)."""
     if any(c is not None and c.method == "xla" for c in (config, grad_input, grad_weight)):
         raise ValueError("method='xla' is the product as written, partitioned by GSPMD: it runs through the op "
                          "(allgather_matmul, matmul_reduce_scatter), not inside a shard_map")
-    plan = _Plan(
+    plan = _ActivationRingPlan(
         axis,
         config,
         Decomposition.baseline() if grad_input is None else grad_input,
@@ -280,18 +280,18 @@ def _plan(
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _allgather_matmul_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
+def _allgather_matmul_vjp(x: jax.Array, w: jax.Array, plan: _ActivationRingPlan) -> jax.Array:
     return _allgather_matmul(x, w, plan.axis, plan.config)
 
 
-def _allgather_matmul_fwd(x, w, plan: _Plan):
+def _allgather_matmul_fwd(x, w, plan: _ActivationRingPlan):
     if plan.grad_weight.fuse:
         out, gathered = _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
         return out, (gathered, w)
     return _allgather_matmul(x, w, plan.axis, plan.config), (x, w)
 
 
-def _allgather_matmul_bwd(plan: _Plan, residuals, dy, addend=None, others: tuple = ()):
+def _allgather_matmul_bwd(plan: _ActivationRingPlan, residuals, dy, addend=None, others: tuple = ()):
     """``(dx, dW)``.  ``addend``: what other products of the gathered x add to its input gradient; ``others``:
     ``(dy_i, w_i)`` of the products that reused it (`allgather_matmul_keep_grads_shard`), whose input gradients
     the one reduce-scatter ring computes with this op's, chunk by chunk."""
@@ -309,15 +309,15 @@ _allgather_matmul_vjp.defvjp(_allgather_matmul_fwd, _allgather_matmul_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_reduce_scatter_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
+def _matmul_reduce_scatter_vjp(x: jax.Array, w: jax.Array, plan: _ActivationRingPlan) -> jax.Array:
     return _matmul_reduce_scatter(x, w, plan.axis, plan.config)
 
 
-def _matmul_reduce_scatter_fwd(x, w, plan: _Plan):
+def _matmul_reduce_scatter_fwd(x, w, plan: _ActivationRingPlan):
     return _matmul_reduce_scatter(x, w, plan.axis, plan.config), (x, w)
 
 
-def _matmul_reduce_scatter_bwd(plan: _Plan, residuals, dy):
+def _matmul_reduce_scatter_bwd(plan: _ActivationRingPlan, residuals, dy):
     x, w = residuals
     if plan.grad_weight.fuse:
         dx, dwt = _fused_gradients(dy, w.T, x, plan.axis, plan.grad_input, plan.grad_weight)

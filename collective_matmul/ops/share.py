@@ -10,13 +10,13 @@ Within one traced step, the first column call (all-gather → matmul) of an acti
 activation, one copy per device, which `Gathers` keeps for the traced value.  A later column call of the same
 value — the same tracer, in the same trace, on the same mesh, axis, batch axis, shape and dtype — runs
 `collective_matmul.ops.collective.gathered_matmul`: its product on the kept copy, with no collective.  The calls of one
-gathered activation are a `Group`.  In the backward each later call computes its weight gradient from the
+gathered activation are a `SharedGather`.  In the backward each later call computes its weight gradient from the
 gathered copy and hands its output gradient and weight over to the group (the later calls' backwards run
 before the first's); the first op's backward then runs ONE reduce-scatter ring which computes, at every step,
 every call's piece of the summed input gradient (each a product of its output gradient's rows and its weight,
 no concatenated copy): the group's whole transfer hides behind the group's whole product.  That ring is the
 group's summed problem (N the sum of the calls' N): the drop-in looks its config up as such
-(``Group.grad_input``) under the group's label (`collective_matmul.programs.roles.group_label`:
+(``SharedGather.grad_input``) under the group's label (`collective_matmul.programs.roles.group_label`:
 ``Llama/layers/{key,query,value}``), as discovery lists it.  The memory is what the step as written keeps: the
 gathered activation, once.
 
@@ -48,7 +48,7 @@ def _trace() -> object:
 
 
 @dataclass(eq=False)
-class Group:
+class SharedGather:
     """The calls of one gathered activation: the call that gathered it (``first``) and those that reused it
     (``readers``), in trace order.  ``grad_input``: the config of the first op's input-gradient ring given the
     group's summed N (None: the first call's own ``grad_input``).  Hashable by identity: a static argument of
@@ -96,7 +96,7 @@ class Kept:
     axis: str
     batch_axis: object
     stack: jax.Array
-    group: Group
+    group: SharedGather
 
 
 class Gathers:
@@ -106,7 +106,7 @@ class Gathers:
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._size = size
 
-    def find(self, lhs, *, mesh: Mesh, axis: str, batch_axis) -> tuple[jax.Array, Group] | None:
+    def find(self, lhs, *, mesh: Mesh, axis: str, batch_axis) -> tuple[jax.Array, SharedGather] | None:
         """``(stack, group)``: what an earlier call (``group.first``) gathered of ``lhs`` on this ring, or None.  Only a
         tracer of the running trace is shared (a concrete array, or a tracer of another trace, never is)."""
         kept = self._kept.get(id(lhs))  # only tracers are kept: `kept.lhs() is lhs` makes this one a tracer
@@ -115,7 +115,7 @@ class Gathers:
             return None
         return kept.stack, kept.group
 
-    def keep(self, lhs, stack, *, mesh: Mesh, axis: str, batch_axis, group: Group) -> None:
+    def keep(self, lhs, stack, *, mesh: Mesh, axis: str, batch_axis, group: SharedGather) -> None:
         """Remember that ``stack`` is ``lhs`` gathered over ``axis`` (a tracer only: nothing else is shared)."""
         if not isinstance(lhs, jax.core.Tracer):
             return

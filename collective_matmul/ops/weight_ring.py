@@ -51,7 +51,7 @@ _DUAL = {("forward", "n"): "allgather_matmul", ("forward", "k"): "allgather_grad
          ("grad_weight", "n"): "matmul_reduce_scatter", ("grad_weight", "k"): "matmul_reduce_scatter"}
 
 
-class _Plan(NamedTuple):
+class _WeightRingPlan(NamedTuple):
     """The static half of one call: the ring, the weight's sharded dimension, the three configs."""
 
     axis: str
@@ -108,7 +108,7 @@ def weight_allgather_matmul_shard(
     return _weight_vjp(x, w, plan)
 
 
-def _plan(x, w, axis, weight_dim, config, grad_input, grad_weight, tensor_axis) -> _Plan:
+def _plan(x, w, axis, weight_dim, config, grad_input, grad_weight, tensor_axis) -> _WeightRingPlan:
     """The call's plan, each config checked as the activation ring it runs as (1.-4. of the module)."""
     size = lax.axis_size(axis)
     rows = w.shape[0] if weight_dim == "k" else w.shape[1]  # the weight's rows of one ring block
@@ -127,15 +127,16 @@ def _plan(x, w, axis, weight_dim, config, grad_input, grad_weight, tensor_axis) 
                                 block_rows=rows, axis_size=size, dtype=dtype)
         except ValueError as exc:
             raise ValueError(f"{slot}: {exc}" if slot != "forward" else str(exc)) from None
-    return _Plan(axis, weight_dim, configs["forward"], configs["grad_input"], configs["grad_weight"], tensor_axis)
+    return _WeightRingPlan(axis, weight_dim, configs["forward"], configs["grad_input"], configs["grad_weight"],
+                           tensor_axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _weight_vjp(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
+def _weight_vjp(x: jax.Array, w: jax.Array, plan: _WeightRingPlan) -> jax.Array:
     return _forward(x, w, plan)[0]
 
 
-def _forward(x: jax.Array, w: jax.Array, plan: _Plan):
+def _forward(x: jax.Array, w: jax.Array, plan: _WeightRingPlan):
     """``(y, the gathered weight or None)``: the gathered weight where the plan keeps it for the backward."""
     rows = x.reshape(-1, x.shape[-1])  # [R, K']: this device's rows
     if plan.weight_dim == "n":  # yᵀ = all_gather(wᵀ) @ xᵀ, wᵀ [N/P, K']
@@ -153,12 +154,12 @@ def _forward(x: jax.Array, w: jax.Array, plan: _Plan):
     return y.reshape(*x.shape[:-1], y.shape[-1]), kept
 
 
-def _weight_fwd(x, w, plan: _Plan):
+def _weight_fwd(x, w, plan: _WeightRingPlan):
     y, kept = _forward(x, w, plan)
     return y, (x, w, kept)
 
 
-def _weight_bwd(plan: _Plan, residuals, dy):
+def _weight_bwd(plan: _WeightRingPlan, residuals, dy):
     x, w, kept = residuals
     rows, d_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]).astype(x.dtype)
     if plan.weight_dim == "n":

@@ -58,6 +58,27 @@ def scopes(name_stack: str) -> list[str]:
     return out
 
 
+def transforms(name_stack: str) -> list[str] | None:
+    """The JAX transforms a name stack runs under, outermost first: ``["jit", "transpose", "jvp"]`` for
+    ``jit(step)/transpose(jvp(Model))/layers/up`` (a jitted function's name is not one).  None where the
+    parentheses do not balance: not a name stack JAX wrote."""
+    depth = 0
+    for c in name_stack:
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth < 0:
+            return None
+    if depth:
+        return None
+    out: list[str] = []
+    for part in _split(name_stack):
+        match = re.fullmatch(r"([\w.\-]+)\((.*)\)", part, flags=re.S)
+        if match:
+            out.append(match.group(1))
+            if match.group(1) not in _NAMED_FUNCTIONS:
+                out.extend(transforms(match.group(2)) or ())
+    return out
+
+
 def label(name_stack: str, frames: Iterable[tuple[str, int]] = ()) -> str:
     """The role of a call: its scopes joined by ``/``, else ``file.py:LINE`` of its innermost user frame.
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collective_matmul.programs.discovery import is_product
 from collective_matmul.programs.hlo import Module, parse_module
+from collective_matmul.programs.products import is_product
 from collective_matmul.wire.bounds import OverlapVerdict
 
 

@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul import Tuned, discover
 from collective_matmul.block import AS_WRITTEN, activation_sharding, apply, init_params
 from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
-from collective_matmul.programs.roles import agree, label, scopes
+from collective_matmul.programs.discovery.scanning import in_backward
+from collective_matmul.programs.hlo import parse_module
+from collective_matmul.programs.roles import agree, label, scopes, transforms
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -180,3 +182,66 @@ def test_the_labelling_rule():
     assert len(label("a" * 500)) == 200
     assert agree("layers/up", "Model/layers/up") and not agree("ayers/up", "Model/layers/up")
     assert not agree("model.py:42", "other.py:42")
+
+
+
+def test_a_product_is_in_the_backward_when_its_name_stack_runs_under_transpose():
+    """The name stack's transforms say it, not a name that merely holds the word; unbalanced text falls back."""
+    assert transforms("jit(step)/transpose(jvp(Model))/jvp(Model)/layers/up") == ["jit", "transpose", "jvp", "jvp"]
+    assert transforms("jit(transpose)/layers/up") == ["jit"] and transforms("a(b/c") is None
+
+    def dot(op_name: str):
+        text = ("HloModule m\n\nENTRY %main (a: f32[2,2], b: f32[2,2]) -> f32[2,2] {\n"
+                "  %a = f32[2,2]{1,0} parameter(0)\n  %b = f32[2,2]{1,0} parameter(1)\n"
+                "  ROOT %d = f32[2,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+                f'metadata={{op_name="{op_name}"}}\n}}\n')
+        return parse_module(text).entry.instructions["d"]
+
+    assert in_backward(dot("jit(step)/transpose(jvp(Model))/layers/up/dot_general"))
+    assert not in_backward(dot("jit(step)/jvp(Model)/layers/up/dot_general"))
+    assert not in_backward(dot("jit(transpose)/layers/up/dot_general"))
+    assert in_backward(dot("jit(step)/transpose(jvp(Model)/layers/up/dot_general"))  # unbalanced: the text test
+
+PAST_THE_CACHE = """
+import os, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from collective_matmul.programs.discovery import partitioned_module
+
+cache = tempfile.mkdtemp()
+for name, value in (("jax_compilation_cache_dir", cache), ("jax_persistent_cache_min_compile_time_secs", 0),
+                    ("jax_persistent_cache_min_entry_size_bytes", 0)):
+    jax.config.update(name, value)
+mesh = Mesh(np.array(jax.devices()), ("x",))
+args = (jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x", None))),
+        jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "x"))))
+
+def dumped(fn):
+    directory = tempfile.mkdtemp()
+    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": directory,
+                                                       "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    return any("spmd-partitioning" in f for f in os.listdir(directory))
+
+step = lambda a, b: jnp.tanh(a @ b).sum()
+other = lambda a, b: jnp.sin(a @ b).sum()
+print(dumped(step), len(os.listdir(cache)), dumped(step))  # the second compile is served from the cache
+text, note = partitioned_module(step, args)
+print("all-gather" in text, note, len(os.listdir(cache)))
+text, note = partitioned_module(other, args)
+print("all-gather" in text, note, len(os.listdir(cache)))  # compiled, not written
+print(jax.config.jax_enable_compilation_cache, dumped(step))  # the user's cache is back
+"""
+
+
+def test_discovery_compiles_past_the_persistent_cache():
+    """A compile served from JAX's persistent cache writes no partitioned module: discovery compiles past the cache
+    (neither read nor written) after the process's first compile turned it on, and leaves it on.  Through JAX's
+    public API: this fails where JAX moves it."""
+    import os
+    import subprocess
+
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", PAST_THE_CACHE], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["True 1 False", "True None 1", "True None 1", "True False"]

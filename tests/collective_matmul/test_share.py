@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from collective_matmul import Decomposition, OpConfigs, Tuned
 from collective_matmul.client import flax as cm_flax
 from collective_matmul.ops.collective import allgather_matmul_keep, gathered_matmul
-from collective_matmul.ops.share import Group
+from collective_matmul.ops.share import SharedGather
 from collective_matmul.programs.roles import group_label
 
 D = Decomposition.from_id
@@ -45,7 +45,7 @@ def rel_error(actual, expected) -> float:
 def test_three_products_of_one_gather_equal_float64(configs, grouped):
     """The op pair: one gathering op and two local products of what it gathered; the value and every gradient
     equal float64 numpy, and the backward holds one reduce-scatter (or one ring) for all three input gradients.
-    With their `Group` (what the drop-in passes) the readers' input-gradient products run inside that one ring:
+    With their `SharedGather` (what the drop-in passes) the readers' input-gradient products run inside that one ring:
     each of its pieces (a ring of 4, x chunks) is three products, where without the group the readers' two are
     whole products before the ring."""
     mesh = mesh_2d()
@@ -55,7 +55,7 @@ def test_three_products_of_one_gather_equal_float64(configs, grouped):
     cots = [rng.standard_normal((BATCH, SEQ, w.shape[1])) for w in ws]
 
     def loss(x, ws, grouped=grouped):
-        group = Group("q") if grouped else None
+        group = SharedGather("q") if grouped else None
         y, stack = allgather_matmul_keep(x, ws[0], mesh=mesh, axis="model", batch_axis="data", config=configs.forward,
                                          grad_input=configs.grad_input, grad_weight=configs.grad_weight, group=group)
         ys = [y, *(gathered_matmul(stack, w, mesh=mesh, axis="model", batch_axis="data", group=group)
@@ -97,7 +97,7 @@ def test_a_group_whose_outputs_are_partly_unused_has_the_gradient_of_what_is_use
     where = dict(mesh=mesh, axis="model", batch_axis="data")
 
     def outputs(x, ws):
-        group = Group("q")
+        group = SharedGather("q")
         y, stack = allgather_matmul_keep(x, ws[0], **where, config=COLUMN.forward, grad_input=COLUMN.grad_input,
                                          group=group)
         return [y, *(gathered_matmul(stack, w, **where, group=group) for w in ws[1:])]
