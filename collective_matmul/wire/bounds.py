@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from collective_matmul.planning.models import MAX_ROLES
-from collective_matmul.planning.text import as_message, label, message
+from collective_matmul.planning.text import as_message, message
+from collective_matmul.wire.fields import ProblemKey
 
 if TYPE_CHECKING:
     from collective_matmul.wire.bundle import TunedConfig
@@ -52,7 +53,6 @@ AT_BOUND = 0.05  # the baseline within this share of itself above the bound: it 
 NO_OVERLAP = 0.10  # the baseline within this share of compute + communication: nothing in it overlaps
 AGREE = 0.10  # an estimated and a measured saving this close (relative) agree
 MAX_TERMS = 3 * MAX_ROLES  # a step's collective matmuls: three slots per role at most
-ProblemKey = label(200)
 Summary = message(2000)  # as the step decision's summary
 
 
