@@ -19,11 +19,16 @@ The rest lives in sub-packages, split by who imports them (tests/test_layers.py 
 Importing this package touches no device, does no I/O and imports no JAX: names are resolved on
 first use (PEP 562), so the keys and the wire contract serve processes that never run an op, like
 the cmtune service.
+
+The 30 other names version 0.3.0 exported here (the reference block's, the model shapes', `candidates`,
+`input_shardings`, ...) still resolve for one more release, each with a `DeprecationWarning` naming its
+new home (`_MOVED`); they are not in `__all__` or `dir()`.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
@@ -42,6 +47,40 @@ _EXPORTS = {
     "Tuned": "client.tuned",
     "Discovery": "programs.discovery",
     "discover": "programs.discovery",
+}
+
+# 0.3.0's names that moved, and their modules now: they resolve for one more release, with a warning.
+_MOVED = {
+    "AS_WRITTEN": "block",
+    "AsWritten": "block",
+    "FixedConfigs": "block",
+    "activation_sharding": "block",
+    "apply": "block",
+    "check_block": "block",
+    "configs_per_role": "block",
+    "init_params": "block",
+    "loss": "block",
+    "loss_and_grads": "block",
+    "param_shardings": "block",
+    "train_step": "block",
+    "ConfigSource": "client.sources",
+    "Lookup": "client.sources",
+    "TunedConfig": "wire.bundle",
+    "PRESETS": "planning.models",
+    "ROLES": "planning.models",
+    "MeshSpec": "planning.models",
+    "ModelProblem": "planning.models",
+    "TransformerBlock": "planning.models",
+    "model_problems": "planning.models",
+    "ring_hardware": "planning.models",
+    "check_decomposition": "planning.problem",
+    "candidates": "planning.space",
+    "input_shardings": "ops.collective",
+    "plain_baseline": "ops.collective",
+    "problem_of": "ops.collective",
+    "baseline_allgather_grad_weight_shard": "ops.baseline",
+    "baseline_allgather_matmul_shard": "ops.baseline",
+    "baseline_matmul_reduce_scatter_shard": "ops.baseline",
 }
 
 __all__ = [
@@ -65,11 +104,16 @@ __all__ = [
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f"collective_matmul.{module}"), name)
+        globals()[name] = value
+        return value
+    module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'collective_matmul' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"collective_matmul.{module}"), name)
-    globals()[name] = value
-    return value
+    warnings.warn(f"collective_matmul.{name} moved to collective_matmul.{module}.{name}; import it from there (the "
+                  "old path goes in the next release)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(f"collective_matmul.{module}"), name)  # not kept: each use warns
 
 
 def __dir__() -> list[str]:

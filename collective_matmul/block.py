@@ -81,11 +81,11 @@ class FixedConfigs:
             raise ValueError(f"unknown roles {unknown}; the block's roles are {list(ROLES)}")
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "",
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, site: str = "",
                 via: str = "op") -> OpConfigs:
         return self.per_role.get(role, self.default)
 
-    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+    def fell_back(self, role: str, reason: str, *, site: str = "") -> None:
         """Nothing to record: fixed configs keep no report of the calls."""
 
 
@@ -96,11 +96,11 @@ class AsWritten:
     """
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "",
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, site: str = "",
                 via: str = "op") -> OpConfigs:
         return OpConfigs()
 
-    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
+    def fell_back(self, role: str, reason: str, *, site: str = "") -> None:
         """Nothing to record: the block as written calls no op of cmtune."""
 
     def __repr__(self) -> str:

@@ -72,7 +72,7 @@ def main() -> None:
         print(f"step {i}: loss {float(loss):.4f}")
     for role, slots in tuned.resolved_by_role.items():
         for slot, (problem, found) in slots.items():
-            print(f"{role}.{slot} {problem.key}: {found.decomposition.id} ({found.match} from {found.source})")
+            print(f"{role}.{slot} {problem.key}: {found.decomposition.id} ({found.match} from {found.origin})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The tuned-config client: `Tuned` (`tuned`), its sources and look-up (`sources`), the report of the calls
-(`report`), per-role overrides (`overrides`), the REST client (`rest`), and the drop-ins: Flax's
-``dot_general`` (`flax`) and MaxText's dense layers (`maxtext`).
+(`report`), applying per-role overrides (`overrides`), an op call through a source and the ops a source runs
+(`calls`), the REST client (`rest`), and the drop-ins: Flax's ``dot_general`` (`flax`) and MaxText's dense
+layers (`maxtext`).
 
 ``collective_matmul.client.Tuned`` (the path before this layout) still resolves for one more release, with a
 `DeprecationWarning`: write ``collective_matmul.Tuned``.

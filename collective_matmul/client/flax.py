@@ -124,7 +124,7 @@ class DotGeneral:
         self.batch_axis, self.role = batch_axis, role
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        label, where = call_site()
+        label, site = call_site()
         role = self.role or label
         try:
             route, x, w, unfold = self._fit(lhs, rhs, dimension_numbers, precision, preferred_element_type, kwargs)
@@ -132,21 +132,21 @@ class DotGeneral:
             check_call(route.collective, x, w, mesh=self.mesh, axis=route.axis, batch_axis=batch_axis,
                        tensor_axis=route.tensor_axis)
         except ValueError as exc:  # _Unfit, or shapes that do not divide over the ring
-            return self._plain(role, where, str(exc), lhs, rhs, dimension_numbers, precision,
+            return self._plain(role, site, str(exc), lhs, rhs, dimension_numbers, precision,
                                preferred_element_type, kwargs)
-        y = self._run(role, where, route, lhs, x, w, batch_axis).reshape(unfold)
+        y = self._run(role, site, route, lhs, x, w, batch_axis).reshape(unfold)
         out_sharding = kwargs.get("out_sharding")
         if out_sharding is not None:
             y = _reshard(y, out_sharding, self.mesh)
         return y
 
-    def _run(self, role, where, route: _Route, lhs, x, w, batch_axis):
+    def _run(self, role, site, route: _Route, lhs, x, w, batch_axis):
         """The op of one call; a column call of an activation an earlier one gathered reuses its gather."""
         collective = route.collective
         where_to = dict(mesh=self.mesh, axis=route.axis, batch_axis=batch_axis)
         if collective in WEIGHT_DIM_OF:  # FSDP's: the weight's shards go round the ring
             configs = self.source.configs(role, collective, x, w, **where_to, tensor_axis=route.tensor_axis,
-                                          source=where, via="dot_general")
+                                          site=site, via="dot_general")
             return weight_allgather_matmul(x, w, **where_to, weight_dim=WEIGHT_DIM_OF[collective],
                                            tensor_axis=route.tensor_axis, config=configs.forward,
                                            grad_input=configs.grad_input, grad_weight=configs.grad_weight)
@@ -155,18 +155,18 @@ class DotGeneral:
         if found is not None and found[0].shape[1:] == x.shape:  # the same activation, folded alike
             stack, group = found
             group.join(role)
-            self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general",
+            self.source.configs(role, collective, x, w, **where_to, site=site, via="dot_general",
                                 gathered_by=group.first)
             return gathered_matmul(stack, w, **where_to, group=group)
         # a served config that does not fit is skipped inside `configs`; a step variant whose edit does
         # not fit raises (`VariantError`): it must fail, not time lax.dot_general under its name
-        configs = self.source.configs(role, collective, x, w, **where_to, source=where, via="dot_general")
+        configs = self.source.configs(role, collective, x, w, **where_to, site=site, via="dot_general")
         if share and configs.forward.method != "xla":
             group = SharedGather(role)
 
             def summed(n: int) -> Decomposition:  # at the backward's trace, once every reader has joined
                 group_w = jax.ShapeDtypeStruct((w.shape[0], n), w.dtype)
-                return self.source.configs(group_label(group.roles), collective, x, group_w, **where_to, source=where,
+                return self.source.configs(group_label(group.roles), collective, x, group_w, **where_to, site=site,
                                            via="dot_general", members=group.roles).grad_input
 
             group.grad_input = summed
@@ -248,8 +248,8 @@ class DotGeneral:
             return None
         return batch_axis_of(others)
 
-    def _plain(self, role, where, reason, lhs, rhs, dimension_numbers, precision, preferred, kwargs):
-        self.source.fell_back(role, reason, source=where)
+    def _plain(self, role, site, reason, lhs, rhs, dimension_numbers, precision, preferred, kwargs):
+        self.source.fell_back(role, reason, site=site)
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred, **kwargs)
 

@@ -1,10 +1,11 @@
-"""Override matching: a model's per-role decisions (from its step measurement) for the calls of those roles.
+"""Applying stored overrides: a model's per-role decisions (from its step measurement) to the calls of those roles.
 
 The overrides of a model on one hardware are fetched once, from the bundle and then the server (the
 server's win).  A call's role matches an override's when the two agree (`collective_matmul.programs.roles.agree`);
 each of the override's configs is checked against its problem: one that does not fit is skipped, noted
-on the call and warned about once, and the look-up decides that slot instead.  An override decided
-on another software stack is still applied, and noted so.
+on the call and warned about once, and the look-up answers that slot instead.  An override decided
+on another software stack is still applied, and noted so.  Nothing here decides: the step decision is the
+tuner's; the client only applies what it stored.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Override:
-    """One role's override: its configs, the source it came from, why, and the stack that decided it."""
+    """One role's override: its configs, where it came from (``origin``), why, and the stack that decided it."""
 
     configs: OpConfigs
-    source: str  # server | bundle
+    origin: str  # server | bundle
     reason: str
     software: Software | None = None  # the stack of the step measurement that decided it
 
     @classmethod
-    def of(cls, found: RoleOverride, source: str) -> Override:
-        return cls(found.configs, source, found.reason, found.software)
+    def of(cls, found: RoleOverride, origin: str) -> Override:
+        return cls(found.configs, origin, found.reason, found.software)
 
 
 class Overrides:
@@ -65,10 +66,10 @@ class Overrides:
         matched.add((key, name))
         return known[name]
 
-    def decide(self, role: str, hardware: Hardware, problems: dict[str, Problem], notes: list[str],
-               matched: set[tuple[str, str]]) -> tuple[dict[str, Lookup], set[str]]:
-        """What ``role``'s override decides for ``problems`` (slot -> problem): the answers of the slots whose
-        config fits, and the slots whose config does not (skipped, added to ``notes``, warned about once)."""
+    def apply(self, role: str, hardware: Hardware, problems: dict[str, Problem], notes: list[str],
+              matched: set[tuple[str, str]]) -> tuple[dict[str, Lookup], set[str]]:
+        """``role``'s override applied to ``problems`` (slot -> problem): the answers of the slots whose config
+        fits, and the slots whose config does not (skipped, added to ``notes``, warned about once)."""
         override = self.match(role, hardware, matched)
         if override is None:
             return {}, set()
@@ -79,27 +80,27 @@ class Overrides:
                 stack = override_note(override.software, hardware.software)
                 if stack is not None and stack not in notes:
                     notes.append(stack)  # still applied: a new stack's step measurement replaces it
-                found[slot] = Lookup(chosen, "override", override.source, software=override.software, note=stack or "")
+                found[slot] = Lookup(chosen, "override", override.origin, software=override.software, note=stack or "")
                 continue
             note = f"override {slot} {chosen.id} does not fit {problem.key}: skipped"
             notes.append(note)
-            self.warn(f"override:{role}:{slot}", f"{self.model} {role}: {note} (from the {override.source}; the "
-                                                 "look-up decides instead)")
+            self.warn(f"override:{role}:{slot}", f"{self.model} {role}: {note} (from the {override.origin}; the "
+                                                 "look-up answers instead)")
             skipped.add(slot)
         return found, skipped
 
     def answers(self, role: str | None, call: tuple, hardware: Hardware, problems: dict[str, Problem],
                 notes: list[str], record: Record) -> dict[str, Lookup]:
-        """Each slot's answer to one call: ``role``'s override where its config fits (`decide`), else the look-up
+        """Each slot's answer to one call: ``role``'s override where its config fits (`apply`), else the look-up
         (`collective_matmul.client.sources.Sources.answer`), once per ``call`` and slot of ``record``."""
-        decided, skipped = self.decide(role, hardware, problems, notes, record.matched) if role else ({}, set())
+        applied, skipped = self.apply(role, hardware, problems, notes, record.matched) if role else ({}, set())
         found = {}
         for slot, problem in problems.items():
-            if slot in decided:
-                found[slot] = decided[slot]
+            if slot in applied:
+                found[slot] = applied[slot]
                 continue
             answer = record.answer((slot, *call), problem, partial(self.sources.answer, slot, problem, hardware))
-            found[slot] = replace(answer, source=f"{answer.source} (the override did not fit)") if slot in skipped \
+            found[slot] = replace(answer, origin=f"{answer.origin} (the override did not fit)") if slot in skipped \
                 else answer
         for slot, (decomposition, why) in whole_op({s: f.decomposition for s, f in found.items()}).items():
             found[slot] = replace(found[slot], decomposition=decomposition,

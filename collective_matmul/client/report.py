@@ -1,4 +1,4 @@
-"""The call-site report: every call a client traced, applied (problem, configs, match, source) or fell back (why).
+"""The call-site report: every call a client traced, applied (problem, configs, match, origin) or fell back (why).
 
 `Record` is what one client's calls resolved and ran: the call sites (`CallSite`, listed by
 `Report`), each call's answers, each role's, and the overrides its calls matched; the first call
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ class CallSite:
     """One call site the process traced: where, what it solved, and what ran there."""
 
     role: str
-    source: str  # file:line of the call
+    site: str  # file:line of the call
     via: str  # op (tuned.allgather_matmul / matmul_reduce_scatter) | dot_general (the Flax drop-in)
     collective: str | None = None
     problems: dict[str, Problem] = field(default_factory=dict)
@@ -43,6 +44,13 @@ class CallSite:
     axis: str | None = None  # the mesh axis of the ring
     gathered_by: str = ""  # the role whose gather this call reuses (collective_matmul.ops.share); "" = its own
     members: list[str] = field(default_factory=list)  # a group's summed input gradient: the roles of its calls
+
+    @property
+    def source(self) -> str:
+        """The old name of `site`: it resolves for one more release, with a `DeprecationWarning`."""
+        warnings.warn("CallSite.source is CallSite.site (the call's file:line): the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.site
 
     @property
     def applied(self) -> bool:
@@ -64,16 +72,16 @@ class CallSite:
 
     def line(self) -> str:
         """One line: the role, where, and what ran (or why not)."""
-        where = f"{self.role} ({self.source})" if self.source and self.source != self.role else self.role
+        where = f"{self.role} ({self.site})" if self.site and self.site != self.role else self.role
         if not self.applied:
             return f"{where}: fell back to lax.dot_general: {self.reason}"
         if self.members:
             found, problem = self.found["grad_input"], self.problems["grad_input"]
             return (f"{where}: the input gradients of {', '.join(self.members)} in one reduce-scatter ring, "
-                    f"{problem.key}: grad_input {found.decomposition.id} ({found.match} from {found.source})"
+                    f"{problem.key}: grad_input {found.decomposition.id} ({found.match} from {found.origin})"
                     + "".join(f"; {note}" for note in self.unmeasured))
         forward = self.problems["forward"]
-        slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.source}"
+        slots = ", ".join(f"{slot} {f.decomposition.id} ({f.match} from {f.origin}"
                           + (f", measured on {f.software}" if f.match == "stale" and f.software else "") + ")"
                           for slot, f in self.found.items())
         if self.gathered_by:
@@ -206,25 +214,25 @@ class Record:
                 self.calls[key] = hit
         return hit[1]
 
-    def site(self, site: CallSite) -> CallSite:
+    def traced(self, call: CallSite) -> CallSite:
         """Record a traced call (a call traced again counts); the first of its role is logged."""
-        key = (site.role, site.source, site.via, site.collective,
-               site.problems["forward"].key if site.problems else None, site.reason)
+        key = (call.role, call.site, call.via, call.collective,
+               call.problems["forward"].key if call.problems else None, call.reason)
         known = self.sites.get(key)
         if known is not None:
             known.traces += 1
             return known
         if len(self.sites) < MAX_SITES:
-            self.sites[key] = site
-        if site.role not in self.logged:
-            self.logged.add(site.role)
-            logger.info("cmtune %s: %s", self.name, site.line())
-        return site
+            self.sites[key] = call
+        if call.role not in self.logged:
+            self.logged.add(call.role)
+            logger.info("cmtune %s: %s", self.name, call.line())
+        return call
 
-    def applied(self, site: CallSite) -> None:
-        """Record an applied call of a role: the site, and the role's problems and answers."""
-        self.roles[site.role] = {slot: (site.problems[slot], site.found[slot]) for slot in SLOTS}
-        self.site(site)
+    def applied(self, call: CallSite) -> None:
+        """Record an applied call of a role: its call site, and the role's problems and answers."""
+        self.roles[call.role] = {slot: (call.problems[slot], call.found[slot]) for slot in SLOTS}
+        self.traced(call)
 
     def per_role(self) -> dict[str, list[OpConfigs]]:
         """The configs each role's applied calls ran, one entry per distinct problem."""

@@ -49,7 +49,7 @@ class ConfigSource(Protocol):
     """
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "",
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, site: str = "",
                 via: str = "op") -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call.
 
@@ -60,7 +60,7 @@ class ConfigSource(Protocol):
                 (``weight_allgather_matmul_k`` / ``_n``).
             x, w: the forward's operands (arrays, tracers or `jax.ShapeDtypeStruct`: the shapes matter).
             mesh, axis, batch_axis: as for the op; ``tensor_axis``: the weight's other sharded axis (FSDP x TP).
-            source: ``file:line`` of the call (the drop-in gives it), for a report of the calls.
+            site: ``file:line`` of the call (the drop-in gives it), for a report of the calls.
             via: how the call came: ``op`` (the block, `Tuned`'s ops) or ``dot_general`` (the drop-in).
 
         Raises:
@@ -68,21 +68,28 @@ class ConfigSource(Protocol):
         """
         ...
 
-    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
-        """A call the drop-in ran as plain ``lax.dot_general``: ``reason`` says why, ``source`` is its ``file:line``."""
+    def fell_back(self, role: str, reason: str, *, site: str = "") -> None:
+        """A call the drop-in ran as plain ``lax.dot_general``: ``reason`` says why, ``site`` is its ``file:line``."""
         ...
 
 
 @dataclass(frozen=True)
 class Lookup:
-    """The answer to one look-up: the config, and where it came from."""
+    """The answer to one look-up: the config, and where it came from (``origin``)."""
 
     decomposition: Decomposition
     match: str  # override | exact | stale | nearest | model | baseline | fixed
-    source: str  # server | bundle | costmodel | baseline | variant | process 0
+    origin: str  # server | bundle | costmodel | baseline | variant | process 0
     speedup: float | None = None
     software: Software | None = None  # the stack that measured the config it came from
     note: str = ""  # which stack measured it (a stale one), or why nothing measured answered (model, baseline)
+
+    @property
+    def source(self) -> str:
+        """The old name of `origin`: it resolves for one more release, with a `DeprecationWarning`."""
+        warnings.warn("Lookup.source is Lookup.origin (where the answer came from): the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return self.origin
 
 
 class WarnOnce:

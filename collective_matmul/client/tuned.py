@@ -11,7 +11,7 @@ Each (problem, hardware, stack) is looked up once per process; a server that is 
 reported by one warning and never breaks the training step, and a served config that does not fit
 its problem is skipped and reported, never raised inside the step.
 
-Every call site the process traces is recorded — applied (problem, config, match, source) or fell
+Every call site the process traces is recorded — applied (problem, config, match, origin) or fell
 back (why) — and `Tuned.report` lists them (`collective_matmul.client.report`); the first trace of each role
 logs one line on the ``collective_matmul`` logger.  The same interface serves the step variants
 `cmtune verify` times: `Tuned.variant` edits every call's configs (the baseline everywhere, one role
@@ -24,16 +24,15 @@ import copy
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import jax
 from jax.sharding import Mesh
 
-from collective_matmul.client import flax as drop_in
+from collective_matmul.client.calls import SourceOps, call_problems
 from collective_matmul.client.overrides import Override, Overrides
 from collective_matmul.client.report import CallSite, Pins, Record, Report
 from collective_matmul.client.sources import BundleSource, Lookup, ServiceSource, Sources, WarnOnce
-from collective_matmul.ops.collective import OPS, BatchAxis, problem_of, weight_allgather_matmul
+from collective_matmul.ops.collective import BatchAxis
 from collective_matmul.planning.decomposition import OpConfigs
-from collective_matmul.planning.models import SLOTS, WEIGHT_K, WEIGHT_N, ring_hardware, slot_problems
+from collective_matmul.planning.models import SLOTS, ring_hardware
 from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.programs import roles
 from collective_matmul.wire import Pin
@@ -41,8 +40,6 @@ from collective_matmul.wire.bundle import Bundle
 from collective_matmul.wire.lookup import Unmeasured
 
 __all__ = ["CallSite", "Lookup", "Report", "Tuned", "VariantError", "ring_hardware"]
-
-_COLLECTIVES = ("allgather_matmul", "matmul_reduce_scatter", "weight_allgather_matmul_k", "weight_allgather_matmul_n")
 
 Edit = Callable[[str, OpConfigs], OpConfigs]
 
@@ -52,8 +49,10 @@ class VariantError(ValueError):
     its name says, so it fails (it never falls back to ``lax.dot_general``)."""
 
 
-class Tuned:
-    """Tuned collective matmuls for training code (a `collective_matmul.client.sources.ConfigSource`).
+class Tuned(SourceOps):
+    """Tuned collective matmuls for training code (a `collective_matmul.client.sources.ConfigSource`), with the ops
+    and the Flax drop-in (`SourceOps`: ``allgather_matmul``, ``matmul_reduce_scatter``, ``weight_allgather_matmul``,
+    ``dot_general``, ``dot_general_cls``) running them.
 
     Args:
         server: base URL of a cmtune service (optional).
@@ -134,7 +133,7 @@ class Tuned:
         return {role: dict(slots) for role, slots in self._record.roles.items()}
 
     def report(self) -> Report:
-        """Every call site this process traced: applied (problem, configs, match, source) or fell back (why), and
+        """Every call site this process traced: applied (problem, configs, match, origin) or fell back (why), and
         the model's overrides (for the hardware of the calls it applied) that no call matched."""
         return self._record.report(self.model, self._overrides.unmatched)
 
@@ -142,85 +141,43 @@ class Tuned:
         """The configs each role's applied calls ran, one entry per distinct problem."""
         return self._record.per_role()
 
-    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
-        """Record a call the drop-in ran as plain ``lax.dot_general`` (``reason``: why)."""
-        self._record.site(CallSite(role=role, source=source, via="dot_general", reason=reason))
-
-    def allgather_matmul(self, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
-                         role: str | None = None) -> jax.Array:
-        """`collective_matmul.allgather_matmul` with the tuned configs (forward, backward); ``role`` labels the call."""
-        return self._op("allgather_matmul", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
-
-    def matmul_reduce_scatter(self, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
-                              role: str | None = None) -> jax.Array:
-        """`collective_matmul.matmul_reduce_scatter` with the tuned configs (forward, backward); ``role`` labels it."""
-        return self._op("matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
-
-    def weight_allgather_matmul(self, x, w, *, mesh: Mesh, axis: str, weight_dim: str = "k",
-                                batch_axis: BatchAxis = None, tensor_axis: str | None = None,
-                                role: str | None = None) -> jax.Array:
-        """`collective_matmul.weight_allgather_matmul` (FSDP: the weight gathered over ``axis``) with the tuned
-        configs of its three products; ``role`` labels the call."""
-        collective = {"k": WEIGHT_K, "n": WEIGHT_N}.get(weight_dim)
-        if collective is None:
-            raise ValueError(f"weight_dim={weight_dim!r}: give 'k' (the weight sharded on its contracting dimension, "
-                             "FSDP's usual layout) or 'n' (on its output dimension)")
-        label, source = roles.call_site()
-        configs = self.configs(role or label, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
-                               tensor_axis=tensor_axis, source=source)
-        return weight_allgather_matmul(x, w, mesh=mesh, axis=axis, weight_dim=weight_dim, batch_axis=batch_axis,
-                                       tensor_axis=tensor_axis, config=configs.forward,
-                                       grad_input=configs.grad_input, grad_weight=configs.grad_weight)
-
-    def _op(self, collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis, role: str | None):
-        label, source = roles.call_site()
-        configs = self.configs(role or label, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
-                               source=source)
-        return OPS[collective](x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, config=configs.forward,
-                               grad_input=configs.grad_input, grad_weight=configs.grad_weight)
-
-    def dot_general(self, *, mesh: Mesh, axis: str | None = "model", kind: str | None = None,
-                    kernel_axes: tuple | None = None, **options):
-        """The Flax drop-in: a ``dot_general`` running these configs (`collective_matmul.client.flax.dot_general`)."""
-        return drop_in.dot_general(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
-
-    def dot_general_cls(self, *, mesh: Mesh, axis: str | None = "model", kind: str | None = None,
-                        kernel_axes: tuple | None = None, **options):
-        """For linen's ``dot_general_cls=``: a factory of `dot_general` (see `collective_matmul.client.flax`)."""
-        return drop_in.dot_general_cls(self, mesh=mesh, axis=axis, kind=kind, kernel_axes=kernel_axes, **options)
+    def fell_back(self, role: str, reason: str, *, site: str = "") -> None:
+        """Record a call the drop-in ran as plain ``lax.dot_general`` (``reason``: why; ``site``: its ``file:line``)."""
+        self._record.traced(CallSite(role=role, site=site, via="dot_general", reason=reason))
 
     def configs(self, role: str | None, collective: str, x, w, *, mesh: Mesh, axis: str,
-                batch_axis: BatchAxis = None, tensor_axis: str | None = None, source: str = "", via: str = "op",
+                batch_axis: BatchAxis = None, tensor_axis: str | None = None, site: str = "", via: str = "op",
                 gathered_by: str = "", members: Sequence[str] = ()) -> OpConfigs:
         """The forward, ``grad_input`` and ``grad_weight`` configs of one op call (a `ConfigSource`): the problems
-        of the forward's shapes (`call_problems`), answered by the model's override of ``role``, then `lookup`.
+        of the forward's shapes (`collective_matmul.client.calls.call_problems`), answered by the model's override of
+        ``role``, then `lookup`.
 
         Args:
             role: the call's role (``qkv``, a Flax module path, ...) or None (not recorded by role).
             collective, x, w, mesh, axis, batch_axis, tensor_axis: as for the op (arrays, tracers or shape
                 structs; ``tensor_axis`` for a weight gathered under tensor parallelism).
-            source, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
+            site, via: the call's ``file:line`` (default: its call site) and how it came, for `report`.
             gathered_by: the role of the call whose gather this one reuses (`collective_matmul.ops.share`), for
                 `report`.
             members: the roles of a group of calls of one gathered activation whose summed input gradient this is
                 (``w``: their weights side by side): its ``grad_input`` is what runs, and what `report` shows.
 
         Raises:
-            ValueError: if ``collective`` is not one of the two ops or the shapes do not fit.
+            ValueError: if ``collective`` is not one of the forward collectives or the shapes do not fit.
         """
         problems = call_problems(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
                                  tensor_axis=tensor_axis)
         hardware = ring_hardware(mesh, axis)
-        if role is not None and not source:
-            source = roles.call_site()[1]
-        site = CallSite(role=role or "", source=source, via=via, collective=collective, problems=problems,
-                        hardware=hardware.identity(), axis=axis, gathered_by=gathered_by, members=list(members))
+        if role is not None and not site:
+            site = roles.call_site()[1]
+        traced = CallSite(role=role or "", site=site, via=via, collective=collective, problems=problems,
+                          hardware=hardware.identity(), axis=axis, gathered_by=gathered_by, members=list(members))
         call = (collective, tuple(x.shape), tuple(w.shape), str(x.dtype), id(mesh), axis, batch_axis, tensor_axis)
-        found = self._answers.answers(role, call, hardware, problems, site.notes, self._record)
-        site.found = _edited(self.name, self._edit, role, problems, found) if self._edit is not None else found
+        found = self._answers.answers(role, call, hardware, problems, traced.notes, self._record)
+        traced.found = _edited(self.name, self._edit, role, problems, found) if self._edit is not None else found
         if role is not None:
-            self._record.applied(site)
-        return site.configs
+            self._record.applied(traced)
+        return traced.configs
 
 
 def _edited(name: str, edit: Edit, role: str | None, problems: dict[str, Problem],
@@ -239,17 +196,3 @@ def _edited(name: str, edit: Edit, role: str | None, problems: dict[str, Problem
                 raise VariantError(f"variant {name}: {role} {slot} {chosen.id} does not fit {problems[slot].key}")
             found[slot] = Lookup(chosen, "fixed", "variant")
     return found
-
-
-def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
-                  tensor_axis: str | None = None) -> dict[str, Problem]:
-    """The problems of one op call, by slot: the forward's from the operands and the mesh, and its backward's.
-
-    Raises:
-        ValueError: if ``collective`` is not one of the forward collectives or the shapes do not fit.
-    """
-    if collective not in _COLLECTIVES:
-        raise ValueError(f"configs: collective must be one of {sorted(_COLLECTIVES)}, got {collective!r}")
-    forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, tensor_axis=tensor_axis)
-    return slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
-                         axis_size=forward.axis_size)

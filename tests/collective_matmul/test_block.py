@@ -249,7 +249,7 @@ def test_tuned_configs_derive_the_three_problems_of_each_role(block, mesh_factor
     for role, slots in by_role.items():
         assert configs[role] == OpConfigs(**{slot: found.decomposition for slot, (_, found) in slots.items()})
         for problem, found in slots.values():
-            assert (found.match, found.source) == ("baseline", "baseline") and found.note.startswith(NOT_MEASURED)
+            assert (found.match, found.origin) == ("baseline", "baseline") and found.note.startswith(NOT_MEASURED)
             assert problem.accepts(found.decomposition)
 
 
@@ -275,12 +275,12 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path):
     assert configs["mlp_up"] == OpConfigs(forward=D("ring-uni-c2-full-dus"), grad_input=D("ring-bi-c1-full-in"))
     # a baseline weight gradient runs fused (what autodiff does), wherever it came from
     up_gw = roles["mlp_up"]["grad_weight"][1]
-    assert (up_gw.decomposition, up_gw.match, up_gw.source) == (D("baseline-fuse"), "exact", "bundle")
-    assert {found.source for slots in roles.values() for _, found in slots.values()} == {"bundle"}
+    assert (up_gw.decomposition, up_gw.match, up_gw.origin) == (D("baseline-fuse"), "exact", "bundle")
+    assert {found.origin for slots in roles.values() for _, found in slots.values()} == {"bundle"}
     # nothing tuned: the baselines
     bare = Tuned()
     assert configs_per_role(bare, MHA_GATED, mesh=mesh, axis="model") == {role: OpConfigs() for role in ROLES}
-    assert {(found.match, found.source) for _, found in bare.resolved} == {("baseline", "baseline")}
+    assert {(found.match, found.origin) for _, found in bare.resolved} == {("baseline", "baseline")}
     # the block with the Tuned source equals the block as written
     params, x, target = setup(MHA_GATED, mesh)
     _, value, grads = run_block(MHA_GATED, mesh, tuned, params, x, target)
@@ -291,7 +291,7 @@ def test_tuned_configs_use_the_bundle_then_fall_back_to_the_baseline(tmp_path):
 
 
 def test_tuned_op_methods_pass_the_backward_configs(monkeypatch):
-    import collective_matmul.client.tuned as client
+    import collective_matmul.client.calls as client
 
     seen = {}
 
@@ -323,7 +323,7 @@ def test_a_role_override_of_the_model_comes_first_and_old_bundles_still_load(tmp
     configs = configs_per_role(tuned, MHA_GATED, mesh=mesh, axis="model")
     assert configs["mlp_up"] == ring and configs["mlp_down"] == OpConfigs()
     found = tuned.resolved_by_role["mlp_up"]["forward"][1]
-    assert (found.match, found.source) == ("override", "bundle")
+    assert (found.match, found.origin) == ("override", "bundle")
     # another model, or no model: the override does not apply
     assert configs_per_role(Tuned(bundle=tmp_path / "v2.json", model="other"), MHA_GATED, mesh=mesh,
                             axis="model")["mlp_up"] != ring
@@ -399,6 +399,6 @@ def test_a_served_override_that_does_not_fit_is_skipped_with_one_warning_and_the
     skipped = [w for w in caught if "does not fit" in str(w.message)]
     assert len(skipped) == 1 and "qkv" in str(skipped[0].message) and "c64" in str(skipped[0].message)
     found = tuned.resolved_by_role["qkv"]["forward"][1]
-    assert found.match == "baseline" and "override did not fit" in found.source  # the look-up decided instead
+    assert found.match == "baseline" and "override did not fit" in found.origin  # the look-up decided instead
     (site,) = [s for s in tuned.report().applied if s.role == "qkv"]
     assert any("skipped" in note for note in site.notes)

@@ -385,7 +385,7 @@ def test_every_call_that_does_not_fit_runs_plain_and_is_reported(caplog):
     assert "batch dimensions" in reasons["batched"] and "transposed kernel" in reasons["transposed"]
     assert "precision" in reasons["precise"] and "preferred_element_type" in reasons["accumulated"]
     assert "divisible" in reasons["uneven"]
-    assert len(report.applied) == 1 and report.applied[0].source.startswith("test_flax.py:")
+    assert len(report.applied) == 1 and report.applied[0].site.startswith("test_flax.py:")
     assert "fell back to lax.dot_general" in str(report) and f"{len(calls)} fell back" in str(report)
     logged = [r.getMessage() for r in caplog.records if r.name == "collective_matmul"]
     assert len(logged) == len(calls) + 1  # one line per role, on its first trace

@@ -33,7 +33,7 @@ def test_nothing_measured_on_the_hardware_answers_the_baseline_and_says_why(bund
     # where XLA decomposes collective matmuls itself (TPU, GPU) the unmeasured baseline is the product as written:
     # cmtune's own baseline runs in a shard_map that XLA's windowed einsum does not touch
     as_written = Decomposition.baseline() if hardware.platform == "cpu" else Decomposition.xla()
-    assert (found.decomposition, found.match, found.source) == (as_written, "baseline", "baseline")
+    assert (found.decomposition, found.match, found.origin) == (as_written, "baseline", "baseline")
     assert found.note.startswith(NOT_MEASURED) and "unmeasured=costmodel" in found.note
     assert tuned.lookup(BIG, MEASURED_ON).decomposition == RING  # what was measured still answers
 
@@ -41,7 +41,7 @@ def test_nothing_measured_on_the_hardware_answers_the_baseline_and_says_why(bund
 @pytest.mark.parametrize("hardware", PLATFORMS, ids=lambda h: h.device_kind)
 def test_the_cost_model_answers_only_where_asked_for(bundle, hardware):
     found = Tuned(bundle=bundle, unmeasured="costmodel").lookup(BIG, hardware)
-    assert (found.decomposition, found.match, found.source) == (model_choice(BIG, hardware), "model", "costmodel")
+    assert (found.decomposition, found.match, found.origin) == (model_choice(BIG, hardware), "model", "costmodel")
     assert found.note.startswith(NOT_MEASURED)
     # the ring the default keeps out of a training step (the cpu profile never overlaps: its choice is the baseline)
     assert found.decomposition.method == ("baseline" if hardware.platform == "cpu" else "ring")
@@ -95,7 +95,7 @@ def test_the_report_says_what_the_training_compile_needs():
 
     def site(platform, decomposition):
         hardware = Hardware(platform=platform, device_kind=platform, device_count=8)
-        return CallSite(role=f"mlp_up@{platform}", source="", via="op", problems={"forward": BIG}, hardware=hardware,
+        return CallSite(role=f"mlp_up@{platform}", site="", via="op", problems={"forward": BIG}, hardware=hardware,
                         found={"forward": Lookup(decomposition, "exact", "bundle")})
 
     tpu = Report([site("tpu", Decomposition.xla()), site("tpu", RING)])
@@ -109,3 +109,17 @@ def test_the_report_says_what_the_training_compile_needs():
     assert flags.startswith("XLA_FLAGS lacks --xla_gpu_experimental_parallel_collective_overlap_limit=2:")
     assert gpu.advice(xla_flags=with_overlap_flags("", "gpu")) == []
     assert Report([site("cpu", RING)]).advice(xla_flags="") == []
+
+
+def test_the_old_names_of_an_answers_origin_and_a_calls_site_resolve_with_a_warning():
+    """`Lookup.source` is `Lookup.origin` (where the answer came from), `CallSite.source` is `CallSite.site` (the
+    call's file:line): the old names read the same for one more release, with a `DeprecationWarning`."""
+    from collective_matmul.client.report import CallSite
+    from collective_matmul.client.sources import Lookup
+
+    found = Lookup(RING, "exact", "bundle")
+    with pytest.warns(DeprecationWarning, match=r"Lookup\.source is Lookup\.origin"):
+        assert found.source == found.origin == "bundle"
+    called = CallSite(role="mlp_up", site="model.py:12", via="op")
+    with pytest.warns(DeprecationWarning, match=r"CallSite\.source is CallSite\.site"):
+        assert called.source == called.site == "model.py:12"

@@ -122,7 +122,7 @@ def test_a_bundle_of_another_stack_is_stale_in_tuned_and_its_report_says_so(tmp_
     configs = client.configs("qkv", "allgather_matmul", x, w, mesh=mesh, axis="model")
     assert configs.forward == RING
     found = client.resolved_by_role["qkv"]["forward"][1]
-    assert (found.match, found.source, found.software) == ("stale", "bundle", other)
+    assert (found.match, found.origin, found.software) == ("stale", "bundle", other)
     assert "another software stack (jax 0.0.1, jaxlib 0.0.1)" in found.note and str(mine) in found.note
     report = client.report()
     assert [s.role for s in report.stale] == ["qkv"]

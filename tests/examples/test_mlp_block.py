@@ -72,7 +72,7 @@ def test_training_step_with_a_bundle_equals_the_baseline(mesh, bundle_path):
     compare_with_baseline(tuned, mesh)
     found = {problem.collective: lookup for problem, lookup in tuned.resolved}
     assert found["allgather_matmul"].decomposition == UP and found["allgather_matmul"].match == "exact"
-    assert found["matmul_reduce_scatter"].decomposition == DOWN and found["matmul_reduce_scatter"].source == "bundle"
+    assert found["matmul_reduce_scatter"].decomposition == DOWN and found["matmul_reduce_scatter"].origin == "bundle"
     # each op's backward ran its tuned configs too: the dual problems and the weight gradient
     roles = tuned.resolved_by_role
     assert roles["mlp_up"]["grad_input"][1].decomposition == DOWN
@@ -86,7 +86,7 @@ def test_server_down_warns_once_and_falls_back(mesh, bundle_path):
         warnings.simplefilter("always")
         compare_with_baseline(tuned, mesh)
     assert sum("unavailable" in str(w.message) for w in caught) == 1
-    assert {lookup.source for _, lookup in tuned.resolved} == {"bundle"}
+    assert {lookup.origin for _, lookup in tuned.resolved} == {"bundle"}
     no_bundle = Tuned("http://127.0.0.1:9", timeout_s=0.2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -117,7 +117,7 @@ def test_lookups_against_a_real_server_are_cached(mesh, bundle_path, tmp_path):
         problem = tuned.resolved[0][0]
         server.process.terminate()  # cached: no request needed any more
         server.process.wait()
-        assert tuned.lookup(problem, hw).source == "server"
+        assert tuned.lookup(problem, hw).origin == "server"
 
 
 def test_nothing_measured_on_the_hardware_answers_the_baseline_through_a_real_server(tmp_path):
@@ -144,7 +144,7 @@ def test_nothing_measured_on_the_hardware_answers_the_baseline_through_a_real_se
             as_written = Decomposition.baseline() if hardware.platform == "cpu" else Decomposition.xla()
             found = tuned.lookup(BIG, hardware)
             assert (found.decomposition, found.match) == (as_written, "baseline")
-            assert found.source == "baseline" and found.note.startswith(NOT_MEASURED)
+            assert found.origin == "baseline" and found.note.startswith(NOT_MEASURED)
             served = api.config(BIG, hardware)
             assert (served.decomposition, served.match) == (as_written, "baseline")
             assert served.reason.startswith(NOT_MEASURED)
@@ -152,7 +152,7 @@ def test_nothing_measured_on_the_hardware_answers_the_baseline_through_a_real_se
             assert (model.decomposition, model.match) == (model_choice(BIG, hardware), "model")
             assert api.config(BIG, hardware, unmeasured="costmodel").decomposition == model.decomposition
         measured = tuned.lookup(BIG, MEASURED_ON)
-        assert (measured.decomposition, measured.source) == (RING, "server")  # what was measured still answers
+        assert (measured.decomposition, measured.origin) == (RING, "server")  # what was measured still answers
 
 
 def test_ring_hardware_of_a_2d_mesh():
