@@ -414,7 +414,7 @@ class StepSearch:
     def outcome(self) -> SearchOutcome:
         """What the search chose and how, as `cmtune.tuner.decision.search_decision` reads it."""
         return SearchOutcome(
-            model=self.model, winners=self.space.winners, others=frozenset(self.space.others), settings=self.names,
+            model=self.model, winners=self.space.winners, others=frozenset(self.space.others), settings=dict(self.names),
             incumbent=self.incumbent, seed=self.seed, fixed=tuple(self._fixed()) if self.rounds else (),
             accepted=tuple(self.accepted), measurements=tuple(result for _, result in self.rounds),
             variants_tried=len(self.timed - {None}), search_s=self.search_s, failure=self.failure)
