@@ -33,7 +33,6 @@ import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution

@@ -22,10 +22,10 @@ import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 
+from cmtune.tuner.decision import StepDecision, step_decision
 from cmtune.tuner.errors import InvalidError
 from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.states import StopReason, move_study, move_trial
-from cmtune.tuner.decision import StepDecision, step_decision
 from cmtune.tuner.stepsearch import PlanKind, SearchSpace, StepSearch, replay
 from cmtune.tuner.store import StepStudySpec, StoreTx, StudyRecord, TrialRecord
 from cmtune.tuner.variants import variant_configs

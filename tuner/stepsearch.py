@@ -21,8 +21,10 @@ and docs/tuning.md ("The step search's terms") define the terms used here.
    replacement rule against the incumbent decides; the winner is the new incumbent (an `Acceptance`).
 3. An acceptance is re-checked in the next round, which times its *rival* again beside it (a `Recheck`):
    what it replaced (for the seeds' round: the runner-up seed, where a second seed was faster than tuned
-   beyond the spread too).  It stands only if those fresh rounds time it no slower than its rival in the
-   median; else the rival is the incumbent again (and, for the seeds' round, the seed).
+   beyond the spread too; a seed that alone beat tuned is not re-checked).  The rounds that accept a change
+   favour it (many variants, a few rounds each: some pass the rule by chance), so it stands only if those
+   fresh rounds time it no slower than its rival in the median; else the rival is the incumbent again (and,
+   for the seeds' round, the seed).
 4. The search stops (`PlanKind.GRADE`) at its budget of rounds, or when a full pass over the roles changed
    nothing and no acceptance waits for its re-check.  Then the choice is graded in fresh rounds beside the
    step as written and every seed the first round ran, and `StepSearch.decide` reports it
@@ -414,9 +416,10 @@ class StepSearch:
     def outcome(self) -> SearchOutcome:
         """What the search chose and how, as `cmtune.tuner.decision.search_decision` reads it."""
         return SearchOutcome(
-            model=self.model, winners=self.space.winners, others=frozenset(self.space.others), settings=dict(self.names),
-            incumbent=self.incumbent, seed=self.seed, fixed=tuple(self._fixed()) if self.rounds else (),
-            accepted=tuple(self.accepted), measurements=tuple(result for _, result in self.rounds),
+            model=self.model, winners=self.space.winners, others=frozenset(self.space.others),
+            settings=dict(self.names), incumbent=self.incumbent, seed=self.seed,
+            fixed=tuple(self._fixed()) if self.rounds else (), accepted=tuple(self.accepted),
+            measurements=tuple(result for _, result in self.rounds),
             variants_tried=len(self.timed - {None}), search_s=self.search_s, failure=self.failure)
 
     def decide(self, graded: StepMeasurement | None) -> StepDecision:

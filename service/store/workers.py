@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, insert, select, update
 
-from cmtune.service.models import TokenRole, Token
+from cmtune.service.models import Token, TokenRole
 from cmtune.service.store.base import HARDWARE, P, Tx, hardware_of, hardware_t, workers
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
