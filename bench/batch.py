@@ -34,7 +34,7 @@ TUNED = {"collective": "allgather_matmul", "m": 1024, "k": 1024, "n": 1024, "dty
 def prepare(url: str) -> str:
     from cmtune.service import migrate
     from cmtune.service.db import Database
-    from cmtune.service.models import Role
+    from cmtune.service.models import TokenRole
     from cmtune.service.store import SqlStore
     from collective_matmul import Decomposition, Hardware, Problem
     from collective_matmul.wire.bundle import TunedConfig
@@ -42,7 +42,7 @@ def prepare(url: str) -> str:
     db = Database(url)
     migrate.upgrade(db.engine)
     with SqlStore(db).write() as tx:
-        _, token = tx.tokens.add(name="bench", role=Role.READER)
+        _, token = tx.tokens.add(name="bench", role=TokenRole.READER)
         tx.save_tuned(TunedConfig(problem=Problem(**TUNED), hardware=Hardware(**HARDWARE), time_s=1e-3,
                                   baseline_s=1.2e-3, speedup=1.2,
                                   decomposition=Decomposition(direction="bidirectional", chunks=2)), study_id=None)

@@ -44,7 +44,7 @@ HARDWARE = {"platform": "cpu", "device_kind": "cpu", "device_count": 8, "process
 def prepare(url: str) -> str:
     from cmtune.service import migrate
     from cmtune.service.db import Database
-    from cmtune.service.models import Role
+    from cmtune.service.models import TokenRole
     from cmtune.service.store import SqlStore
     from collective_matmul import Decomposition, Hardware, Problem
     from collective_matmul.wire.bundle import TunedConfig
@@ -53,7 +53,7 @@ def prepare(url: str) -> str:
     migrate.downgrade(db.engine, "base") if migrate.current_revision(db.engine) else None
     migrate.upgrade(db.engine)
     with SqlStore(db).write() as tx:
-        _, token = tx.tokens.add(name="bench", role=Role.ADMIN)
+        _, token = tx.tokens.add(name="bench", role=TokenRole.ADMIN)
         for m in (256, 512, 1024, 2048, 4096, 8192):
             for collective in ("allgather_matmul", "matmul_reduce_scatter"):
                 problem = Problem(collective=collective, m=m, k=1024, n=1024, dtype="bfloat16", axis_size=8)

@@ -20,7 +20,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from cmtune.service.errors import ForbiddenError, UnauthorizedError
 from cmtune.service.lookup import ConfigCache
-from cmtune.service.models import Role
+from cmtune.service.models import TokenRole
 from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore, TokenInfo
 from cmtune.tuner.engine import Engine
@@ -61,7 +61,7 @@ worker_credential = APIKeyHeader(name=WORKER_HEADER, auto_error=False,
 class Principal:
     """Who is calling: the token's role and id (None when auth is off)."""
 
-    role: Role
+    role: TokenRole
     token_id: int | None
 
 
@@ -108,7 +108,7 @@ async def authenticate(state: AppState, header: str) -> TokenInfo:
     return found
 
 
-async def authorize(state: AppState, request: Request, roles: tuple[Role, ...]) -> Principal:
+async def authorize(state: AppState, request: Request, roles: tuple[TokenRole, ...]) -> Principal:
     """The caller, if its bearer token has one of ``roles`` (anyone when auth is off).
 
     Raises:
@@ -116,14 +116,14 @@ async def authorize(state: AppState, request: Request, roles: tuple[Role, ...]) 
         ForbiddenError: a token of another role.
     """
     if state.settings.auth == "off":
-        return Principal(role=Role.ADMIN, token_id=None)
+        return Principal(role=TokenRole.ADMIN, token_id=None)
     found = await authenticate(state, request.headers.get("authorization", ""))
     if found.role not in roles:
         raise ForbiddenError(f"a {found.role} token cannot do this; it needs one of: {', '.join(roles)}")
     return Principal(role=found.role, token_id=found.id)
 
 
-def require(*roles: Role):
+def require(*roles: TokenRole):
     """A dependency admitting bearer tokens of ``roles`` (anyone when auth is off)."""
 
     async def check(request: Request,
@@ -133,10 +133,10 @@ def require(*roles: Role):
     return check
 
 
-WORKER_ROLES = (Role.ADMIN, Role.WORKER)
-ReaderDep = Annotated[Principal, Depends(require(Role.ADMIN, Role.WORKER, Role.READER))]
+WORKER_ROLES = (TokenRole.ADMIN, TokenRole.WORKER)
+ReaderDep = Annotated[Principal, Depends(require(TokenRole.ADMIN, TokenRole.WORKER, TokenRole.READER))]
 WorkerRoleDep = Annotated[Principal, Depends(require(*WORKER_ROLES))]
-AdminDep = Annotated[Principal, Depends(require(Role.ADMIN))]
+AdminDep = Annotated[Principal, Depends(require(TokenRole.ADMIN))]
 
 
 async def calling_worker(request: Request,

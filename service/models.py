@@ -38,7 +38,9 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-class Role(StrEnum):
+class TokenRole(StrEnum):
+    """What a token may do (the tokens table's ``role``)."""
+
     ADMIN = "admin"
     WORKER = "worker"
     READER = "reader"
@@ -124,7 +126,7 @@ class Study(Base):
     hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"), index=True)
     kind: Mapped[StudyKind] = mapped_column(enum_column(StudyKind, "study_kind"), default=StudyKind.SEARCH,
                                             server_default="search")
-    # a step study: the block, the mesh and the search studies it waits for (cmtune.tuner.store.StepSpec)
+    # a step study: the block, the mesh and the search studies it waits for (cmtune.tuner.store.StepStudySpec)
     step: Mapped[dict[str, Any] | None]
     # a completed step study: what its measurement decided (collective_matmul.wire.StepChoice)
     decision: Mapped[dict[str, Any] | None]
@@ -297,7 +299,18 @@ class Token(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
-    role: Mapped[Role] = mapped_column(enum_column(Role, "token_role"))
+    role: Mapped[TokenRole] = mapped_column(enum_column(TokenRole, "token_role"))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+def __getattr__(name: str):
+    """``Role``, the tokens' roles' old name, for one release (it shared the name of the library's role label)."""
+    if name == "Role":
+        import warnings
+
+        warnings.warn("cmtune.service.models.Role is cmtune.service.models.TokenRole now; the old name goes in the "
+                      "next release", DeprecationWarning, stacklevel=2)
+        return TokenRole
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,6 @@ from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.search_studies import Searching
 from cmtune.tuner.states import StopReason, check_trial_move, move_study, move_trial
 from cmtune.tuner.step_studies import Stepping
-from cmtune.tuner.stepsearch import step_decision  # noqa: F401  (re-exported: workers/step.py imports it from here)
 from cmtune.tuner.store import StoreTx, StudyRecord, TrialRecord
 from collective_matmul.planning.models import MeshSpec, TransformerBlock
 from collective_matmul.planning.problem import Hardware, Problem, Software

@@ -33,7 +33,6 @@ import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
@@ -44,9 +43,8 @@ from collective_matmul.planning.costmodel import PROFILES, HardwareProfile, rank
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.problem import Hardware, Problem
 from collective_matmul.planning.space import candidates
-from collective_matmul.wire import Measurement, Screened, Seed, StopReason, TunedConfig
+from collective_matmul.wire import Measurement, Sampler, Screened, Seed, StopReason, TunedConfig
 
-Sampler = Literal["auto", "enumerate", "tpe", "random"]
 MAX_REPEATS = 8  # TPE proposals of already-seen candidates before the cost model's next choice is taken
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

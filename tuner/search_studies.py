@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from cmtune.tuner.errors import InvalidError
 from cmtune.tuner.search import (
     Finished,
-    Sampler,
     Searcher,
     SearchSettings,
     default_budget,
@@ -57,6 +56,7 @@ from collective_matmul.wire import (
     Measurement,
     MeasurementProtocol,
     Reconfirmation,
+    Sampler,
     Screened,
     SearchResult,
     Seed,

@@ -2,7 +2,7 @@
 
 A step study (`Stepping.create`) waits until the search studies it depends on are final (a search study that
 ends wakes it: `wake_step_studies`), then searches its per-role configs with the step as the objective.  The
-search policy is `cmtune.tuner.stepsearch`; this module stores it:
+search policy is `cmtune.tuner.stepsearch` and the decision `cmtune.tuner.decision`; this module stores them:
 
 1. Each round is one step trial naming exactly the variants to time (each with its per-role configs).  When its
    result comes (`Stepping.record`), the search is rebuilt from the stored rounds (`replay`), records it, and
@@ -22,11 +22,12 @@ import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 
+from cmtune.tuner.decision import StepDecision, step_decision
 from cmtune.tuner.errors import InvalidError
 from cmtune.tuner.search import SearchSettings
 from cmtune.tuner.states import StopReason, move_study, move_trial
-from cmtune.tuner.stepsearch import SearchSpace, StepDecision, StepSearch, replay, step_decision
-from cmtune.tuner.store import StepSpec, StoreTx, StudyRecord, TrialRecord
+from cmtune.tuner.stepsearch import PlanKind, SearchSpace, StepSearch, replay
+from cmtune.tuner.store import StepStudySpec, StoreTx, StudyRecord, TrialRecord
 from cmtune.tuner.variants import variant_configs
 from collective_matmul.planning.decomposition import Decomposition, OpConfigs
 from collective_matmul.planning.models import ROLES, SLOTS, MeshSpec, TransformerBlock, role_problems
@@ -64,7 +65,7 @@ class Stepping:
                round_variants: int = STEP_ROUND_VARIANTS, software: Software | None = None) -> StudyRecord:
         """A new step study, its first trial queued if its search studies are final (`Engine.create_step_study`)."""
         role_problems(block, mesh)  # the model must fit the mesh (ValueError otherwise)
-        spec = StepSpec(block, mesh, tuple(depends_on), ablation, max(search_rounds, 1), round_variants)
+        spec = StepStudySpec(block, mesh, tuple(depends_on), ablation, max(search_rounds, 1), round_variants)
         study = tx.add_study(problem=None, hardware=hardware.identity(), settings=SearchSettings(), protocol=protocol,
                              space_size=0, now=now, kind=StudyKind.STEP, submission_id=submission_id, step=spec,
                              software=software)
@@ -180,7 +181,7 @@ class Stepping:
         search = self._search(tx, study, earlier, winners=winners)
         problems = problems or role_problems(study.step.block, study.step.mesh)
         done: dict = {}
-        if search.plan().kind == "grade":
+        if search.plan().kind == PlanKind.GRADE:
             decision = search.decide(result)
             if result is not None:
                 done = _complete(tx, trial, result, ok=decision.ok, ratio=decision.ratio, message=decision.summary,
@@ -199,10 +200,10 @@ class Stepping:
             return done
         tx.update_study(study.id, trials_done=len(search.rounds))
         plan = search.plan()
-        if plan.kind == "failed":
+        if plan.kind == PlanKind.FAILED:
             move_study(tx, study, S.FAILED, finished_at=now, message=plan.reason[:2000])
             return done
-        if plan.kind == "grade":
+        if plan.kind == PlanKind.GRADE:
             move_study(tx, study, S.CONFIRMING, stop_reason=plan.stop)
         tx.add_trials(study.id, TrialKind.STEP, [_flat(winners)], now, after=trial.number, variants=[plan.variants])
         return done

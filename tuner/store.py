@@ -30,6 +30,7 @@ from collective_matmul.wire import (
     Status,
     StepChoice,
     StepMeasurement,
+    StepVariants,
     StudyKind,
     StudyState,
     TrialKind,
@@ -43,8 +44,9 @@ def utcnow() -> dt.datetime:
 
 
 @dataclass(frozen=True)
-class StepSpec:
-    """What a step study measures: a submitted model's training step, once its search studies are done."""
+class StepStudySpec:
+    """What a step study is of: a submitted model's training step (its block on a mesh), measured once its search
+    studies are done (not a user's ``file.py:NAME`` step)."""
 
     block: TransformerBlock
     mesh: MeshSpec
@@ -64,14 +66,11 @@ class StepSpec:
                 "round_variants": self.round_variants}
 
     @classmethod
-    def from_json(cls, data: dict) -> StepSpec:
+    def from_json(cls, data: dict) -> StepStudySpec:
         """A stored spec; one stored before the step search measures one round of the menu, as it did."""
         return cls(TransformerBlock.model_validate(data["block"]), MeshSpec.model_validate(data["mesh"]),
                    tuple(data.get("depends_on", ())), bool(data.get("ablation", True)),
                    int(data.get("search_rounds", 1)), int(data.get("round_variants", 3)))
-
-
-StepVariants = dict[str, dict[str, OpConfigs] | None]  # a step trial's variants: name -> per-role configs
 
 
 def step_variants_json(variants: StepVariants | None) -> dict | None:
@@ -110,9 +109,9 @@ class StudyRecord:
     best_trial_id: int | None = None
     best_ratio: float | None = None
     kind: StudyKind = StudyKind.SEARCH
-    step: StepSpec | None = None
+    step: StepStudySpec | None = None
     submission_id: int | None = None
-    decision: StepChoice | None = None  # a completed step study's (`cmtune.tuner.stepsearch.step_decision`)
+    decision: StepChoice | None = None  # a completed step study's (`cmtune.tuner.decision.step_decision`)
     software: Software | None = None  # the stack its trials run on (None: any worker of the hardware)
     reconfirm: Reconfirmation | None = None  # a re-confirmation study's (`Engine.create_reconfirmation`)
 
@@ -157,7 +156,7 @@ class StoreTx(Protocol):
 
     def add_study(self, *, problem: Problem | None, hardware: Hardware, settings: SearchSettings,
                   protocol: MeasurementProtocol, space_size: int, now: dt.datetime, kind: StudyKind = StudyKind.SEARCH,
-                  step: StepSpec | None = None, submission_id: int | None = None, software: Software | None = None,
+                  step: StepStudySpec | None = None, submission_id: int | None = None, software: Software | None = None,
                   reconfirm: Reconfirmation | None = None) -> StudyRecord: ...
 
     def waiting_step_studies(self, hardware: Hardware) -> list[StudyRecord]:

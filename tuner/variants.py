@@ -11,6 +11,11 @@ from collective_matmul.planning.models import ROLES, SLOTS
 from collective_matmul.planning.problem import Hardware, Problem
 
 REFERENCE = "as-written"  # the step as a user writes it without cmtune (GSPMD): every step's reference
+BASELINE = "baseline"  # every role at the baseline configs, through cmtune's custom VJPs
+TUNED = "tuned"  # every role's tuned configs (the op-level winners): the default the step decision starts from
+COSTMODEL = "costmodel"  # the cost model's whole-step choice (`cost_model_configs`)
+RING_FILL = "tuned-ring-fill"  # the tuned configs, each slot they leave at the baseline on the fixed ring (`ring_fill`)
+ALWAYS_RING = "always-ring"  # the fixed ring in every slot (`ring_everywhere`)
 
 # One ring for every slot: what a user who switches collective matmuls on everywhere gets (XLA's
 # size-threshold flag once every shape crosses it).  The step tries it whole, and in every slot
@@ -59,9 +64,9 @@ def variant_configs(tuned: Mapping[str, OpConfigs], *, roles: Sequence[str] = RO
     if unknown:
         raise ValueError(f"unknown roles {unknown}; the step's roles are {list(roles)}")
     whole = {role: tuned.get(role, OpConfigs()) for role in roles}
-    variants: dict[str, dict | None] = {REFERENCE: None, "baseline": {role: OpConfigs() for role in roles},
-                                        "tuned": whole}
-    for name, configs in (("tuned-ring-fill", ring_fill(whole, roles)), ("always-ring", ring_everywhere(roles))):
+    variants: dict[str, dict | None] = {REFERENCE: None, BASELINE: {role: OpConfigs() for role in roles},
+                                        TUNED: whole}
+    for name, configs in ((RING_FILL, ring_fill(whole, roles)), (ALWAYS_RING, ring_everywhere(roles))):
         if configs not in variants.values():
             variants[name] = configs
     if ablation:

@@ -302,7 +302,7 @@ class Speedup(BaseModel):
 
 
 class StepChoice(BaseModel):
-    """What a step measurement decided (`cmtune.tuner.stepsearch.step_decision`), stored with its step study and
+    """What a step measurement decided (`cmtune.tuner.decision.step_decision`), stored with its step study and
     served as stored: the variant that runs, graded in the fresh rounds after the decision where the
     worker ran them."""
 

@@ -18,7 +18,7 @@ from cmtune.service.models import HardwareRow, Lease, ProblemRow, Study, Trial, 
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
 from cmtune.tuner.search import SearchSettings
-from cmtune.tuner.store import StepSpec, StudyRecord, TrialRecord, step_variants_of
+from cmtune.tuner.store import StepStudySpec, StudyRecord, TrialRecord, step_variants_of
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.problem import Hardware, Problem, Software
 from collective_matmul.wire import (
@@ -82,7 +82,7 @@ class Fixed:
     space_size: int
     created_at: dt.datetime
     kind: StudyKind
-    step: StepSpec | None
+    step: StepStudySpec | None
     submission_id: int | None
     software: Software | None = None
     reconfirm: Reconfirmation | None = None
@@ -94,7 +94,7 @@ class Fixed:
                    row.problem_id, SearchSettings.model_validate(row.settings),
                    MeasurementProtocol.model_validate(row.protocol),
                    row.space_size, row.created_at, StudyKind(row.kind),
-                   StepSpec.from_json(row.step) if row.step else None, row.submission_id,
+                   StepStudySpec.from_json(row.step) if row.step else None, row.submission_id,
                    Software.of(row.software) if row.software is not None else None,
                    Reconfirmation.model_validate(row.reconfirm) if row.reconfirm is not None else None)
 

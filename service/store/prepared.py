@@ -8,7 +8,7 @@ the bind processors of its parameters' types and turns rows into named tuples wi
 processors of its columns' types: what SQLAlchemy would send and return, without the per-call
 machinery.  It runs on the transaction's own connection, fires ``before_cursor_execute`` for
 listeners, and raises driver errors as SQLAlchemy's (a dropped connection is invalidated), so
-callers see no difference.  A statement it cannot plan (a parameter expanded at execution, a column
+callers see no difference.  A statement it cannot compile so (a parameter expanded at execution, a column
 default computed in Python) runs through SQLAlchemy as usual.
 """
 
@@ -25,7 +25,9 @@ from sqlalchemy.exc import DBAPIError
 
 
 @dataclass
-class _Plan:
+class _Compiled:
+    """A statement compiled for one dialect and set of parameter names: its SQL and its type processing."""
+
     sql: str
     construct: Callable[[Mapping[str, Any]], dict]  # the statement's parameters, fixed values included
     binds: tuple[tuple[str, Callable], ...]  # parameters whose type converts the value
@@ -41,7 +43,7 @@ class Prepared:
 
     def __init__(self, statement):
         self.statement = statement
-        self._plans: dict[tuple, _Plan | None] = {}
+        self._compiled: dict[tuple, _Compiled | None] = {}
 
     def rows(self, connection: Connection, parameters: Mapping[str, Any] | None = None) -> list:
         """Run it in ``connection``'s transaction; its rows (named tuples) or []."""
@@ -49,18 +51,18 @@ class Prepared:
         dialect = connection.dialect
         key = (dialect.name, dialect.driver, tuple(parameters))
         try:
-            plan = self._plans[key]
+            compiled = self._compiled[key]
         except KeyError:
-            plan = self._plans[key] = _plan(self.statement, dialect, tuple(parameters))
-        if plan is None:
+            compiled = self._compiled[key] = _compile(self.statement, dialect, tuple(parameters))
+        if compiled is None:
             result = connection.execute(self.statement, dict(parameters))
             return result.all() if result.returns_rows else []
-        values = plan.construct(parameters)
-        for name, process in plan.binds:
+        values = compiled.construct(parameters)
+        for name, process in compiled.binds:
             values[name] = process(values[name])
-        if plan.order is not None:
-            values = tuple(values[name] for name in plan.order)
-        return _run(connection, plan, values)
+        if compiled.order is not None:
+            values = tuple(values[name] for name in compiled.order)
+        return _run(connection, compiled, values)
 
     def one(self, connection: Connection, parameters: Mapping[str, Any] | None = None):
         """The one row it returns, or None."""
@@ -70,7 +72,7 @@ class Prepared:
         return found[0] if found else None
 
 
-def _plan(statement, dialect: Dialect, keys: tuple[str, ...]) -> _Plan | None:
+def _compile(statement, dialect: Dialect, keys: tuple[str, ...]) -> _Compiled | None:
     compiled = statement.compile(dialect=dialect, column_keys=list(keys) or None)
     if compiled.post_compile_params or compiled.insert_prefetch or compiled.update_prefetch:
         return None  # values known only at execution, or Python-side defaults: SQLAlchemy's path
@@ -87,37 +89,37 @@ def _plan(statement, dialect: Dialect, keys: tuple[str, ...]) -> _Plan | None:
             row = namedtuple("Row", names)
         except ValueError:
             return None  # a name a named tuple cannot hold: SQLAlchemy's path
-    return _Plan(sql=compiled.string, construct=compiled.construct_params, binds=tuple(binds),
+    return _Compiled(sql=compiled.string, construct=compiled.construct_params, binds=tuple(binds),
                  order=tuple(compiled.positiontup) if compiled.positional else None, row=row,
                  types=tuple(column.type.dialect_impl(dialect) for column in columns))
 
 
-def _run(connection: Connection, plan: _Plan, values) -> list:
+def _run(connection: Connection, compiled: _Compiled, values) -> list:
     dbapi_connection = connection.connection
     cursor = dbapi_connection.cursor()
     try:
         listeners = connection.dispatch.before_cursor_execute
         if listeners:
-            listeners(connection, cursor, plan.sql, values, None, False)
-        cursor.execute(plan.sql, values)
-        raw = cursor.fetchall() if plan.row is not None else ()
-        if plan.row is not None and plan.results is None:
+            listeners(connection, cursor, compiled.sql, values, None, False)
+        cursor.execute(compiled.sql, values)
+        raw = cursor.fetchall() if compiled.row is not None else ()
+        if compiled.row is not None and compiled.results is None:
             dialect = connection.dialect
             processors = tuple(kind.result_processor(dialect, column[1])
-                               for kind, column in zip(plan.types, cursor.description, strict=True))
-            plan.results = processors if any(processors) else ()
+                               for kind, column in zip(compiled.types, cursor.description, strict=True))
+            compiled.results = processors if any(processors) else ()
     except connection.dialect.loaded_dbapi.Error as exc:
         dialect = connection.dialect
         gone = dialect.is_disconnect(exc, dbapi_connection, cursor)
         if gone:
             connection.invalidate(exc)
-        raise DBAPIError.instance(plan.sql, values, exc, dialect.loaded_dbapi.Error, connection_invalidated=gone,
+        raise DBAPIError.instance(compiled.sql, values, exc, dialect.loaded_dbapi.Error, connection_invalidated=gone,
                                   dialect=dialect) from exc
     finally:
         cursor.close()
-    if plan.row is None:
+    if compiled.row is None:
         return []
-    make, results = plan.row._make, plan.results
+    make, results = compiled.row._make, compiled.results
     if not results:
         return [make(r) for r in raw]
     return [make(value if process is None else process(value) for process, value in zip(results, r, strict=True))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, insert, select, update
 
-from cmtune.service.models import Role, Token
+from cmtune.service.models import Token, TokenRole
 from cmtune.service.store.base import HARDWARE, P, Tx, hardware_of, hardware_t, workers
 from cmtune.service.store.prepared import Prepared
 from cmtune.tuner.errors import NotFoundError
@@ -28,7 +28,7 @@ MAX_TOUCHED = 100_000  # workers one process remembers marking alive
 class TokenInfo:
     id: int
     name: str
-    role: Role
+    role: TokenRole
     revoked: bool
     created_at: dt.datetime
 
@@ -162,7 +162,7 @@ class Tokens:
     def __init__(self, tx: Tx):
         self._tx = tx
 
-    def add(self, *, name: str, role: Role, value: str | None = None) -> tuple[int, str]:
+    def add(self, *, name: str, role: TokenRole, value: str | None = None) -> tuple[int, str]:
         """A new token (random unless ``value``); only its SHA-256 is stored.  Returns its id and the token."""
         plain = value or "cmt_" + secrets.token_urlsafe(32)
         token_id = self._tx.execute(insert(tokens).values(
@@ -186,7 +186,7 @@ class Tokens:
 
 
 def _token(row) -> TokenInfo:
-    return TokenInfo(id=row.id, name=row.name, role=Role(row.role), revoked=row.revoked, created_at=row.created_at)
+    return TokenInfo(id=row.id, name=row.name, role=TokenRole(row.role), revoked=row.revoked, created_at=row.created_at)
 
 
 def hash_token(token: str) -> str:

@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, text
 from cmtune.service import migrate
 from cmtune.service.db import Database
 from cmtune.service.main import create_app
-from cmtune.service.models import Role
+from cmtune.service.models import TokenRole
 from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore
 from collective_matmul import Decomposition, Hardware, Problem
@@ -62,7 +62,7 @@ def create_tokens(url: str, roles=("admin", "worker", "reader")) -> dict[str, st
     if db.engine.dialect.name == "sqlite":
         migrate.upgrade(db.engine)
     with SqlStore(db).write() as tx:
-        found = {role: tx.tokens.add(name=f"test-{role}", role=Role(role))[1] for role in roles}
+        found = {role: tx.tokens.add(name=f"test-{role}", role=TokenRole(role))[1] for role in roles}
     db.dispose()
     return found
 
@@ -74,7 +74,7 @@ def make_api(url: str, **overrides) -> Api:
     clients = {}
     for role in ("admin", "worker", "reader"):
         with store.write() as tx:
-            _, token = tx.tokens.add(name=f"test-{role}", role=Role(role))
+            _, token = tx.tokens.add(name=f"test-{role}", role=TokenRole(role))
         clients[role] = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     return Api(**clients, anonymous=TestClient(app), store=store, settings=settings)
 

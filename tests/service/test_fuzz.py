@@ -34,7 +34,7 @@ from sqlalchemy import create_engine
 
 from cmtune.launcher import running_server
 from cmtune.service import migrate
-from cmtune.tuner.rounds import grading_rounds, ratio_quartiles
+from cmtune.tuner.paired import grading_rounds, ratio_quartiles
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import PRESETS, ROLES, SLOTS, MeshSpec, role_problems
 from collective_matmul.wire import Speedup, Status, StepMeasurement, Timing, TrialTask, quartiles

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from cmtune.tuner.rounds import faster, ratio_quartiles
+from cmtune.tuner.paired import faster, ratio_quartiles
 from cmtune.tuner.stepsearch import REFERENCE, SEEDS, SearchSpace, StepSearch, replay, variant_name
 from cmtune.tuner.variants import FIXED_RING
 from collective_matmul import Decomposition, Hardware, OpConfigs

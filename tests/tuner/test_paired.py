@@ -1,11 +1,11 @@
-"""The statistics of a step's interleaved rounds (`cmtune.tuner.rounds`): pairing by round, the rule of three
+"""The statistics of a step's interleaved rounds (`cmtune.tuner.paired`): pairing by round, the rule of three
 rounds of four, and the rounds a choice is graded in."""
 
 from __future__ import annotations
 
 import pytest
 
-from cmtune.tuner.rounds import faster, grading_rounds, ratio_quartiles, speedup, timed
+from cmtune.tuner.paired import faster, grading_rounds, ratio_quartiles, speedup, timed
 from collective_matmul import Hardware
 from collective_matmul.wire import MeasurementProtocol, StepMeasurement, StepVariant, Timing, paired_quartiles
 

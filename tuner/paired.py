@@ -1,5 +1,5 @@
-"""The statistics of a step measurement's interleaved rounds: what the step search (`cmtune.tuner.stepsearch`)
-reads from a `StepMeasurement`.
+"""Paired-round statistics: what the step decision (`cmtune.tuner.decision`) and the step search
+(`cmtune.tuner.stepsearch`) read from a `StepMeasurement`'s interleaved rounds.
 
 Every variant of a step is timed once per round, in turn, so two variants' times pair up by round: one
 variant's time over another's in each round, and the quartiles of those ratios (`ratio_quartiles`), say how
