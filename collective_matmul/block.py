@@ -49,13 +49,14 @@ from collective_matmul.ops.collective import OPS, BatchAxis, axes_size, batch_na
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.planning.models import ROLES as MODEL_ROLES
 from collective_matmul.planning.models import TransformerBlock
+from collective_matmul.planning.problem import Collective
 
 # The collective of each role's forward (models.py derives the same problems).
 ROLE_COLLECTIVES: dict[str, str] = {
-    "qkv": "allgather_matmul",
-    "attn_out": "matmul_reduce_scatter",
-    "mlp_up": "allgather_matmul",
-    "mlp_down": "matmul_reduce_scatter",
+    "qkv": Collective.ALLGATHER_MATMUL,
+    "attn_out": Collective.MATMUL_REDUCE_SCATTER,
+    "mlp_up": Collective.ALLGATHER_MATMUL,
+    "mlp_down": Collective.MATMUL_REDUCE_SCATTER,
 }
 ROLES: tuple[str, ...] = MODEL_ROLES  # in models.py, the JAX-free home of the roles
 PARAM_NAMES: tuple[str, ...] = ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_up", "w_down")
@@ -339,7 +340,7 @@ def _as_written(role: str, collective: str, x, w, *, mesh: Mesh, axis: str, batc
     the einsum's ``out_sharding``; on one with Auto axes a sharding constraint.
     """
     lead = (batch_axis, *([None] * (x.ndim - 3))) if x.ndim > 2 else ()
-    out = P(*lead, None, axis) if collective == "allgather_matmul" else P(*lead, axis, None)
+    out = P(*lead, None, axis) if collective == Collective.ALLGATHER_MATMUL else P(*lead, axis, None)
     sharding = NamedSharding(mesh, out)
     with jax.named_scope(role):
         if is_explicit(mesh):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from collective_matmul.client import flax as drop_in
 from collective_matmul.ops.collective import OPS, WEIGHT_DIM_OF, BatchAxis, problem_of, weight_allgather_matmul
 from collective_matmul.planning.models import WEIGHT_K, WEIGHT_N, slot_problems
+from collective_matmul.planning.problem import Collective
 from collective_matmul.programs import roles
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
     from collective_matmul.client.sources import ConfigSource
     from collective_matmul.planning.problem import Problem
 
-COLLECTIVES = ("allgather_matmul", "matmul_reduce_scatter", WEIGHT_K, WEIGHT_N)  # the forwards a call may run
+# the forwards a call may run
+COLLECTIVES = (Collective.ALLGATHER_MATMUL, Collective.MATMUL_REDUCE_SCATTER, WEIGHT_K, WEIGHT_N)
 
 
 def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
@@ -82,13 +84,13 @@ class SourceOps:
     def allgather_matmul(self, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
                          role: str | None = None) -> jax.Array:
         """`collective_matmul.allgather_matmul` with this source's configs (forward, backward); ``role`` labels it."""
-        return run(self, "allgather_matmul", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
+        return run(self, Collective.ALLGATHER_MATMUL, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
 
     def matmul_reduce_scatter(self, x, w, *, mesh: Mesh, axis: str, batch_axis: BatchAxis = None,
                               role: str | None = None) -> jax.Array:
         """`collective_matmul.matmul_reduce_scatter` with this source's configs (forward, backward); ``role`` labels
         it."""
-        return run(self, "matmul_reduce_scatter", x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
+        return run(self, Collective.MATMUL_REDUCE_SCATTER, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, role=role)
 
     def weight_allgather_matmul(self, x, w, *, mesh: Mesh, axis: str, weight_dim: str = "k",
                                 batch_axis: BatchAxis = None, tensor_axis: str | None = None,

@@ -62,6 +62,7 @@ from collective_matmul.ops.collective import (
 )
 from collective_matmul.ops.share import GATHERS, SharedGather
 from collective_matmul.planning.decomposition import Decomposition
+from collective_matmul.planning.problem import Collective
 from collective_matmul.programs.roles import call_site, group_label
 
 if TYPE_CHECKING:
@@ -69,10 +70,10 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO", "FSDP_NAMES", "KINDS", "TENSOR_NAMES", "DotGeneral", "dot_general", "dot_general_cls"]
 
-KINDS = {"column": "allgather_matmul", "row": "matmul_reduce_scatter",
-         "fsdp": "weight_allgather_matmul_k", "fsdp_out": "weight_allgather_matmul_n",
-         **{c: c for c in ("allgather_matmul", "matmul_reduce_scatter", "weight_allgather_matmul_k",
-                           "weight_allgather_matmul_n")}}
+KINDS = {"column": Collective.ALLGATHER_MATMUL, "row": Collective.MATMUL_REDUCE_SCATTER,
+         "fsdp": Collective.WEIGHT_ALLGATHER_MATMUL_K, "fsdp_out": Collective.WEIGHT_ALLGATHER_MATMUL_N,
+         **{str(c): c for c in (Collective.ALLGATHER_MATMUL, Collective.MATMUL_REDUCE_SCATTER,
+                                Collective.WEIGHT_ALLGATHER_MATMUL_K, Collective.WEIGHT_ALLGATHER_MATMUL_N)}}
 TENSOR_NAMES = ("mlp", "heads", "kv_heads", "q_heads", "vocab")
 FSDP_NAMES = ("embed",)
 AUTO = "auto"
@@ -150,7 +151,7 @@ class DotGeneral:
             return weight_allgather_matmul(x, w, **where_to, weight_dim=WEIGHT_DIM_OF[collective],
                                            tensor_axis=route.tensor_axis, config=configs.forward,
                                            grad_input=configs.grad_input, grad_weight=configs.grad_weight)
-        share = collective == "allgather_matmul" and getattr(self.source, "share", False)
+        share = collective == Collective.ALLGATHER_MATMUL and getattr(self.source, "share", False)
         found = GATHERS.find(lhs, **where_to) if share else None
         if found is not None and found[0].shape[1:] == x.shape:  # the same activation, folded alike
             stack, group = found
@@ -217,14 +218,14 @@ class DotGeneral:
         tensor_in, tensor_out = (any(a in self.tensor_names for a in side) for side in (inputs, outputs))
         tensor = self.axis is not None and self.mesh.shape[self.axis] > 1
         if self.fsdp_axis is not None and self.mesh.shape[self.fsdp_axis] > 1:
-            for sharded, other, collective in ((inputs, tensor_out, "weight_allgather_matmul_k"),
-                                               (outputs, tensor_in, "weight_allgather_matmul_n")):
+            for sharded, other, collective in ((inputs, tensor_out, Collective.WEIGHT_ALLGATHER_MATMUL_K),
+                                               (outputs, tensor_in, Collective.WEIGHT_ALLGATHER_MATMUL_N)):
                 if any(a in self.fsdp_names for a in sharded):
                     return _Route(collective, self.fsdp_axis, self.axis if other and tensor else None)
         if self.axis is not None and tensor_in:
-            return _Route("matmul_reduce_scatter", self.axis)
+            return _Route(Collective.MATMUL_REDUCE_SCATTER, self.axis)
         if self.axis is not None and tensor_out:
-            return _Route("allgather_matmul", self.axis)
+            return _Route(Collective.ALLGATHER_MATMUL, self.axis)
         rings = " or ".join(f"{names} over {a!r}" for names, a in ((self.fsdp_names, self.fsdp_axis),
                                                                    (self.tensor_names, self.axis)) if a)
         raise _Unfit(f"kernel_axes {axes} hold no name of {rings}: the kernel is not sharded over a ring")

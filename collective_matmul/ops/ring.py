@@ -53,7 +53,7 @@ from collective_matmul.ops.baseline import (
 from collective_matmul.ops.ring_schedule import RingSchedule
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
 from collective_matmul.planning.models import slot_collective
-from collective_matmul.planning.problem import check_decomposition, resolved_accumulate, ring_hops
+from collective_matmul.planning.problem import Collective, check_decomposition, resolved_accumulate, ring_hops
 
 Pieces = tuple[jax.Array, ...]
 
@@ -88,7 +88,8 @@ def allgather_matmul_shard(
         ValueError: if a config is not valid for these shapes (a backward config's message
             starts with its argument name).
     """
-    plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
+    plan = _plan(Collective.ALLGATHER_MATMUL, x, axis, config, grad_input, grad_weight,
+                 block_rows=math.prod(x.shape[:-1]))
     return _allgather_matmul_vjp(x, w, plan)
 
 
@@ -112,7 +113,8 @@ def allgather_matmul_keep_shard(
     Raises:
         ValueError: as `allgather_matmul_shard`.
     """
-    plan = _plan("allgather_matmul", x, axis, config, grad_input, grad_weight, block_rows=math.prod(x.shape[:-1]))
+    plan = _plan(Collective.ALLGATHER_MATMUL, x, axis, config, grad_input, grad_weight,
+                 block_rows=math.prod(x.shape[:-1]))
     return _allgather_matmul(x, w, plan.axis, plan.config, keep=True)
 
 
@@ -144,7 +146,7 @@ def allgather_matmul_keep_grads_shard(
     """
     fuse = (DEFAULT_GRAD_WEIGHT if grad_weight is None else grad_weight).fuse
     rows = math.prod(saved.shape[:-1]) // (lax.axis_size(axis) if fuse else 1)
-    plan = _plan("allgather_matmul", saved, axis, config, grad_input, grad_weight, block_rows=rows)
+    plan = _plan(Collective.ALLGATHER_MATMUL, saved, axis, config, grad_input, grad_weight, block_rows=rows)
     addend = None if d_gathered is None else d_gathered.astype(dy.dtype)
     return _allgather_matmul_bwd(plan, (saved, w), dy, addend=addend, others=others)
 
@@ -184,7 +186,7 @@ def matmul_reduce_scatter_shard(
     if x.shape[-2] % size:
         raise ValueError(f"matmul_reduce_scatter: M={x.shape[-2]} is not divisible by the ring size {size}")
     block_rows = math.prod(x.shape[:-2]) * (x.shape[-2] // size)
-    plan = _plan("matmul_reduce_scatter", x, axis, config, grad_input, grad_weight, block_rows=block_rows)
+    plan = _plan(Collective.MATMUL_REDUCE_SCATTER, x, axis, config, grad_input, grad_weight, block_rows=block_rows)
     return _matmul_reduce_scatter_vjp(x, w, plan)
 
 
@@ -221,7 +223,7 @@ def allgather_grad_weight_shard(
         )
     check_decomposition(
         config,
-        collective="allgather_grad_weight",
+        collective=Collective.ALLGATHER_GRAD_WEIGHT,
         block_rows=math.prod(u.shape[:-1]),
         axis_size=size,
         dtype=jnp.dtype(u.dtype).name,
@@ -383,7 +385,7 @@ def _fused_gradients(dy, wt, x, axis: str, grad_input: Decomposition, grad_weigh
 
 def _acc_dtype(config: Decomposition, dtype) -> jnp.dtype:
     """The dtype of a ring's weight-gradient accumulator (the collective's default if unset)."""
-    mode = resolved_accumulate(config, collective="allgather_grad_weight", dtype=jnp.dtype(dtype).name)
+    mode = resolved_accumulate(config, collective=Collective.ALLGATHER_GRAD_WEIGHT, dtype=jnp.dtype(dtype).name)
     return jnp.dtype(jnp.float32) if mode == "float32" else jnp.dtype(dtype)
 
 
@@ -413,7 +415,7 @@ def _matmul_reduce_scatter(x, w, axis: str, config: Decomposition, *, addend: ja
         return lax.psum_scatter(partial, axis, scatter_dimension=partial.ndim - 2, tiled=True)
     size = lax.axis_size(axis)
     rows = x.shape[-2] // size
-    mode = resolved_accumulate(config, collective="matmul_reduce_scatter", dtype=jnp.dtype(x.dtype).name)
+    mode = resolved_accumulate(config, collective=Collective.MATMUL_REDUCE_SCATTER, dtype=jnp.dtype(x.dtype).name)
     acc_dtype = jnp.float32 if mode == "float32" else x.dtype
     ring = _Ring(axis, size, config)
     tiling = _Tiling((*x.shape[:-2], rows), config.chunks)

@@ -42,13 +42,13 @@ from collective_matmul.ops.ring import (
     _matmul_reduce_scatter,
 )
 from collective_matmul.planning.decomposition import DEFAULT_GRAD_WEIGHT, Decomposition
-from collective_matmul.planning.problem import check_decomposition
+from collective_matmul.planning.problem import Collective, check_decomposition
 
 WEIGHT_DIMS = ("k", "n")
 # What each weight-gather product is, as an activation ring on transposed operands (1.-4. above).
-_DUAL = {("forward", "n"): "allgather_matmul", ("forward", "k"): "allgather_grad_weight",
-         ("grad_input", "n"): "allgather_grad_weight", ("grad_input", "k"): "allgather_matmul",
-         ("grad_weight", "n"): "matmul_reduce_scatter", ("grad_weight", "k"): "matmul_reduce_scatter"}
+_DUAL = {("forward", "n"): Collective.ALLGATHER_MATMUL, ("forward", "k"): Collective.ALLGATHER_GRAD_WEIGHT,
+         ("grad_input", "n"): Collective.ALLGATHER_GRAD_WEIGHT, ("grad_input", "k"): Collective.ALLGATHER_MATMUL,
+         ("grad_weight", "n"): Collective.MATMUL_REDUCE_SCATTER, ("grad_weight", "k"): Collective.MATMUL_REDUCE_SCATTER}
 
 
 class _WeightRingPlan(NamedTuple):
@@ -208,8 +208,8 @@ def reduce_scatter_grad_weight_shard(u: jax.Array, v: jax.Array, *, axis: str, c
     size = lax.axis_size(axis)
     if u.shape[-1] % size:
         raise ValueError(f"reduce_scatter_grad_weight: K={u.shape[-1]} is not divisible by the ring size {size}")
-    check_decomposition(config, collective="matmul_reduce_scatter", block_rows=u.shape[-1] // size, axis_size=size,
-                        dtype=jnp.dtype(u.dtype).name, rows="k / axis_size")
+    check_decomposition(config, collective=Collective.MATMUL_REDUCE_SCATTER, block_rows=u.shape[-1] // size,
+                        axis_size=size, dtype=jnp.dtype(u.dtype).name, rows="k / axis_size")
     rows = u.reshape(-1, u.shape[-1])
     return _matmul_reduce_scatter(rows.T, v.reshape(-1, v.shape[-1]), axis, config)
 

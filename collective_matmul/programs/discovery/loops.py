@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from collective_matmul.planning.models import COLUMN
+from collective_matmul.planning.problem import Collective
 from collective_matmul.programs.discovery import flow
 from collective_matmul.programs.hlo import Instruction, Module
 from collective_matmul.programs.products import as_product
@@ -42,8 +43,8 @@ def xla_loops(module: Module, axes: Mapping[str, set[frozenset[int]]] | None = N
             body = module.computations.get(inst.attribute("body") or "") if inst.opcode == "while" else None
             if body is None or "windowed_dot_general_body" not in body.name:
                 continue
-            kind = "allgather_matmul" if "_ag" in body.name else "matmul_reduce_scatter" if "_rs" in body.name \
-                else None
+            kind = Collective.ALLGATHER_MATMUL if "_ag" in body.name else \
+                Collective.MATMUL_REDUCE_SCATTER if "_rs" in body.name else None
             permutes = [i for i in body.instructions.values() if i.opcode.startswith("collective-permute")
                         and not i.opcode.endswith("-done")]
             dots = _body_products(module, body)
