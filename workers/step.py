@@ -174,9 +174,9 @@ class BlockVerify:
         tuned = Tuned(self.server, token=self.token, bundle=self.bundle, model=self.block.name)
         configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
                                    batch_axis=layout.batch_axis)
-        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=found.decomposition.id,
-                                          match=found.match, source=found.source)
-                           for slot, (problem, found) in slots.items()}
+        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=answer.decomposition.id,
+                                          match=answer.match, source=answer.source)
+                           for slot, (problem, answer) in slots.items()}
                     for role, slots in tuned.resolved_by_role.items()}
         return BlockConfigs(configs=configs, resolved=resolved)
 
