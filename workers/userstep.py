@@ -251,10 +251,8 @@ class UserVerify:
     role's first call (`user_step_plan`).
 
     Process 0 looks the configs up (``client()``: a `Tuned` client) while it traces the tuned step, and the others
-    replay what it resolved.
-
-    Raises (from `follow`):
-        NoDropInCall: no call of the step went through the drop-in.
+    replay what it resolved.  `start` raises `SpecError` where NAME breaks the step spec's contract, `follow`
+    `NoDropInCall` where no call of the step went through the drop-in.
     """
 
     found = StepCalls
