@@ -44,7 +44,7 @@ def main() -> None:
 
     from cmtune.report import sweep_table
     from cmtune.tuner.search import Searcher, SearchSettings
-    from cmtune.workers.measure import Session, ring_mesh
+    from cmtune.workers.measure import OpSession, ring_mesh
     from collective_matmul import Decomposition, Problem
     from collective_matmul.planning.costmodel import profile_for
     from collective_matmul.planning.problem import Hardware
@@ -66,7 +66,7 @@ def main() -> None:
             rings = [c for c in searcher.by_model if c.method == "ring"][:args.rings]
             configs = [Decomposition.baseline(), *([Decomposition.xla()] if platform in ("tpu", "gpu") else []),
                        *rings]
-            session = Session(problem, protocol=MeasurementProtocol(repeats=args.repeats), mesh=ring_mesh(devices))
+            session = OpSession(problem, protocol=MeasurementProtocol(repeats=args.repeats), mesh=ring_mesh(devices))
             results = [session.measure(config) for config in configs]
             bounds = session.bounds()
             for record in [*results, bounds]:

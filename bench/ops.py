@@ -50,7 +50,7 @@ def run_mode(args) -> None:
         jax.config.update("jax_num_cpu_devices", 8)
     import jax
 
-    from cmtune.workers.measure import MeasurementProtocol, Session
+    from cmtune.workers.measure import MeasurementProtocol, OpSession
     from cmtune.workers.sweep import sweep
     from collective_matmul import Problem
 
@@ -59,7 +59,7 @@ def run_mode(args) -> None:
     for spec in args.problems:
         problem = Problem.parse(spec)
         started = time.perf_counter()
-        session = Session(problem, protocol=protocol)
+        session = OpSession(problem, protocol=protocol)
         results = sweep(problem, protocol=protocol, session=session)
         lines.extend(m.model_dump_json() for m in results)
         lines.append(session.bounds().model_dump_json())  # every process: the bounds rounds are SPMD too

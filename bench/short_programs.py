@@ -36,12 +36,12 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
-    from cmtune.workers.measure import Session
+    from cmtune.workers.measure import OpSession
     from collective_matmul import Decomposition, Problem
     from collective_matmul.wire import MeasurementProtocol
 
     problem, ring = Problem.parse(args.problem), Decomposition.from_id(args.ring)
-    session = Session(problem)
+    session = OpSession(problem)
     runs: dict[str, list] = {"one call": [], "K calls": []}
     started = time.monotonic()
     for i in range(args.runs):

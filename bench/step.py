@@ -102,18 +102,18 @@ def join_devices() -> None:
               else DeviceSpec("auto"))
 
 
-def block_session(block, repeats: int):
+def laid_out_session(block, repeats: int):
     """``(layout, session)``: ``block`` laid out on a data=1,model=8 mesh of this group's devices, and a step session
     timing it in ``repeats`` interleaved rounds."""
     import jax
 
-    from cmtune.workers.step import StepSession, step_layout
+    from cmtune.workers.step import block_session, step_layout
     from collective_matmul.planning.models import MeshSpec
     from collective_matmul.wire import MeasurementProtocol
 
     layout = step_layout(block, MeshSpec.parse("data=1,model=8"), jax.devices())
-    return layout, StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                               protocol=MeasurementProtocol(repeats=repeats, warmup=2))
+    return layout, block_session(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                                 protocol=MeasurementProtocol(repeats=repeats, warmup=2))
 
 
 def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, search: tuple[int, int]) -> None:
@@ -124,7 +124,7 @@ def measure(block: Path, devices: str, bundle: Path, repeats: int, out: Path, se
 
 def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int, per_round: int) -> None:
     """One process of the step measurement (every process of a group runs this, SPMD: process 0 holds the
-    search and shares each round, `cmtune.workers.step.search_step`)."""
+    search and shares each round, `cmtune.workers.step_rounds.run_step_search`)."""
     from cmtune.workers.cluster import Group
 
     join_devices()
@@ -132,8 +132,9 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
 
     from cmtune.tuner.stepsearch import SearchSpace, StepSearch
     from cmtune.tuner.variants import cost_model_configs, ring_everywhere, ring_fill
-    from cmtune.workers.decide import measured_configs
-    from cmtune.workers.step import fixed_sources, search_step
+    from cmtune.workers.overrides import measured_configs
+    from cmtune.workers.step import fixed_sources
+    from cmtune.workers.step_rounds import run_step_search
     from collective_matmul import Bundle, OpConfigs, Tuned
     from collective_matmul.block import configs_per_role
     from collective_matmul.client.tuned import ring_hardware
@@ -141,7 +142,7 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
     from collective_matmul.wire import StepRound
 
     block = TransformerBlock.model_validate_json(Path(block_path).read_text())
-    layout, session = block_session(block, repeats)
+    layout, session = laid_out_session(block, repeats)
     where = dict(mesh=layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis)
     hardware = ring_hardware(layout.mesh, layout.axis).identity()
     problems = role_problems(block, MeshSpec.parse("data=1,model=8"))
@@ -153,8 +154,8 @@ def step_main(block_path: str, bundle: str, repeats: int, out: str, rounds: int,
         space = SearchSpace.of(op_tuned, problems, hardware, measured=lambda p: measured_configs(history, p))
         search = StepSearch(space, rounds=rounds, per_round=per_round, model=block.name)
     started = time.monotonic()
-    grading, searched = search_step(search, lambda variants: session.measure(fixed_sources(variants)), group=group,
-                                    say=lambda line: print(line, flush=True))
+    grading, searched = run_step_search(search, lambda variants: session.measure(fixed_sources(variants)),
+                                        group=group, say=lambda line: print(line, flush=True))
     search_total_s = time.monotonic() - started
     message = None
     if group.leader:

@@ -12,7 +12,7 @@ number of edits ``+<role>.<slot>=<what>``: ``<role>.<slot>`` a role's slot as
 role), ``<what>`` ``baseline`` (the fused baseline for a weight gradient), ``ring`` (the fixed ring)
 or another recorded variant's name (that slot as it runs it).  The step as written is the
 reference; the variants are timed in interleaved rounds, each in its own order, slowest process
-per run (`cmtune.workers.step.StepSession`), as bench/step.py times them.
+per run (`cmtune.workers.step.block_session`), as bench/step.py times them.
 
 Prints one line per variant: its time over the step as written, and over the first variant
 (paired by round: quartiles), and whether it is faster than the first in 3 of 4 rounds
@@ -83,7 +83,7 @@ def parse_variant(spec: str, named: dict) -> dict:
 
 def worker(args) -> None:
     """One process of the measurement (every process of a group runs this, SPMD)."""
-    from step import block_session, join_devices
+    from step import join_devices, laid_out_session
 
     join_devices()
     import jax
@@ -95,7 +95,7 @@ def worker(args) -> None:
     record = json.loads(Path(args.record).read_text())
     named = recorded(record)
     variants = {spec: parse_variant(spec, named) for spec in args.variants}
-    _, session = block_session(TransformerBlock.model_validate(record["confirmed"]["block"]), args.repeats)
+    _, session = laid_out_session(TransformerBlock.model_validate(record["confirmed"]["block"]), args.repeats)
     result = session.measure(fixed_sources({"as-written": None, **variants}))
     if jax.process_index() != 0:
         return

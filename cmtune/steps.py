@@ -247,10 +247,12 @@ def _memory(compiled) -> int | None:
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
            name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
            json_out: Path | None, search_rounds: int = 3, round_variants: int = 3, share: bool = True) -> None:
-    """`cmtune verify --step`: `cmtune.workers.userstep.verify_user_step`, process 0 printing."""
+    """`cmtune verify --step`: `cmtune.workers.verify.verify_step` of a `UserVerify`, process 0 printing."""
     import jax
 
-    from cmtune.workers.userstep import NoDropInCall, verify_user_step
+    from cmtune.workers.overrides import SearchBudget
+    from cmtune.workers.userstep import NoDropInCall, UserVerify
+    from cmtune.workers.verify import verify_step
     from collective_matmul.wire import MeasurementProtocol
 
     if decide and bundle is None:
@@ -262,12 +264,12 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     model = name or ref.name
     say = console.print if jax.process_index() == 0 else (lambda *_: None)
     protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
+    target = UserVerify(fn, str(ref), lambda: verified_client(server, token, bundle, model), model=model,
+                        protocol=protocol, share=share)
     try:
         with spec_errors():
-            result = verify_user_step(
-                fn, str(ref), lambda: verified_client(server, token, bundle, model), model=model, protocol=protocol,
-                share=share, bundle=bundle, search=dict(rounds=search_rounds, per_round=round_variants)
-                if decide else None, say=say, show_sites=lambda sites: show_sites(ref, sites))
+            result = verify_step(target, budget=SearchBudget(search_rounds, round_variants) if decide else None,
+                                 bundle=bundle, say=lambda event: show_progress(event, ref=ref))
     except NoDropInCall as exc:
         say(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
@@ -277,6 +279,22 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     show_step(result, title=f"training step of {ref} on {mesh_text}, {result.hardware.key} (jax "
                             f"{result.hardware.jax_version}); reference: the step as written",
               started=started, json_out=json_out)
+
+
+def show_progress(event, *, ref: SpecRef | None = None) -> None:
+    """Print one event of a measured verify (`cmtune.workers.progress`): a line in its level's style, the reference
+    block's configs per role, or the call sites of ``ref``'s step."""
+    from cmtune.report import roles_table
+    from cmtune.workers.progress import Level, ProgressLine, RolesResolved, SitesTraced
+
+    if isinstance(event, ProgressLine):  # each level's Rich style; none: plain
+        style = {Level.DETAIL: "dim", Level.ROUND: "bold", Level.WARNING: "yellow", Level.FAILURE: "red"}.get(
+            event.level)
+        console.print(f"[{style}]{event.text}[/{style}]" if style else event.text)
+    elif isinstance(event, RolesResolved):
+        console.print(roles_table(event.resolved, title="configs per role"))
+    elif isinstance(event, SitesTraced):
+        show_sites(ref, event.sites)
 
 
 def discovered_body(step: str, name: str | None):

@@ -339,6 +339,7 @@ def verify(
 ) -> None:
     """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
     join_options(coordinator, num_processes, process_id)
+    from cmtune.workers.overrides import SearchBudget
     from collective_matmul import Bundle
     from collective_matmul.block import check_block
     from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
@@ -392,18 +393,19 @@ def verify(
         return
     _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
             timeout=timeout, ablation=ablation, json_out=json_out,
-            search=dict(rounds=search_rounds, per_round=round_variants) if decide else None)
+            budget=SearchBudget(search_rounds, round_variants) if decide else None)
 
 
 def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeout, ablation, json_out,
-            search=None) -> None:
-    """`cmtune.workers.step.verify_block`, process 0 printing."""
+            budget=None) -> None:
+    """`cmtune.workers.verify.verify_step` of a `BlockVerify`, process 0 printing."""
     import time
 
     import jax
 
-    from cmtune.report import roles_table
-    from cmtune.workers.step import step_layout, verify_block
+    from cmtune.steps import show_progress
+    from cmtune.workers.step import BlockVerify, step_layout
+    from cmtune.workers.verify import verify_step
     from collective_matmul.wire import MeasurementProtocol
 
     started = time.monotonic()
@@ -412,9 +414,9 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
-    result = verify_block(block, spec, layout, bundle=bundle, server=server, token=token, protocol=protocol,
-                          ablation=ablation, search=search, say=console.print,
-                          show_roles=lambda resolved: console.print(roles_table(resolved, title="configs per role")))
+    target = BlockVerify(block, spec, layout, bundle=bundle, server=server, token=token, protocol=protocol,
+                         ablation=ablation)
+    result = verify_step(target, budget=budget, bundle=bundle, say=show_progress)
     if result is None:  # another process of the group: process 0 reports
         return
     mesh_text = ",".join(f"{name}={size}" for name, size in result.mesh.items())

@@ -13,7 +13,7 @@
    derived from them.
 5. Failures are results: ``compile_error``, ``oom``, ``invalid``, ``timeout``, ``error``.
 
-The bounds of a problem (`Session.bounds`, `collective_matmul.wire.bounds`) follow the same protocol:
+The bounds of a problem (`OpSession.bounds`, `collective_matmul.wire.bounds`) follow the same protocol:
 the local matmul alone and the collective alone (`bound_programs`), each on its own seeded
 inputs, timed in turn with the baseline, round by round.
 """
@@ -240,8 +240,9 @@ def classify_failure(exc: BaseException) -> Status:
     return Status.ERROR
 
 
-class Session:
-    """Inputs, the compiled baseline and its result for one problem: measure many candidates.
+class OpSession:
+    """The op measurement session: inputs, the compiled baseline and its result for one problem; measure many
+    candidates.
 
     The problem runs on every ring of ``mesh`` along ``axis`` at once (default: the rings of its size over
     ``devices``, `ring_mesh`): the inputs are sharded over the ring axis only and replicated over the others, and
@@ -443,8 +444,8 @@ def _trivial(mesh: Mesh):
 
 def measure(problem: Problem, config: Decomposition,
             protocol: MeasurementProtocol = MeasurementProtocol()) -> Measurement:
-    """Measure one candidate on all devices, as rings of its size (a one-off `Session`)."""
-    return Session(problem, protocol=protocol).measure(config)
+    """Measure one candidate on all devices, as rings of its size (a one-off `OpSession`)."""
+    return OpSession(problem, protocol=protocol).measure(config)
 
 
 def compiler_options_of(config: Decomposition, mesh: Mesh) -> dict | None:
@@ -473,3 +474,13 @@ def compiled_memory(compiled) -> int | None:
 def error_message(exc: BaseException) -> str:
     """What a failure says: its type and text, as a valid message (an error's text may hold anything)."""
     return as_message(f"{type(exc).__name__}: {exc}", 2000)
+
+
+def __getattr__(name: str):
+    if name == "Session":  # the name before `OpSession`: one more release
+        import warnings
+
+        warnings.warn("cmtune.workers.measure.Session is now cmtune.workers.measure.OpSession: the old name goes in "
+                      "the next release", DeprecationWarning, stacklevel=2)
+        return OpSession
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,7 @@ log = logging.getLogger("cmtune.worker")
 
 class LocalRunner:
     """Times trials on this process's devices (its group's): a problem on every ring of its size they split into,
-    all at once, unless ``mesh`` and ``axis`` say which (`Session`); keeps one `Session` (inputs, compiled
+    all at once, unless ``mesh`` and ``axis`` say which (`OpSession`); keeps one `OpSession` (inputs, compiled
     baseline) at a time.
 
     Nothing a trial does stops the runner: inputs that would not fit (checked before anything is
@@ -57,12 +57,12 @@ class LocalRunner:
         self._memory: int | None = None
 
     def session(self, problem: Problem, protocol: MeasurementProtocol):
-        from cmtune.workers.measure import Session
+        from cmtune.workers.measure import OpSession
 
         key = (problem.key, protocol.seed)
         if key not in self._sessions:
             self._sessions.clear()  # one problem's inputs at a time
-            self._sessions[key] = Session(problem, protocol=protocol, **self._session_kwargs)
+            self._sessions[key] = OpSession(problem, protocol=protocol, **self._session_kwargs)
         return self._sessions[key]
 
     @property

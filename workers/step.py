@@ -18,28 +18,36 @@ interleaved rounds, failures as statuses); what is the block's own:
 4. Every timed run starts from the same parameters and inputs (the update is not fed back).
 
 `standard_variants` builds the usual set (as-written, baseline, tuned, two whole-step
-alternatives and a per-role ablation) and `step_layout` the mesh and batch to measure a submission on.
-`search_step` runs the step search (`cmtune.tuner.stepsearch`) over a session: process 0 plans each
-round, every process times it.  The result types (`StepVariant`, `StepMeasurement`) are part of the
+alternatives and a per-role ablation) and `step_layout` the mesh and batch to measure a submission on;
+`block_session` makes the session, `BlockVerify` is the block's part of `cmtune verify`
+(`cmtune.workers.verify.verify_step`).  The result types (`StepVariant`, `StepMeasurement`) are part of the
 wire contract (`collective_matmul.wire`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cmtune.tuner.variants import REFERENCE, variant_configs
-from cmtune.workers.stepmeasure import StepKind
-from cmtune.workers.stepmeasure import StepSession as Session
+from cmtune.workers.overrides import SearchBudget, StepPlan
+from cmtune.workers.progress import Event, ProgressLine, RolesResolved
+from cmtune.workers.stepmeasure import Agreement, Check, StepKind, StepSession
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.planning.models import MeshSpec, TransformerBlock
 from collective_matmul.planning.problem import Hardware
-from collective_matmul.wire import ChosenVariant, MeasurementProtocol, Status, StepMeasurement, StepVariant
+from collective_matmul.wire import (
+    BlockConfigs,
+    ChosenVariant,
+    MeasurementProtocol,
+    Status,
+    StepMeasurement,
+    StepVariant,
+)
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -49,23 +57,24 @@ AUTO = "auto"
 # ---- the variants ------------------------------------------------------------------------
 
 
-def standard_variants(tuned: Mapping[str, OpConfigs], *, ablation: bool = True) -> dict:
-    """`variant_configs` as config sources for `StepSession.measure` (`AS_WRITTEN` or `FixedConfigs`)."""
+def standard_variants(configs: Mapping[str, OpConfigs], *, ablation: bool = True) -> dict:
+    """`variant_configs` of the per-role ``configs`` as config sources for `StepSession.measure` (`AS_WRITTEN` or
+    `FixedConfigs`)."""
     from collective_matmul.block import AS_WRITTEN, FixedConfigs
 
-    return {name: AS_WRITTEN if configs is None else FixedConfigs(configs)
-            for name, configs in variant_configs(tuned, ablation=ablation).items()}
+    return {name: AS_WRITTEN if setting is None else FixedConfigs(setting)
+            for name, setting in variant_configs(configs, ablation=ablation).items()}
 
 
 # ---- a step trial, as a worker or the local runner runs it -------------------------------
 
 
-def run_step(task, session: Session | None = None) -> StepMeasurement:
+def run_step(task, session: StepSession | None = None) -> StepMeasurement:
     """A step trial, as a worker runs it: the submitted block on one ring of its mesh.
 
     ``task`` is a `collective_matmul.wire.TrialTask` of kind ``step``: a round of the step search
     times exactly the variants it names; a task without them times the standard menu of its
-    configs, then grades the choice of `step_decision` in fresh rounds (`confirm`).  ``session``:
+    configs, then grades the tuner's choice (`step_decision`) in fresh rounds (`grade_choice`).  ``session``:
     one `step_session` made for an earlier round of the same step, whose compiled programs are
     reused.  Failures (a block that does not fit the devices, out of memory, a compile error)
     come back as variant statuses.
@@ -76,15 +85,15 @@ def run_step(task, session: Session | None = None) -> StepMeasurement:
         return session.measure(fixed_sources(step.variants), protocol=task.protocol)
     variants = standard_variants(step.configs, ablation=step.ablation)
     measured = session.measure(variants, protocol=task.protocol)
-    return confirm(session, measured, variants, step.configs)
+    return grade_choice(session, measured, variants, step.configs)
 
 
-def step_session(task) -> Session:
+def step_session(task) -> StepSession:
     """The session a step trial runs in: the submitted block on one ring of its mesh, with the trial's seed."""
     step = task.step
     layout = step_layout(step.block, MeshSpec(axes=step.mesh, tensor_axis=step.tensor_axis))
-    return StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                       protocol=task.protocol)
+    return block_session(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                         protocol=task.protocol)
 
 
 def step_session_key(task) -> tuple:
@@ -111,21 +120,21 @@ def failed_step(task, status: Status, message: str) -> StepMeasurement:
                                                              for name in (REFERENCE, "tuned")])
 
 
-def confirm(session: Session, measured: StepMeasurement, variants: Mapping, tuned: Mapping[str, OpConfigs],
-            ) -> StepMeasurement:
-    """``measured`` with a confirmation: the reference, the all-baseline step and the variant that
-    `step_decision` chooses, timed again in fresh interleaved rounds, so that the speedup reported
-    is not read from the rounds that picked the winner (those favour it).
+def grade_choice(session: StepSession, measured: StepMeasurement, variants: Mapping,
+                 configs: Mapping[str, OpConfigs]) -> StepMeasurement:
+    """``measured`` with a confirmation: the reference, the all-baseline step and the variant that the tuner
+    chooses (`step_decision`, from ``measured`` and the tuned ``configs``), timed again in fresh interleaved rounds,
+    so that the speedup reported is not read from the rounds that picked the winner (those favour it).
 
-    Process 0 decides and the others follow (`Group`), so every process compiles the same
-    programs.  Nothing is re-timed when the decision could not be made.
+    Process 0 asks the tuner and the others follow (`Group`), so every process compiles the same
+    programs.  Nothing is re-timed when the tuner chose nothing.
     """
     from cmtune.tuner.engine import step_decision
     from cmtune.workers.cluster import Group
 
     group, message = Group(), None
     if group.leader:
-        decision = step_decision(measured, tuned)
+        decision = step_decision(measured, configs)
         message = ChosenVariant(variant=decision.variant if decision.ok else None)
     chosen = group.share(message, ChosenVariant).variant
     if chosen is None:
@@ -136,106 +145,86 @@ def confirm(session: Session, measured: StepMeasurement, variants: Mapping, tune
     return measured.model_copy(update={"confirmation": again.variants})
 
 
-def search_step(search, measure: Callable[[dict], StepMeasurement], *, group=None,
-                say: Callable[[str], None] | None = None) -> tuple[StepMeasurement | None, list[StepMeasurement]]:
-    """Run a step search (`cmtune.tuner.stepsearch.StepSearch`, held by process 0 alone) to its grading.
-
-    Process 0 plans each round and shares it (`collective_matmul.wire.StepRound`); every process
-    then times it with ``measure`` (name -> per-role configs, None for the step as written, to a
-    `StepMeasurement`; every process must make the same calls), and process 0 records it.  The
-    search's extra wall time is what its rounds after the first took here.
-
-    Args:
-        search: the search (on processes other than 0: None, or anything; it is not read there).
-        measure: times one round's variants.
-        group: the process group (`cmtune.workers.cluster.Group`; default: this process's).
-        say: called on process 0 with one line per round.
-
-    Returns:
-        ``(grading, rounds)``: the grading round's measurement (None if the search failed; its
-        decision is ``search.decide(grading)`` on process 0) and every search round's.
-    """
-    from cmtune.workers.cluster import Group
-    from collective_matmul.wire import StepRound
-
-    group = group or Group()
-    say = say if group.leader and say is not None else (lambda _line: None)
-    rounds: list[StepMeasurement] = []
-    while True:
-        message = None
-        if group.leader:
-            plan = search.plan()
-            message = StepRound(kind="done" if plan.kind == "failed" else plan.kind, round=plan.round,
-                                variants=plan.variants)
-            if plan.kind != "search":
-                say(f"the step search stops: {plan.reason}")
-        message = group.share(message, StepRound)
-        if message.kind == "done":
-            return None, rounds
-        started = time.monotonic()
-        result = measure(message.variants)
-        if message.kind == "grade":
-            return result, rounds
-        rounds.append(result)
-        if group.leader:
-            search.record(message.variants, result, wall_s=time.monotonic() - started)
-            say(search.summary())
+# ---- `cmtune verify --model` ----------------------------------------------------------------
 
 
-def verify_block(block: TransformerBlock, spec: MeshSpec, layout: StepLayout, *, bundle, server: str | None,
-                 token: str | None,
-                 protocol: MeasurementProtocol, ablation: bool, search: dict | None, say: Callable[[str], None],
-                 show_roles: Callable[[dict], None]) -> StepMeasurement | None:
-    """`cmtune verify --model`: time ``block``'s step as submitted on ``spec``, on ``layout`` (its first ring here:
-    `step_layout`), with the configs of ``bundle`` or ``server`` against the block as written
-    (`standard_variants`); with ``search`` (the step search's ``rounds`` and ``per_round``) decide what it runs
-    (`cmtune.workers.decide.decide_step`) and write the choice's overrides into ``bundle``.
+class BlockVerify:
+    """The reference block's part of `cmtune verify --model` (a `cmtune.workers.verify.VerifyTarget`): ``block``'s
+    step as submitted on ``spec``, on ``layout`` (its first ring here: `step_layout`), with the configs of
+    ``bundle`` or ``server`` (process 0 looks them up) against the block as written (`standard_variants`); searched,
+    from those configs with the bundle's entries as the runners-up (`block_plan`)."""
 
-    Process 0 looks the configs up and the others run what it found; ``say`` (and ``show_roles``, with each
-    role's resolved configs) are called on process 0 alone.
+    found = BlockConfigs
 
-    Returns:
-        On process 0 the step measurement; None on the others.
-    """
-    import jax
+    def __init__(self, block: TransformerBlock, spec: MeshSpec, layout: StepLayout, *, bundle: Path | None,
+                 server: str | None, token: str | None, protocol: MeasurementProtocol, ablation: bool):
+        self.block, self.spec, self.layout, self.bundle = block, spec, layout, bundle
+        self.server, self.token, self.protocol, self.ablation = server, token, protocol, ablation
 
-    from cmtune.workers.cluster import Group
-    from collective_matmul.block import configs_per_role
-    from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import BlockConfigs, Resolved
+    def start(self, leader: bool) -> None:
+        """Nothing: the session is made once the configs are known."""
 
-    group = Group()
-    say = say if group.leader else (lambda *_: None)
-    message = None
-    if group.leader:  # process 0 looks the configs up; the others run what it found
-        tuned = Tuned(server, token=token, bundle=bundle, model=block.name)
+    def look_up(self) -> BlockConfigs:
+        """Each role's configs from a `Tuned` client, and how each slot was resolved."""
+        from collective_matmul.block import configs_per_role
+        from collective_matmul.client.tuned import Tuned
+        from collective_matmul.wire import Resolved
+
+        layout = self.layout
+        tuned = Tuned(self.server, token=self.token, bundle=self.bundle, model=self.block.name)
         configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
                                    batch_axis=layout.batch_axis)
-        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=found.decomposition.id,
-                                          match=found.match, source=found.source)
-                           for slot, (problem, found) in slots.items()}
+        resolved = {role: {slot: Resolved(problem=problem.key, decomposition=answer.decomposition.id,
+                                          match=answer.match, source=answer.source)
+                           for slot, (problem, answer) in slots.items()}
                     for role, slots in tuned.resolved_by_role.items()}
-        message = BlockConfigs(configs=configs, resolved=resolved)
-    message = group.share(message, BlockConfigs)
-    configs = message.configs
-    mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
-    submitted = ",".join(f"{name}={size}" for name, size in spec.axes.items())
-    say(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch {layout.block.global_batch} "
-        f"({layout.per_shard_batch} per data shard), seq {block.seq_len}, {block.dtype}, "
-        f"{jax.process_count()} process(es)")
-    if group.leader:
-        show_roles(message.resolved)
-    session = StepSession(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
-                          protocol=protocol)
-    if search is not None:
-        from cmtune.workers.decide import block_plan, decide_step
+        return BlockConfigs(configs=configs, resolved=resolved)
 
-        plan = lambda: block_plan(block, spec, layout, configs, bundle, ablation=ablation)  # noqa: E731 - process 0's
-        result = decide_step(group, session, plan, fixed_sources, bundle=bundle, say=say, **search)
-    else:
-        result = session.measure(standard_variants(configs, ablation=ablation),
-                                 on_event=lambda line: say(f"[dim]{line}[/dim]"))
-    return result if group.leader else None
+    def shown(self, found: BlockConfigs) -> list[Event]:
+        """What is measured where, and each role's resolved configs."""
+        import jax
+
+        layout, block = self.layout, self.block
+        mesh_text = ",".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
+        submitted = ",".join(f"{name}={size}" for name, size in self.spec.axes.items())
+        return [ProgressLine(f"measuring {block.name} on {mesh_text} (submitted {submitted}): batch "
+                             f"{layout.block.global_batch} ({layout.per_shard_batch} per data shard), seq "
+                             f"{block.seq_len}, {block.dtype}, {jax.process_count()} process(es)"),
+                RolesResolved(found.resolved)]
+
+    def follow(self, found: BlockConfigs, leader: bool) -> StepSession:
+        layout = self.layout
+        return block_session(layout.block, layout.mesh, axis=layout.axis, batch_axis=layout.batch_axis,
+                             protocol=self.protocol)
+
+    def variants(self, found: BlockConfigs) -> dict:
+        return standard_variants(found.configs, ablation=self.ablation)
+
+    def announce(self, found: BlockConfigs, variants: Mapping | None,
+                 budget: SearchBudget | None) -> list[ProgressLine]:
+        return []
+
+    def plan(self, found: BlockConfigs) -> StepPlan:
+        return block_plan(self.block, self.spec, self.layout, found.configs, self.bundle, ablation=self.ablation)
+
+    def sources(self, found: BlockConfigs) -> Callable[[Mapping], dict]:
+        return fixed_sources
+
+    def measure_options(self, found: BlockConfigs) -> dict:
+        return {}
+
+
+def block_plan(block, spec, layout, configs: dict[str, OpConfigs], bundle: Path, *, ablation: bool) -> StepPlan:
+    """The reference block as submitted on ``spec`` (measured on ``layout``), searched from its tuned ``configs``
+    with the bundle's entries for its problems (any hardware) as the runners-up."""
+    from collective_matmul.client.tuned import ring_hardware
+    from collective_matmul.planning.models import role_problems
+    from collective_matmul.wire.bundle import Bundle
+
+    problems = role_problems(block, spec)
+    return StepPlan(model=block.name, hardware=ring_hardware(layout.mesh, layout.axis).identity(), configs=configs,
+                    problems=problems, history=Bundle.load(bundle).configs, ablation=ablation,
+                    bound_problems=[p for slots in problems.values() for p in slots.values()])
 
 
 # ---- the layout: where a step is measured ------------------------------------------------
@@ -324,8 +313,8 @@ class _Recorder:
         self.source.fell_back(role, reason, source=source)
 
 
-def StepSession(block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,  # noqa: N802 - the class it was
-                protocol: MeasurementProtocol = MeasurementProtocol(), lr: float = 1e-3) -> Session:
+def block_session(block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,
+                  protocol: MeasurementProtocol = MeasurementProtocol(), lr: float = 1e-3) -> StepSession:
     """The session of one block on one mesh: a `cmtune.workers.stepmeasure.StepSession` of its `BlockStep`,
     measuring variants of its training step (``measure``: name -> `ConfigSource` or `AS_WRITTEN`).
 
@@ -340,8 +329,8 @@ def StepSession(block: TransformerBlock, mesh, *, axis: str = "model", batch_axi
     Raises:
         ValueError: if the block does not fit the mesh.
     """
-    return Session(BlockStep(block, mesh, axis=axis, batch_axis=batch_axis, seed=protocol.seed, lr=lr),
-                   protocol=protocol)
+    return StepSession(BlockStep(block, mesh, axis=axis, batch_axis=batch_axis, seed=protocol.seed, lr=lr),
+                       protocol=protocol)
 
 
 class BlockStep(StepKind):
@@ -430,14 +419,13 @@ class BlockStep(StepKind):
         prefix = "invalid decomposition: " if isinstance(exc, ValueError) else ""
         return prefix + super().compile_failure(exc)
 
-    def check_run(self, step, record: dict, expected):
+    def check_run(self, step, expected: Check | None) -> Check:
         """One step at the check learning rate (the reference's: `_check_lr`): ``(new_params, loss, lr)``."""
         import jax
 
-        lr = self._check_lr(step) if expected is None else expected[2]
+        lr = self._check_lr(step) if expected is None else expected.value[2]
         new, loss = jax.block_until_ready(step(self.params, self.x, self.target, lr))
-        record["loss"] = float(loss)
-        return new, loss, lr
+        return Check((new, loss, lr), loss=float(loss))
 
     def _check_lr(self, step):
         """A learning rate whose update dwarfs every parameter, so ``p - new`` carries the gradient
@@ -448,8 +436,8 @@ class BlockStep(StepKind):
         ratio = max(t.size / max(t.diff, 1e-30) for t in tree_terms(new, self.params))
         return self._scalar(2.0 ** math.ceil(math.log2(max(1e3 * ratio, 1.0))))
 
-    def agrees(self, record: dict, got, expected, reference: str) -> bool:
-        """Compare a variant's loss and gradients with the reference's; mark it ``invalid`` if they differ.
+    def agrees(self, got: Check, expected: Check, reference: str) -> Agreement:
+        """Compare a variant's loss and gradients with the reference's; ``invalid`` if they differ.
 
         The gradient of a parameter is ``(p - new) / lr`` at the check learning rate, so the
         relative error of the gradients is ``|new - new_ref| / |p - new_ref|``.
@@ -457,20 +445,19 @@ class BlockStep(StepKind):
         from cmtune.workers.compare import relative_error
         from cmtune.workers.measure import TOLERANCE
 
-        (new, loss, _), (want_new, want_loss, _) = got, expected
+        (new, loss, _), (want_new, want_loss, _) = got.value, expected.value
         errors = {"loss": relative_error(loss, want_loss)}
         for name in sorted(want_new):
             errors[f"d{name}"] = relative_error(new[name], want_new[name], base=self.params[name])
         worst = max(errors, key=lambda k: errors[k] if math.isfinite(errors[k]) else math.inf)
-        record["rel_error"] = errors[worst] if math.isfinite(errors[worst]) else None
+        rel_error = errors[worst] if math.isfinite(errors[worst]) else None
         tolerance = TOLERANCE[self.block.dtype]
         if not math.isfinite(errors[worst]) or errors[worst] > tolerance:
-            record.update(status=Status.INVALID, message=f"{worst}: relative error {errors[worst]:.3g} against "
-                                                         f"{reference!r} exceeds {tolerance:g}")
-            return False
-        return True
+            return Agreement(rel_error, invalid=f"{worst}: relative error {errors[worst]:.3g} against {reference!r} "
+                                                f"exceeds {tolerance:g}")
+        return Agreement(rel_error)
 
-    def timed_run(self, step, got) -> Callable[[], object]:
+    def timed_run(self, step, got: Check) -> Callable[[], object]:
         """One step on this session's inputs (the same every run: the update is not fed back)."""
         inputs = self._inputs
         return lambda: step(*inputs)

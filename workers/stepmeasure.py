@@ -23,23 +23,49 @@ and compares, how its timed runs are fed, and what its record says besides the v
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from cmtune.tuner.variants import REFERENCE
 from cmtune.workers.rounds import any_process, time_rounds
 from collective_matmul.planning.decomposition import OpConfigs
 from collective_matmul.wire import MeasurementProtocol, Status, StepMeasurement, StepVariant, Timing, quartiles
 
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
 MAX_COMPILED = 32  # compiled step programs a session keeps
 
 
-class StepKind:
-    """What a kind of step says to a `StepSession`: how a variant is built, checked and fed, and what its record
-    says.  The defaults here serve any kind; `lowering`, `used`, `check_run`, `agrees`, `timed_run` and
-    `record_fields` are each kind's own."""
+@dataclass(frozen=True)
+class Check:
+    """What one checking step of a variant gave (`StepKind.check_run`)."""
 
-    mesh: Any  # the step's mesh (its devices are the record's hardware)
+    value: object  # what the kind compares (`StepKind.agrees`) and feeds its timed runs (`StepKind.timed_run`)
+    loss: float | None = None  # the step's loss, for the variant's record
+    rel_error: float | None = None  # the record's relative error where the check alone tells it (the reference's)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A variant's check against the reference's (`StepKind.agrees`): its worst relative error, and why it is
+    ``invalid`` where it is."""
+
+    rel_error: float | None = None
+    invalid: str | None = None  # None: it agrees
+
+    @property
+    def ok(self) -> bool:
+        return self.invalid is None
+
+
+class StepKind(ABC):
+    """What a kind of step says to a `StepSession`: how a variant is built, checked and fed, and what its record
+    says.  The four hooks with a body serve any kind; the abstract ones are each kind's own."""
+
+    mesh: Mesh  # the step's mesh (its devices are the record's hardware)
     # the message of a variant left unchecked because the reference failed (formatted with ``reference``)
     not_checked = "not checked: the reference {reference!r} failed"
 
@@ -51,17 +77,17 @@ class StepKind:
         """What the step is traced with for ``source`` (here: ``source`` itself)."""
         return source
 
+    @abstractmethod
     def lowering(self, tracer) -> Callable[[], Any]:
         """Build the variant's step (not timed; may raise) and return its lowering (timed with its compile)."""
-        raise NotImplementedError
 
     def compiler_options(self, tracer) -> Mapping[str, object] | None:
         """The XLA compile options of the variant (here: none, XLA's defaults)."""
         return None
 
+    @abstractmethod
     def used(self, tracer) -> dict[str, OpConfigs]:
         """The per-role configs the variant's step used, as far as its build went."""
-        raise NotImplementedError
 
     def compile_failure(self, exc: Exception) -> str:
         """What a variant that failed to build or compile says."""
@@ -69,23 +95,24 @@ class StepKind:
 
         return error_message(exc)
 
-    def check_run(self, executable, record: dict, expected) -> object:
-        """Run one step of a variant to check it (``expected``: the reference's, None for the reference itself);
-        what it returned, to compare.  Raises what the step raises."""
-        raise NotImplementedError
+    @abstractmethod
+    def check_run(self, executable, expected: Check | None) -> Check:
+        """Run one step of a variant to check it (``expected``: the reference's, None for the reference itself).
 
-    def agrees(self, record: dict, got, expected, reference: str) -> bool:
-        """Compare a variant's check with the reference's; mark it ``invalid`` if they differ."""
-        raise NotImplementedError
+        Raises what the step raises."""
 
-    def timed_run(self, executable, got) -> Callable[[], object]:
-        """One timed step of a checked variant (``got``: its check's), on the arguments it is fed."""
-        raise NotImplementedError
+    @abstractmethod
+    def agrees(self, got: Check, expected: Check, reference: str) -> Agreement:
+        """Compare a variant's check with the reference's (``reference``: its name, for the message)."""
 
+    @abstractmethod
+    def timed_run(self, executable, got: Check) -> Callable[[], object]:
+        """One timed step of a checked variant (``got``: its check), on the arguments it is fed."""
+
+    @abstractmethod
     def record_fields(self, **options) -> dict:
         """The `StepMeasurement` fields of this kind (what the step is, its tensor and batch axes), from the
         options `StepSession.measure` was given besides the variants."""
-        raise NotImplementedError
 
 
 class StepSession:
@@ -93,8 +120,8 @@ class StepSession:
 
     Works in one process or across a `jax.distributed` cluster (every process must make the
     same calls in the same order, with the same variants).  What the session does not hold
-    (a block's parameters and inputs, a user's built steps) its kind does: public attributes
-    are looked up there too.
+    (a block's parameters and inputs, a user's built steps) its ``kind`` does.  Made for the reference block by
+    `cmtune.workers.step.block_session`, for a user's step by `cmtune.workers.userstep.user_step_session`.
 
     Args:
         kind: the step (`cmtune.workers.step.BlockStep`, `cmtune.workers.userstep.UserStep`).
@@ -109,12 +136,6 @@ class StepSession:
         # program (`StepKind.program_key`) -> (source, executable, record fields): a variant measured again (the
         # confirmation after a decision, the incumbent of every search round) is not compiled again
         self._compiled: dict[Hashable, tuple[object, object, dict]] = {}
-
-    def __getattr__(self, name: str):
-        kind = self.__dict__.get("kind")
-        if kind is None or name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(kind, name)
 
     def measure(self, variants: Mapping, *, reference: str = REFERENCE, protocol: MeasurementProtocol | None = None,
                 on_event: Callable[[str], None] | None = None, **options) -> StepMeasurement:
@@ -222,11 +243,18 @@ class StepSession:
                 continue
             ok, got = False, None
             try:
-                got = self.kind.check_run(compiled[name], records[name], expected)
+                got = self.kind.check_run(compiled[name], expected)
+                records[name]["loss"] = got.loss
+                if got.rel_error is not None:
+                    records[name]["rel_error"] = got.rel_error
                 if name == reference:
                     expected, ok = got, True
                 else:
-                    ok = self.kind.agrees(records[name], got, expected, reference)
+                    agreement = self.kind.agrees(got, expected, reference)
+                    records[name]["rel_error"] = agreement.rel_error
+                    if not agreement.ok:
+                        records[name].update(status=Status.INVALID, message=agreement.invalid)
+                    ok = agreement.ok
             except Exception as exc:  # noqa: BLE001 - a step that fails or returns something else is a result
                 records[name].update(status=classify_failure(exc), message=error_message(exc))
             if not _agreed(ok, records[name]):

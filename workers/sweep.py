@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from cmtune.workers.measure import Session
+from cmtune.workers.measure import OpSession
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.space import candidates
 from collective_matmul.wire import Measurement, MeasurementProtocol
@@ -16,11 +16,11 @@ def sweep(
     protocol: MeasurementProtocol = MeasurementProtocol(),
     configs: Iterable[Decomposition] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
-    session: Session | None = None,
+    session: OpSession | None = None,
 ) -> list[Measurement]:
-    """Measure ``configs`` (default: the whole space) of ``problem`` in one `Session` (``session``: this one,
-    whose `Session.bounds` the caller may time too)."""
-    session = session or Session(problem, protocol=protocol)
+    """Measure ``configs`` (default: the whole space) of ``problem`` in one `OpSession` (``session``: this one,
+    whose `OpSession.bounds` the caller may time too)."""
+    session = session or OpSession(problem, protocol=protocol)
     results = []
     for config in configs if configs is not None else candidates(problem):
         result = session.measure(config)

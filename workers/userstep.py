@@ -19,7 +19,7 @@ NAME must be deterministic, touch no device at import, and build its mesh from
 multi-process run every process calls NAME and gets the same arguments, and every process runs
 the configs process 0 resolved (`Tuned.pinned`).
 
-`UserStepSession` (the step session of `cmtune.workers.stepmeasure` over a `UserStep`) times the
+`user_step_session` (the step session of `cmtune.workers.stepmeasure` over a `UserStep`) times the
 step as written against variants through the drop-in: every variant compiled ahead of time (compile
 seconds and memory recorded), checked after one step against the step as written, warmed up, then timed in
 interleaved rounds (slowest process per round; paired median and IQR).  The check compares every
@@ -42,9 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cmtune.tuner.variants import REFERENCE
-from cmtune.workers.stepmeasure import StepKind, StepSession
+from cmtune.workers.overrides import SearchBudget, StepPlan
+from cmtune.workers.progress import Event, Level, ProgressLine, SitesTraced
+from cmtune.workers.stepmeasure import Agreement, Check, StepKind, StepSession
 from collective_matmul.planning.decomposition import OpConfigs
-from collective_matmul.wire import MeasurementProtocol, Status, StepMeasurement
+from collective_matmul.wire import MeasurementProtocol, StepCalls
 
 # The share of an updated leaf's elements that may miss the reference's update.  An optimizer that
 # normalises the gradient (Adam: g / (|g| + eps)) turns float rounding in a gradient near eps into a
@@ -223,7 +225,7 @@ def step_variants(tuned, platform: str | None = None, *, shared: bool = False) -
     ``tuned`` (``tuned`` itself); on a ``platform`` whose XLA has a windowed einsum (TPU, GPU), the step as written
     with it forced ``off`` and ``on`` too (`collective_matmul.planning.xla_options`); where ``tuned`` ``shared`` a
     gather, ``tuned-no-share`` (its configs, every call gathering for itself: `unshared`).  ``--decide`` searches beyond
-    them (`cmtune.workers.decide.decide_step`)."""
+    them (`cmtune.workers.overrides.search_and_write_overrides`)."""
     from collective_matmul.planning.xla_options import windowed_einsum
 
     einsum = {f"as-written-windowed-einsum-{s}": CompiledWith(windowed_einsum(platform, s)) for s in ("off", "on")
@@ -243,76 +245,133 @@ def unshared(tuned, name: str = "tuned-no-share"):
     return variant
 
 
-def verify_user_step(fn: Callable, spec: str, client: Callable[[], object], *, model: str,
-                     protocol: MeasurementProtocol, share: bool, bundle, search: dict | None,
-                     say: Callable[[str], None], show_sites: Callable[[object], None]) -> StepMeasurement | None:
-    """`cmtune verify --step`: NAME's step as written against the drop-in with tuned configs (and at the baseline,
-    `step_variants`); with ``search`` (the step search's ``rounds`` and ``per_round``), the step search on it and
-    the choice's overrides written into ``bundle`` (`cmtune.workers.decide.decide_step`).
+class UserVerify:
+    """A user's part of `cmtune verify --step` (a `cmtune.workers.verify.VerifyTarget`): NAME's step as written
+    against the drop-in with tuned configs (and at the baseline, `step_variants`); searched from the configs of each
+    role's first call (`user_step_plan`).
 
     Process 0 looks the configs up (``client()``: a `Tuned` client) while it traces the tuned step, and the others
-    replay what it resolved; ``say`` and ``show_sites`` (with the call sites it traced) are called there alone.
-
-    Returns:
-        On process 0 the step measurement; None on the others.
-
-    Raises:
-        SpecError: NAME breaks the step spec's contract.
-        NoDropInCall: no call of the step went through the drop-in.
+    replay what it resolved.  `start` raises `SpecError` where NAME breaks the step spec's contract, `follow`
+    `NoDropInCall` where no call of the step went through the drop-in.
     """
-    import jax
 
-    from cmtune.workers.cluster import Group
-    from collective_matmul.client.tuned import Tuned
-    from collective_matmul.wire import StepCalls
+    found = StepCalls
 
-    group = Group()
-    say = say if group.leader else (lambda *_: None)
-    # Every process calls NAME in the same order (NAME may run SPMD computations of its own); the
-    # session keeps the tuned step built here and compiles it when it measures.
-    tuned = client() if group.leader else Tuned.pinned({})
-    tuned.share = share
-    reference = Built.of(fn, None, spec=spec)
-    session = UserStepSession(fn, reference, model=model, spec=spec, protocol=protocol)
-    traced = session.built(tuned)
-    message = None
-    if group.leader:
-        traced.step.trace(*reference.args)  # tracing only: no device work, nothing the others must join
-        sites = tuned.report()
-        message = StepCalls(pins=tuned.pins(), per_role=tuned.per_role(),
-                            axis=next((s.axis for s in sites.applied), None), shared=bool(sites.groups))
-        show_sites(sites)
-    message = group.share(message, StepCalls)
-    if not group.leader:
-        tuned.pin(message.pins)
-    per_role = message.per_role
-    if not per_role:
-        raise NoDropInCall(f"{spec}: no call of the step went through the drop-in: give the Flax layers "
-                           "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul / "
-                           "tuned.matmul_reduce_scatter) when NAME gets a tuned client")
-    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
-    if search is not None:
-        from cmtune.workers.decide import UserSources, decide_step, user_step_plan
+    def __init__(self, fn: Callable, spec: str, client: Callable[[], object], *, model: str,
+                 protocol: MeasurementProtocol, share: bool):
+        self.fn, self.spec, self.client, self.model = fn, spec, client, model
+        self.protocol, self.share = protocol, share
 
-        say(f"searching the step of {spec} on {mesh_text}, {jax.process_count()} process(es): up to "
-            f"{max(search['rounds'], 1)} rounds")
-        result = decide_step(group, session, lambda: user_step_plan(tuned, per_role, model), UserSources(tuned),
-                             bundle=bundle, say=say, axis=message.axis, **search)
-    else:
-        platform = reference.mesh.devices.flat[0].platform
-        variants = step_variants(tuned, platform, shared=message.shared)
+    def start(self, leader: bool) -> None:
+        """The client, the step as written and the session, and NAME built with the client (on every process, in
+        the same order: NAME may run SPMD computations of its own); the session compiles it when it measures.
+
+        Raises:
+            SpecError: NAME breaks the step spec's contract.
+        """
+        from collective_matmul.client.tuned import Tuned
+
+        self.tuned = self.client() if leader else Tuned.pinned({})
+        self.tuned.share = self.share
+        self.reference = Built.of(self.fn, None, spec=self.spec)
+        self.session = user_step_session(self.fn, self.reference, model=self.model, spec=self.spec,
+                                         protocol=self.protocol)
+        self.traced = self.session.kind.built(self.tuned)
+
+    def look_up(self) -> StepCalls:
+        """The tuned step traced (tracing only: no device work, nothing the others must join): what it resolved."""
+        self.traced.step.trace(*self.reference.args)
+        self.sites = self.tuned.report()
+        return StepCalls(pins=self.tuned.pins(), per_role=self.tuned.per_role(),
+                         axis=next((s.axis for s in self.sites.applied), None), shared=bool(self.sites.groups))
+
+    def shown(self, found: StepCalls) -> list[Event]:
+        return [SitesTraced(self.sites)]
+
+    def follow(self, found: StepCalls, leader: bool) -> StepSession:
+        """The others pin what process 0 resolved."""
+        if not leader:
+            self.tuned.pin(found.pins)
+        if not found.per_role:
+            raise NoDropInCall(f"{self.spec}: no call of the step went through the drop-in: give the Flax layers "
+                               "collective_matmul.client.flax.dot_general(tuned, ...) (or call tuned.allgather_matmul "
+                               "/ tuned.matmul_reduce_scatter) when NAME gets a tuned client")
+        return self.session
+
+    def variants(self, found: StepCalls) -> dict:
+        return step_variants(self.tuned, self._platform, shared=found.shared)
+
+    @property
+    def _platform(self) -> str:
+        return self.reference.mesh.devices.flat[0].platform
+
+    def announce(self, found: StepCalls, variants: Mapping | None,
+                 budget: SearchBudget | None) -> list[ProgressLine]:
+        import jax
+
+        mesh_text = ",".join(f"{n}={s}" for n, s in self.reference.mesh.shape.items())
+        if variants is None:
+            return [ProgressLine(f"searching the step of {self.spec} on {mesh_text}, {jax.process_count()} "
+                                 f"process(es): up to {max(budget.rounds, 1)} rounds")]
+        said = []
         if not any(isinstance(source, CompiledWith) for source in variants.values()):
-            say(f"[dim]XLA has no windowed einsum on {platform}: the step as written is timed once[/dim]")
-        say(f"measuring {spec} on {mesh_text}, {jax.process_count()} process(es): {len(variants)} variants")
-        result = session.measure(variants, axis=message.axis, on_event=lambda line: say(f"[dim]{line}[/dim]"))
-    return result if group.leader else None
+            said.append(ProgressLine(f"XLA has no windowed einsum on {self._platform}: the step as written is timed "
+                                     "once", Level.DETAIL))
+        said.append(ProgressLine(f"measuring {self.spec} on {mesh_text}, {jax.process_count()} process(es): "
+                                 f"{len(variants)} variants"))
+        return said
+
+    def plan(self, found: StepCalls) -> StepPlan:
+        return user_step_plan(self.tuned, found.per_role, self.model)
+
+    def sources(self, found: StepCalls) -> Callable[[Mapping], dict]:
+        return UserSources(self.tuned)
+
+    def measure_options(self, found: StepCalls) -> dict:
+        return {"axis": found.axis}
+
+
+def user_step_plan(tuned, per_role: Mapping[str, list[OpConfigs]], model: str) -> StepPlan:
+    """A user's step as its `Tuned` client traced it (process 0's): each role searched from the configs of its
+    first call, as the drop-in resolved them.
+
+    A role seen with several problems is not searched (no one set of configs fits them all): it runs as tuned,
+    and is only set back or put on the fixed ring whole, and gets an override only where its configs fit every
+    one of its problems.
+    """
+    uniform = {role: configs[0] for role, configs in per_role.items() if len(configs) == 1}
+    others = {role: any(not c.is_baseline for c in configs) for role, configs in per_role.items() if len(configs) > 1}
+    sites: dict[str, list] = {}
+    for site in tuned.report().applied:
+        sites.setdefault(site.role, []).append(site)
+    return StepPlan(model=model, hardware=next(iter(sites.values()))[0].hardware, configs=uniform,
+                    problems={role: sites[role][0].problems for role in uniform}, others=others,
+                    history=tuned.bundle.configs if tuned.bundle is not None else [],
+                    bound_problems=[p for site in tuned.report().applied for p in site.problems.values()],
+                    calls={role: [site.problems for site in calls] for role, calls in sites.items()},
+                    override_problems={role: calls[0].problems for role, calls in sites.items()})
+
+
+class UserSources:
+    """A round's variants of a user's step as config sources: ``tuned`` itself, or a variant of it with the round's
+    configs; one source per name (a variant timed again is not built again)."""
+
+    def __init__(self, tuned):
+        self.tuned, self.sources = tuned, {}
+
+    def __call__(self, variants: Mapping) -> dict:
+        for name, setting in variants.items():
+            if name not in self.sources:
+                self.sources[name] = None if setting is None else self.tuned if name == "tuned" else \
+                    self.tuned.variant(name, lambda role, c, setting=setting: setting.get(role, c))
+        return {name: self.sources[name] for name in variants}
 
 
 # ---- the session ----------------------------------------------------------------------------
 
 
-def UserStepSession(fn: Callable, reference: Built, *, model: str,  # noqa: N802 - the class it was
-                    protocol: MeasurementProtocol = MeasurementProtocol(), spec: str = "NAME") -> StepSession:
+def user_step_session(fn: Callable, reference: Built, *, model: str,
+                      protocol: MeasurementProtocol = MeasurementProtocol(), spec: str = "NAME") -> StepSession:
     """A user's step and its arguments: a `cmtune.workers.stepmeasure.StepSession` of its `UserStep`, measuring the
     step as written against variants through the drop-in (``measure``: name -> config source, None for the step as
     written; ``axis``: the record's tensor axis).
@@ -380,9 +439,9 @@ class UserStep(StepKind):
         per_role = source.per_role() if source is not None and not isinstance(source, CompiledWith) else {}
         return {role: configs[0] for role, configs in per_role.items() if configs}
 
-    def check_run(self, executable, record: dict, expected):
+    def check_run(self, executable, expected: Check | None) -> Check:
         """One step from the reference's arguments (a copy of each it donates): ``(arguments, outputs, pairs)``,
-        the pairs those of `pair_outputs`.
+        the pairs those of `pair_outputs`; the reference's relative error is 0.
 
         Raises:
             SpecError: if the step donates an argument and returns nothing of its structure.
@@ -395,30 +454,25 @@ class UserStep(StepKind):
         if missing:
             raise SpecError(f"argument {missing[0]} is donated but the step returns nothing of its structure: "
                             "return the updated state so that the next step can take it")
-        record["loss"] = _loss(out)
-        if expected is None:
-            record["rel_error"] = 0.0
-        return args, out, pairs
+        return Check((args, out, pairs), loss=_loss(out), rel_error=0.0 if expected is None else None)
 
-    def agrees(self, record: dict, got, expected, reference: str) -> bool:
-        """Compare every output with the reference's; mark the variant ``invalid`` if one is off."""
+    def agrees(self, got: Check, expected: Check, reference: str) -> Agreement:
+        """Compare every output with the reference's; ``invalid`` if one is off."""
         import jax
 
         from cmtune.workers.compare import equal, terms
         from cmtune.workers.measure import TOLERANCE
 
-        (_, out, _), (_, want, pairs) = got, expected
+        (_, out, _), (_, want, pairs) = got.value, expected.value
         if signature(out) != signature(want):
-            record.update(status=Status.INVALID, message=f"the step returns outputs of another structure than "
-                                                         f"{reference!r}")
-            return False
+            return Agreement(invalid=f"the step returns outputs of another structure than {reference!r}")
         outs = out if isinstance(out, tuple | list) else (out,)
         wants = want if isinstance(want, tuple | list) else (want,)
         worst, worst_name, failed = 0.0, None, None
-        for j, (got, ref) in enumerate(zip(outs, wants, strict=True)):
+        for j, (got_out, ref) in enumerate(zip(outs, wants, strict=True)):
             old = self.args[pairs[j]] if j in pairs else None
             paths = jax.tree_util.tree_flatten_with_path(ref)[0]
-            got_leaves, old_leaves = jax.tree.leaves(got), jax.tree.leaves(old) if old is not None else None
+            got_leaves, old_leaves = jax.tree.leaves(got_out), jax.tree.leaves(old) if old is not None else None
             for index, (path, ref_leaf) in enumerate(paths):
                 leaf_name = f"output {j}{jax.tree_util.keystr(path)}"
                 got_leaf, ref_leaf = _numeric(got_leaves[index]), _numeric(ref_leaf)
@@ -445,18 +499,17 @@ class UserStep(StepKind):
                     worst, worst_name = error, leaf_name
                 if not ok and failed is None:
                     failed = (leaf_name, error, tolerance)
-        record["rel_error"] = worst if math.isfinite(worst) else None
+        rel_error = worst if math.isfinite(worst) else None
         if failed is not None:
             leaf_name, error, tolerance = failed
             message = (f"{leaf_name}: off by {error:.3g} of the reference's update or size (tolerance {tolerance:g})"
                        if tolerance else f"{leaf_name}: differs (compared exactly)")
-            record.update(status=Status.INVALID, message=f"{message} against {reference!r}")
-            return False
-        return True
+            return Agreement(rel_error, invalid=f"{message} against {reference!r}")
+        return Agreement(rel_error)
 
-    def timed_run(self, executable, got) -> Callable[[], object]:
+    def timed_run(self, executable, got: Check) -> Callable[[], object]:
         """One step on the arguments its last step left: each donated one replaced by its output."""
-        args, out, pairs = got
+        args, out, pairs = got.value
         donated = _donated(executable)
         state = [_next_args(args, out, pairs, donated)]
         if not any(donated):

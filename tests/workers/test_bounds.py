@@ -8,7 +8,7 @@ import pytest
 from cmtune.tuner.search import SearchSettings
 from cmtune.workers import measure
 from cmtune.workers.local import LocalTuner
-from cmtune.workers.measure import Session, bound_programs, ring_mesh
+from cmtune.workers.measure import OpSession, bound_programs, ring_mesh
 from cmtune.workers.runner import LocalRunner, Watchdog, failed
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.programs.hlo import parse_module
@@ -76,7 +76,7 @@ def test_the_bound_programs_move_and_multiply_what_the_baseline_does(collective)
                                               ("allgather_grad_weight", "float32"), ("allgather_matmul", "bfloat16")])
 def test_a_real_bounds_measurement_on_eight_devices(collective, dtype):
     p = problem(collective, dtype)
-    b = Session(p, protocol=PROTOCOL).bounds()
+    b = OpSession(p, protocol=PROTOCOL).bounds()
     assert b.status == Status.OK, b.message
     assert b.problem == p and b.hardware.device_count == 8
     for timing in (b.compute, b.communication, b.baseline):
@@ -86,7 +86,7 @@ def test_a_real_bounds_measurement_on_eight_devices(collective, dtype):
 
 
 def test_a_bound_program_that_fails_is_a_status(monkeypatch):
-    session = Session(problem("allgather_matmul"), protocol=PROTOCOL)
+    session = OpSession(problem("allgather_matmul"), protocol=PROTOCOL)
 
     def broken(*args):
         raise RuntimeError("injected failure of a bound program")
@@ -97,7 +97,7 @@ def test_a_bound_program_that_fails_is_a_status(monkeypatch):
 
 
 def test_bounds_over_their_timeout_keep_the_rounds_so_far():
-    b = Session(problem("allgather_matmul"), protocol=PROTOCOL).bounds(MeasurementProtocol(warmup=0, repeats=50,
+    b = OpSession(problem("allgather_matmul"), protocol=PROTOCOL).bounds(MeasurementProtocol(warmup=0, repeats=50,
                                                                                 timeout_s=1e-6))
     assert b.status == Status.TIMEOUT and "stopped after 1 of 50" in b.message
     assert len(b.compute.samples_s) == len(b.communication.samples_s) == len(b.baseline.samples_s) == 1

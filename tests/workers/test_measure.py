@@ -10,7 +10,7 @@ import pytest
 
 from cmtune.tuner.search import SearchSettings
 from cmtune.workers.local import LocalTuner
-from cmtune.workers.measure import Session, default_program, ring_mesh
+from cmtune.workers.measure import OpSession, default_program, ring_mesh
 from cmtune.workers.runner import LocalRunner
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.planning.costmodel import PROFILES, rank
@@ -36,7 +36,7 @@ def sabotaged(problem, config, mesh, axis):
 
 @pytest.fixture(scope="module")
 def session():
-    return Session(PROBLEM, protocol=MeasurementProtocol(warmup=1, repeats=3), build=sabotaged)
+    return OpSession(PROBLEM, protocol=MeasurementProtocol(warmup=1, repeats=3), build=sabotaged)
 
 
 def test_valid_candidate_is_timed_against_baseline(session):
@@ -80,7 +80,7 @@ def test_inputs_are_seeded_normal_not_zeros(session):
     x = jnp.asarray(session.x)
     assert float(jnp.std(x)) == pytest.approx(1.0, rel=0.1)
     assert float(jnp.abs(x).min()) > 0 or float(jnp.mean(jnp.abs(x))) > 0.5
-    again = Session(PROBLEM, protocol=MeasurementProtocol(seed=0))
+    again = OpSession(PROBLEM, protocol=MeasurementProtocol(seed=0))
     assert bool(jnp.all(again.x == session.x))
 
 
@@ -106,9 +106,9 @@ def test_study_skips_wrong_and_broken_candidates_and_goes_on():
 
 def test_the_ring_size_must_divide_the_devices():
     with pytest.raises(ValueError, match="a ring of 3 does not divide the 8 devices"):
-        Session(Problem.parse("ag:48x8x12:float32:3"))
+        OpSession(Problem.parse("ag:48x8x12:float32:3"))
     with pytest.raises(ValueError, match="needs a ring of 4 devices but the mesh has 8"):
-        Session(Problem.parse("ag:64x8x8:float32:4"), mesh=ring_mesh())
+        OpSession(Problem.parse("ag:64x8x8:float32:4"), mesh=ring_mesh())
 
 
 @pytest.mark.parametrize("spec", ["ag:256x64x128:float32:4", "rs:256x64x128:float32:2", "gw:256x64x128:float32:4"])
@@ -116,7 +116,7 @@ def test_a_ring_of_part_of_the_devices_runs_on_every_ring_of_them_at_once(spec):
     """8 devices, rings of 4 (or 2): the inputs sharded over the ring axis only, replicated over the rings, every
     ring running the candidate in the same program; measured on the ring's hardware, part of a slice of 8."""
     problem = Problem.parse(spec)
-    session = Session(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
+    session = OpSession(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
     assert dict(session.mesh.shape) == {"rings": 8 // problem.axis_size, "ring": problem.axis_size}
     assert session.hardware.key == f"cpu:cpu:{problem.axis_size}:1/8"
     assert "rings" not in str(session.x.sharding.spec) and "rings" not in str(session.w.sharding.spec)
@@ -134,7 +134,7 @@ def test_a_ring_of_part_of_the_devices_runs_on_every_ring_of_them_at_once(spec):
 
 def test_a_weight_gradient_problem_is_measured_like_the_others():
     problem = Problem.parse("gw:256x64x128:float32:8")
-    session = Session(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
+    session = OpSession(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
     assert session.x.shape == (256, 64) and session.w.shape == (256, 128)
     m = session.measure(Decomposition(direction="bidirectional", chunks=2, accumulate="input_dtype"))
     assert m.status == "ok", m.message
@@ -156,7 +156,7 @@ def test_a_sample_of_k_calls_is_recorded_per_call_with_its_k():
     from collective_matmul import Decomposition, Problem
     from collective_matmul.wire import MeasurementProtocol
 
-    session = Session(Problem.parse("ag:64x32x64:float32:8"))
+    session = OpSession(Problem.parse("ag:64x32x64:float32:8"))
     fixed = session.measure(Decomposition.from_id("ring-uni-c1-full-dus"), MeasurementProtocol(repeats=3, warmup=1,
                                                                                                calls=3))
     assert fixed.ok and fixed.candidate.calls == fixed.baseline.calls == 3 and len(fixed.candidate.samples_s) == 3

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import collective_matmul.ops.ring as ring
 from cmtune.tuner.rounds import grading_rounds
 from cmtune.tuner.variants import FIXED_RING
-from cmtune.workers.step import StepMeasurement, StepSession, standard_variants, step_layout
+from cmtune.workers.step import StepMeasurement, block_session, standard_variants, step_layout
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs
 from collective_matmul.block import FixedConfigs
 from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
@@ -71,7 +71,7 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
         "unfit": FixedConfigs({"mlp_up": OpConfigs(forward=D("ring-uni-c32-full-dus"))}),
     }
     mesh = jax.make_mesh((8,), ("model",))
-    session = StepSession(BLOCK, mesh, axis="model", protocol=MeasurementProtocol(warmup=1, repeats=3))
+    session = block_session(BLOCK, mesh, axis="model", protocol=MeasurementProtocol(warmup=1, repeats=3))
     events = []
     result = session.measure(variants, on_event=events.append)
 
@@ -105,11 +105,11 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
     # the worker then times the reference, the all-baseline step and the chosen variant again
     from cmtune.tuner.engine import step_decision
     from cmtune.tuner.variants import variant_configs
-    from cmtune.workers.step import confirm
+    from cmtune.workers.step import grade_choice
 
     tuned = variant_configs(TUNED)["tuned"]
     chosen = step_decision(result, tuned).variant
-    confirmed = confirm(session, result, variants, tuned)
+    confirmed = grade_choice(session, result, variants, tuned)
     assert confirmed.variants == result.variants
     assert [v.name for v in confirmed.confirmation] == list(dict.fromkeys(["as-written", "baseline", chosen]))
     assert all(v.ok and len(v.timing.samples_s) == 3 for v in confirmed.confirmation)
@@ -153,8 +153,8 @@ def test_a_2d_mesh_shards_the_batch_over_the_data_axis():
 
     block = BLOCK.model_copy(update={"heads": 4, "global_batch": 4})
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    session = StepSession(block, mesh, protocol=MeasurementProtocol(warmup=0, repeats=1))
-    assert session.batch_axis == "data" and session.x.sharding.spec == P("data", "model", None)
+    session = block_session(block, mesh, protocol=MeasurementProtocol(warmup=0, repeats=1))
+    assert session.kind.batch_axis == "data" and session.kind.x.sharding.spec == P("data", "model", None)
     variants = {"as-written": standard_variants({})["as-written"], "tuned": FixedConfigs(TUNED)}
     result = session.measure(variants)
     assert [v.status for v in result.variants] == ["ok", "ok"] and result.batch_axes == ["data"]

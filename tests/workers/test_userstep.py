@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import pytest
 
 import collective_matmul.ops.ring as ring
-from cmtune.workers.decide import save_overrides
+from cmtune.workers.overrides import save_overrides
 from cmtune.workers.userstep import (
     Built,
     CompiledWith,
     SpecError,
     SpecRef,
-    UserStepSession,
     pair_outputs,
     step_variants,
+    user_step_session,
 )
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs, Tuned
 from collective_matmul.planning.models import slot_problems
@@ -61,7 +61,7 @@ def test_outputs_pair_with_the_arguments_of_their_structure():
 
 def session(fn, repeats=2):
     reference = Built.of(fn, None)
-    return UserStepSession(fn, reference, model=fn.__name__, protocol=MeasurementProtocol(repeats=repeats, warmup=1))
+    return user_step_session(fn, reference, model=fn.__name__, protocol=MeasurementProtocol(repeats=repeats, warmup=1))
 
 
 def test_a_variant_that_computes_wrong_is_invalid_and_the_right_ones_are_timed(monkeypatch):
