@@ -197,7 +197,7 @@ def estimate_saved(block: Path, bundle: Path) -> float:
 
 def speedup(result, name: str, against: str | None = None) -> str:
     """``name``'s speedup over ``against`` (default: the reference), median of the paired rounds and its IQR."""
-    from cmtune.tuner.rounds import ratio_quartiles
+    from cmtune.tuner.paired import ratio_quartiles
 
     q = ratio_quartiles(result, name, against or result.reference)
     if q is None:
@@ -297,7 +297,7 @@ def parts_table(bundle: Path, devices: str, repeats: int, model: str, directory:
 def against_fixed(result, decision: str) -> str:
     """The decision's grading rounds (``verify --decide``'s confirmation): the choice against each fixed setting, and
     whether it is ahead of every one in 3 of 4 paired rounds and a combination none of them has."""
-    from cmtune.tuner.rounds import faster, grading_rounds
+    from cmtune.tuner.paired import faster, grading_rounds
     from cmtune.tuner.stepsearch import SEEDS
 
     chosen = decision.removeprefix("decision: ").split(": ")[0] if ": " in decision else None
@@ -334,7 +334,7 @@ def main() -> None:
         return step_main(args.step, args.bundle, args.repeats, args.json, args.search_rounds, args.round_variants)
     if args.example:
         return example_main(args)
-    from cmtune.tuner.rounds import faster
+    from cmtune.tuner.paired import faster
     from collective_matmul.wire import StepMeasurement
 
     directory = Path(tempfile.mkdtemp(prefix="cmtune-bench-step-"))

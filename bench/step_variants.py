@@ -16,7 +16,7 @@ per run (`cmtune.workers.step.block_session`), as bench/step.py times them.
 
 Prints one line per variant: its time over the step as written, and over the first variant
 (paired by round: quartiles), and whether it is faster than the first in 3 of 4 rounds
-(`cmtune.tuner.rounds.faster`, the step search's rule).  The question it answers: how large a
+(`cmtune.tuner.paired.faster`, the step search's rule).  The question it answers: how large a
 gain over a fixed setting is there to find in the neighbourhood of the search's choice, against
 the spread of a round on these devices.
 """
@@ -88,7 +88,7 @@ def worker(args) -> None:
     join_devices()
     import jax
 
-    from cmtune.tuner.rounds import faster, ratio_quartiles
+    from cmtune.tuner.paired import faster, ratio_quartiles
     from cmtune.workers.step import fixed_sources
     from collective_matmul.planning.models import TransformerBlock
 

@@ -19,7 +19,7 @@ from collective_matmul.wire.bundle import TunedConfig
 
 
 @dataclass(frozen=True)
-class Outcome:
+class FinishedStudy:
     """One finished study of a local run."""
 
     study: StudyRecord
@@ -55,7 +55,7 @@ class LocalTuner:
         self.store = InMemoryStore()
 
     def tune(self, problem: Problem, hardware: Hardware, settings: SearchSettings,
-             protocol: MeasurementProtocol) -> Outcome:
+             protocol: MeasurementProtocol) -> FinishedStudy:
         """Run one study to its end; returns the study, its trials and its tuned config."""
         with self.store.transaction(write=True) as tx:
             study = self.engine.create_study(tx, problem=problem, hardware=hardware, settings=settings,
@@ -80,7 +80,8 @@ class LocalTuner:
                 self.on_trial(finished)
         with self.store.transaction() as tx:
             study = tx.study(study.id)
-            return Outcome(study, tx.trials(study.id, measurements=True), tx.tuned_config(problem, study.hardware))
+            return FinishedStudy(study, tx.trials(study.id, measurements=True),
+                                 tx.tuned_config(problem, study.hardware))
 
     def stop(self) -> None:
         """Release the other processes of the group (call once, after the last study)."""
@@ -92,7 +93,7 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
                   patience: int | None, sampler: str, seed: int, protocol: dict, grace_s: float,
                   warm_start: bool = True, bundled=(), mesh=None, axis: str | None = None,
                   on_study: Callable[[Problem, int], Callable[..., None]] | None = None, screen: bool = False,
-                  ) -> tuple[Hardware, list[Outcome]] | None:
+                  ) -> tuple[Hardware, list[FinishedStudy]] | None:
     """Tune ``problems`` on rings of ``ring`` devices, all at once: every ring of that size the devices split into
     (`cmtune.workers.measure.ring_mesh`), or those of ``mesh`` along ``axis`` (a user's step's); configs are keyed
     by the first ring's hardware, part of a slice of the mesh's devices
@@ -142,7 +143,7 @@ def tune_problems(problems: list[Problem], *, ring: int, trials: int | None, min
         return None
     hardware = ring_hardware(mesh, axis)
     on_study = on_study or (lambda _problem, _total: lambda done=False: None)
-    outcomes: list[Outcome] = []
+    outcomes: list[FinishedStudy] = []
     tuner = LocalTuner(runner, group=group, grace_s=grace_s)
     try:
         for problem in problems:

@@ -129,7 +129,7 @@ def grade_choice(session: StepSession, measured: StepMeasurement, variants: Mapp
     Process 0 asks the tuner and the others follow (`Group`), so every process compiles the same
     programs.  Nothing is re-timed when the tuner chose nothing.
     """
-    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.decision import step_decision
     from cmtune.workers.cluster import Group
 
     group, message = Group(), None
@@ -175,7 +175,7 @@ class BlockVerify:
         configs = configs_per_role(tuned, layout.block, mesh=layout.mesh, axis=layout.axis,
                                    batch_axis=layout.batch_axis)
         resolved = {role: {slot: Resolved(problem=problem.key, decomposition=answer.decomposition.id,
-                                          match=answer.match, source=answer.source)
+                                          match=answer.match, source=answer.origin)
                            for slot, (problem, answer) in slots.items()}
                     for role, slots in tuned.resolved_by_role.items()}
         return BlockConfigs(configs=configs, resolved=resolved)
@@ -302,15 +302,15 @@ class _Recorder:
         self.source = source
         self.used: dict[str, OpConfigs] = {}
 
-    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None, tensor_axis=None, source: str = "",
+    def configs(self, role, collective, x, w, *, mesh, axis, batch_axis=None, tensor_axis=None, site: str = "",
                 via: str = "op"):
         configs = self.source.configs(role, collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis,
-                                      tensor_axis=tensor_axis, source=source, via=via)
+                                      tensor_axis=tensor_axis, site=site, via=via)
         self.used[role] = configs
         return configs
 
-    def fell_back(self, role: str, reason: str, *, source: str = "") -> None:
-        self.source.fell_back(role, reason, source=source)
+    def fell_back(self, role: str, reason: str, *, site: str = "") -> None:
+        self.source.fell_back(role, reason, site=site)
 
 
 def block_session(block: TransformerBlock, mesh, *, axis: str = "model", batch_axis=AUTO,

@@ -1,7 +1,7 @@
 """Bounds of a collective matmul: how far a tuned config is from the limit, and why no ring won.
 
 A problem's **bounds** are three medians timed together, round by round, on the same devices
-(`cmtune.workers.measure.Session.bounds`): ``compute`` (each device's local product alone, no
+(`cmtune.workers.measure.OpSession.bounds`): ``compute`` (each device's local product alone, no
 collective), ``communication`` (the collective alone: the same bytes, no matmul) and the baseline
 op.  The **bound** is ``max(compute, communication)``: the best any overlap of the two can do.
 

@@ -92,7 +92,7 @@ def test_tune_rings_of_part_of_the_devices_on_two_processes(tmp_path):
     for size, spec in problems.items():
         mesh = jax.make_mesh((8 // size, size), ("data", "model"))
         found = tuned.lookup(Problem.parse(spec), ring_hardware(mesh, "model"))
-        assert (found.match, found.source) == ("exact", "bundle"), found
+        assert (found.match, found.origin) == ("exact", "bundle"), found
 
 
 @pytest.mark.slow  # the whole space timed; the bounds rounds alone: tests/workers/test_bounds.py

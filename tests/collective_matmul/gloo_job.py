@@ -12,7 +12,7 @@ join(ClusterSpec.from_env())
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cmtune.workers.measure import MeasurementProtocol, Session, default_program, ring_mesh  # noqa: E402
+from cmtune.workers.measure import MeasurementProtocol, OpSession, default_program, ring_mesh  # noqa: E402
 from collective_matmul import Decomposition, Problem  # noqa: E402
 from collective_matmul.ops.collective import input_shardings  # noqa: E402
 
@@ -35,7 +35,7 @@ for collective, (m, k, n) in [("allgather_matmul", (64, 32, 48)), ("matmul_reduc
         )
         report[f"{collective}/{config.id}"] = worst
     # the measurement protocol across processes: barrier per run, slowest process counts
-    session = Session(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
+    session = OpSession(problem, protocol=MeasurementProtocol(warmup=1, repeats=3))
     measured = session.measure(Decomposition(chunks=2))
     report[f"{collective}/measure"] = measured.model_dump(mode="json")
 print(json.dumps(report))

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cmtune.service.main import create_app
-from cmtune.service.models import Role
+from cmtune.service.models import TokenRole
 from cmtune.service.settings import Settings
 from collective_matmul import Decomposition, Hardware, Problem
 from collective_matmul.client.rest import ENDPOINTS, ApiClient, ApiError, Conflict, Invalid, NotRegistered, Unreachable
@@ -160,7 +160,7 @@ def test_a_service_away_is_retried_for_the_clients_patience():
 def test_a_study_runs_through_the_client_in_process(app):
     store = app.state.cmtune.store
     with store.write() as tx:
-        tokens = {role: tx.tokens.add(name=f"api-{role}", role=Role(role))[1] for role in ("admin", "worker")}
+        tokens = {role: tx.tokens.add(name=f"api-{role}", role=TokenRole(role))[1] for role in ("admin", "worker")}
     admin = ApiClient("http://testserver", tokens["admin"], http=TestClient(app))
     worker = ApiClient("http://testserver", tokens["worker"], http=TestClient(app))
     problem = Problem(**PROBLEM)

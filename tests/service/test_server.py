@@ -20,7 +20,7 @@ from cmtune.service.main import SchemaOutOfDate, create_app
 from cmtune.service.models import Token
 from cmtune.service.settings import Settings
 from cmtune.service.store import SqlStore
-from cmtune.workers.measure import Session
+from cmtune.workers.measure import OpSession
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.problem import Software
 from collective_matmul.wire import MeasurementProtocol
@@ -87,7 +87,7 @@ def test_real_measurement_round_trip_over_http(tmp_path):
             task = grant["trial"]
             protocol = MeasurementProtocol.model_validate(task["protocol"])
             key = (task["problem"]["m"], protocol.seed)
-            session = sessions.setdefault(key, Session(Problem.model_validate(task["problem"]), protocol=protocol))
+            session = sessions.setdefault(key, OpSession(Problem.model_validate(task["problem"]), protocol=protocol))
             results = [session.measure(Decomposition.model_validate(d), protocol).model_dump(mode="json")
                        for d in task["decompositions"]]
             payload = {"lease_id": grant["lease"]["id"]}

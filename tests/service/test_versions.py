@@ -219,7 +219,7 @@ def test_migration_0008_keys_stored_configs_by_their_versions_and_downgrades_to_
 def test_a_real_measurement_reconfirms_a_config_on_the_stack_that_runs_it(tmp_path):
     """8 virtual CPU devices: a config tuned on a (pretended) older jax is re-confirmed by a worker of this
     process's real stack, from real measurements, and becomes exact for it."""
-    from cmtune.workers.measure import Session
+    from cmtune.workers.measure import OpSession
 
     api = make_api(f"sqlite:///{tmp_path / 'real.sqlite'}")
     real = Software.detect()
@@ -232,7 +232,7 @@ def test_a_real_measurement_reconfirms_a_config_on_the_stack_that_runs_it(tmp_pa
             grant = response.json()
             task = grant["trial"]
             protocol = MeasurementProtocol.model_validate(task["protocol"])
-            session = sessions.setdefault(protocol.seed, Session(Problem.model_validate(task["problem"]),
+            session = sessions.setdefault(protocol.seed, OpSession(Problem.model_validate(task["problem"]),
                                                                  protocol=protocol))
             results = []
             for d in task["decompositions"]:

@@ -211,7 +211,7 @@ def test_a_slice_worker_tunes_the_rings_of_part_of_it_and_training_code_on_that_
             assert where.identity().key == f"cpu:cpu:{size}:1/8"
             for tuned, source in ((Tuned(server.url, token=reader), "server"), (Tuned(bundle=bundle), "bundle")):
                 found = tuned.lookup(Problem(**problem), where)
-                assert (found.match, found.source) == ("exact", source), found
+                assert (found.match, found.origin) == ("exact", source), found
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import collective_matmul.ops.ring as ring
-from cmtune.tuner.rounds import grading_rounds
 from cmtune.tuner.variants import FIXED_RING
 from cmtune.workers.step import StepMeasurement, block_session, standard_variants, step_layout
 from collective_matmul import Bundle, Decomposition, Hardware, OpConfigs
@@ -103,7 +102,7 @@ def test_a_step_session_times_every_variant_in_rounds(monkeypatch):
     assert again.variant("tuned").speedup == result.variant("tuned").speedup
 
     # the worker then times the reference, the all-baseline step and the chosen variant again
-    from cmtune.tuner.engine import step_decision
+    from cmtune.tuner.decision import step_decision
     from cmtune.tuner.variants import variant_configs
     from cmtune.workers.step import grade_choice
 
@@ -318,52 +317,6 @@ def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
     return StepMeasurement(block=BLOCK, mesh={"model": 8}, tensor_axis="model",
                            hardware=Hardware(platform="cpu", device_kind="cpu", device_count=8),
                            protocol=MeasurementProtocol(repeats=4), variants=variants)
-
-
-def test_the_step_decision_takes_a_whole_step_alternative_only_beyond_the_spread():
-    from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.variants import variant_configs
-
-    tuned = variant_configs(TUNED)["tuned"]
-    wins = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
-                           "tuned": [0.8, 0.82, 0.79, 0.81], "tuned-ring-fill": [0.7, 0.71, 0.69, 0.72],
-                           "always-ring": [0.75, 0.74, 0.76, 0.75]})
-    decision = step_decision(wins, tuned)
-    assert decision.ok and decision.variant == "tuned-ring-fill"
-    fill = variant_configs(TUNED)["tuned-ring-fill"]
-    # the overrides are exactly the roles the fill changed, with what they run now
-    assert decision.overrides == {role: fill[role] for role in ("qkv", "attn_out", "mlp_up")}
-    assert "ring-uni-c1-full-auto" in decision.reasons["qkv"] and "tuned-ring-fill ran the step" in \
-        decision.reasons["qkv"]
-    assert "against the step as written" in decision.summary and "overrides: attn_out, mlp_up, qkv" in decision.summary
-    # faster in the median but not in three rounds of four: the tuned configs stay
-    noisy = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "tuned": [0.8, 0.8, 0.8, 0.8],
-                            "tuned-ring-fill": [0.7, 0.95, 0.75, 0.9], "always-ring": [0.9, 0.9, 0.9, 0.9]})
-    kept = step_decision(noisy, tuned)
-    assert kept.variant == "tuned" and kept.overrides == {}
-
-
-def test_the_step_decision_reports_from_the_fresh_rounds():
-    from cmtune.tuner.engine import step_decision
-    from cmtune.tuner.variants import variant_configs
-
-    tuned = variant_configs(TUNED)["tuned"]
-    deciding = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.96, 0.94, 0.95],
-                               "tuned": [0.8, 0.82, 0.79, 0.81], "tuned-ring-fill": [0.7, 0.71, 0.69, 0.72]})
-    fresh = synthetic_step({"as-written": [1.0, 1.0, 1.0, 1.0], "baseline": [0.95, 0.95, 0.95, 0.95],
-                            "tuned-ring-fill": [0.76, 0.74, 0.75, 0.75]})
-    measured = deciding.model_copy(update={"confirmation": fresh.variants})
-    decision = step_decision(measured, tuned)
-    # the choice comes from the deciding rounds, the numbers from the fresh ones
-    assert decision.variant == "tuned-ring-fill" and decision.ratio == pytest.approx(0.75)
-    assert "1.33x" in decision.summary and "(fresh rounds after the decision)" in decision.summary
-    assert grading_rounds(measured, "tuned-ring-fill").variants == fresh.variants
-    assert grading_rounds(measured, "tuned") is measured  # not timed again
-    # a confirmation without the reference is not a grade: the deciding rounds are reported, and said to be
-    partial = deciding.model_copy(update={"confirmation": fresh.variants[1:]})
-    assert grading_rounds(partial, "tuned-ring-fill") is partial
-    assert step_decision(partial, tuned).ratio == pytest.approx(0.705)
-    assert "(the rounds that decided)" in step_decision(partial, tuned).summary
 
 
 def test_when_the_reference_fails_while_timing_no_ratio_is_made_up():
