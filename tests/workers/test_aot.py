@@ -1,0 +1,44 @@
+"""A user's step compiled and never run (`cmtune.workers.aot.compile_user_step`), on this host's CPU devices."""
+
+from __future__ import annotations
+
+from cmtune.tuner.variants import REFERENCE
+from cmtune.workers.aot import COUNTED, compile_user_step
+from collective_matmul import Tuned
+from tests.steps import gspmd_mlp
+
+
+def test_a_users_step_compiles_as_written_and_through_the_drop_in_each_a_record():
+    """The step as written (CPU's XLA has no windowed einsum: one variant), the drop-in at the baseline and tuned:
+    each compiled with its memory, its collectives counted and its overlap read; the call sites the tuned step
+    traced come with them."""
+    compiled = compile_user_step(gspmd_mlp.mlp_step, "tests/steps/gspmd_mlp.py:mlp_step",
+                                 Tuned(unmeasured="costmodel"))
+    assert compiled.platform == "cpu" and compiled.mesh == {"data": 2, "model": 4}
+    assert [v.label for v in compiled.variants] == [REFERENCE, "baseline", "tuned"]
+    for variant in compiled.variants:
+        assert not variant.error and variant.windowed_einsum is None, variant
+        assert variant.compile_s > 0 and variant.memory_bytes > 0 and set(variant.collectives) == set(COUNTED)
+        assert variant.overlap.verdict == "no permutes"
+    written, baseline, _ = compiled.variants
+    assert baseline.collectives["reduce-scatter"] == 1 and written.collectives["reduce-scatter"] == 0
+    assert len(compiled.sites.applied) == 2 and not compiled.sites.groups and compiled.compile_options == {}
+
+
+def test_a_variant_that_does_not_compile_is_a_record_with_the_reason():
+    """A tuned step that fails to lower is its variant's error; the others compile."""
+
+    def refused(*_):
+        raise RuntimeError("no program for this one")
+
+    client = Tuned(unmeasured="costmodel")
+
+    def step(tuned=None):
+        built = gspmd_mlp.mlp_step(tuned)
+        return (refused, *built[1:]) if tuned is client else built
+
+    compiled = compile_user_step(step, "step", client)
+    written, baseline, tuned = compiled.variants
+    assert not written.error and not baseline.error
+    assert tuned.error == "RuntimeError: no program for this one" and tuned.compile_s is None
+    assert tuned.memory_bytes is None and tuned.collectives == {} and tuned.overlap is None
