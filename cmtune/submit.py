@@ -173,30 +173,21 @@ def submit(
 
 
 def _screens(problems, spec) -> list:
-    """The compile screen of each unique problem with a ring (`cmtune.workers.aot.screen`), compiled for the devices
-    set up here, a line each: what the studies will time first."""
+    """The compile screen of each unique problem with a ring (`cmtune.workers.aot.screen_problems`), compiled for the
+    devices set up here, a line each: what the studies will time first."""
     from cmtune.report import screen_summary
     from cmtune.steps import deviceless
-    from cmtune.workers.aot import screen
-    from cmtune.workers.measure import ring_mesh_of
-    from collective_matmul.planning.space import has_ring
-    from collective_matmul.wire import ProblemScreen
+    from cmtune.workers.aot import screen_problems
 
     devices = _screen_devices(spec)
     deviceless(devices)
-    kind, screens = devices[0].device_kind, {}
-    for problem in problems:
-        if problem.key in screens or not has_ring(problem):  # the service says "nothing to tune"
-            continue
-        try:
-            mesh = ring_mesh_of(devices, problem.axis_size)
-        except ValueError as exc:
-            raise typer.BadParameter(f"{problem.key}: {exc} of the {len(devices)} devices",
-                                     param_hint="--devices") from None
-        screened = screen(problem, mesh)
-        console.print(f"{problem.key} on {kind}: {screen_summary(screened)}")
-        screens[problem.key] = ProblemScreen(problem=problem.key, device_kind=kind, screen=list(screened))
-    return list(screens.values())
+    try:
+        screens = screen_problems(problems, devices)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    for screened in screens:
+        console.print(f"{screened.problem} on {screened.device_kind}: {screen_summary(screened.screen)}")
+    return screens
 
 
 def _screen_devices(spec) -> list:

@@ -29,6 +29,7 @@ from cmtune.workers.measure import (
     default_program,
     error_message,
     operand_shapes,
+    ring_mesh_of,
 )
 from cmtune.workers.userstep import Built, step_variants, unshared
 from collective_matmul.client.report import Report
@@ -41,7 +42,7 @@ from collective_matmul.planning.xla_options import windowed_einsum
 from collective_matmul.programs.gpus import compile_options, deviceless_options
 from collective_matmul.programs.hlo import parse_module
 from collective_matmul.programs.schedule import Overlap, overlap
-from collective_matmul.wire import CompiledCandidate, Screened
+from collective_matmul.wire import CompiledCandidate, ProblemScreen, Screened
 
 
 class CompileSession:
@@ -128,6 +129,29 @@ def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Scree
         screened.append(Screened(decomposition=config, overlap=compiled.overlap if ok else None,
                                  note=compiled.overlap_note if ok else as_message(compiled.message, 200)))
     return tuple(screened)
+
+
+
+def screen_problems(problems: Sequence[Problem], devices: Sequence) -> list[ProblemScreen]:
+    """The compile screen (`screen`) of each unique problem of ``problems`` with a ring, on rings of ``devices``:
+    what `cmtune submit --screen` sends (a problem without a ring has none: the service says there is nothing to
+    tune).
+
+    Raises:
+        ValueError: where a problem's ring does not divide the devices (the message names the problem).
+    """
+    from collective_matmul.planning.space import has_ring
+
+    kind, screens = devices[0].device_kind, {}
+    for problem in problems:
+        if problem.key in screens or not has_ring(problem):
+            continue
+        try:
+            mesh = ring_mesh_of(devices, problem.axis_size)
+        except ValueError as exc:
+            raise ValueError(f"{problem.key}: {exc} of the {len(devices)} devices") from None
+        screens[problem.key] = ProblemScreen(problem=problem.key, device_kind=kind, screen=list(screen(problem, mesh)))
+    return list(screens.values())
 
 
 COUNTED = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")  # a step's collectives, as counted

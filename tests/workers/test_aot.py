@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cmtune.tuner.variants import REFERENCE
-from cmtune.workers.aot import COUNTED, compile_user_step
+from cmtune.workers.aot import COUNTED, compile_user_step, screen_problems
 from collective_matmul import Tuned
 from tests.steps import gspmd_mlp
 
@@ -42,3 +42,23 @@ def test_a_variant_that_does_not_compile_is_a_record_with_the_reason():
     assert not written.error and not baseline.error
     assert tuned.error == "RuntimeError: no program for this one" and tuned.compile_s is None
     assert tuned.memory_bytes is None and tuned.collectives == {} and tuned.overlap is None
+
+
+def test_a_submissions_screen_is_one_per_unique_problem_with_a_ring():
+    """`screen_problems`: each problem screened once, a problem no ring fits left to the service, and a ring that
+    does not divide the devices named."""
+    import jax
+    import pytest
+
+    from collective_matmul import Problem
+    from collective_matmul.planning.space import has_ring
+
+    devices = jax.devices()[:4]
+    problem = Problem.parse("rs:256x128x64:float32:4")
+    ringless = Problem.parse("ag:4x4x4:float32:1")  # a ring of one device: nothing to decompose
+    assert not has_ring(ringless)
+    (screened,) = screen_problems([problem, ringless, problem], devices)
+    assert screened.problem == problem.key and screened.device_kind == devices[0].device_kind
+    assert len(screened.screen) == 16 and {s.overlap for s in screened.screen} == {"synchronous"}
+    with pytest.raises(ValueError, match="allgather_matmul:256x64x128:float32:8: a ring of 8 does not divide"):
+        screen_problems([Problem.parse("ag:256x64x128:float32:8")], devices)
