@@ -191,7 +191,7 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
     where = spec.label if spec.compile_only else compiled.platform
     mesh_text = ",".join(f"{n}={s}" for n, s in compiled.mesh.items())
     console.print(compiled_steps_table(compiled.variants, title=f"{ref} compiled for {where} on {mesh_text}"))
-    if note := deviceless_note(compiled.compile_options):
+    if note := deviceless_note(compiled.device_options):
         console.print(note)
 
 

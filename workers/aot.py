@@ -131,7 +131,6 @@ def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Scree
     return tuple(screened)
 
 
-
 def screen_problems(problems: Sequence[Problem], devices: Sequence) -> list[ProblemScreen]:
     """The compile screen (`screen`) of each unique problem of ``problems`` with a ring, on rings of ``devices``:
     what `cmtune submit --screen` sends (a problem without a ring has none: the service says there is nothing to
@@ -178,7 +177,7 @@ class CompiledStep:
     platform: str
     variants: tuple[CompiledVariant, ...]
     sites: Report  # the call sites the tuned variant traced (`collective_matmul.Tuned.report`)
-    compile_options: Mapping[str, object]  # what every compile for these devices set (deviceless GPUs)
+    device_options: Mapping[str, object]  # the options every compile for these devices set (deviceless GPUs')
 
 
 def compile_user_step(fn: Callable, spec: str, tuned, *, devices=None) -> CompiledStep:
@@ -193,7 +192,7 @@ def compile_user_step(fn: Callable, spec: str, tuned, *, devices=None) -> Compil
         devices: a compile-only target's devices (a TPU slice's, a GPU node's); None: this process's.
 
     Returns:
-        The `CompiledStep`: a `CompiledVariant` a variant (a compile that fails is one with its error).
+        The `CompiledStep`: one `CompiledVariant` per variant (a compile that fails is one with its error).
 
     Raises:
         cmtune.workers.userstep.SpecError: where NAME breaks the step spec's contract.
@@ -212,7 +211,7 @@ def compile_user_step(fn: Callable, spec: str, tuned, *, devices=None) -> Compil
                                                                             devices=devices), {}))
     return CompiledStep(mesh={str(n): int(s) for n, s in reference.mesh.shape.items()}, platform=platform,
                         variants=tuple(compiled), sites=sites,
-                        compile_options=deviceless_options(reference.mesh.devices.flat))
+                        device_options=deviceless_options(reference.mesh.devices.flat))
 
 
 def _compiled_variant(label: str, windowed: str | None, built: Built, options: dict) -> CompiledVariant:

@@ -22,7 +22,7 @@ def test_a_users_step_compiles_as_written_and_through_the_drop_in_each_a_record(
         assert variant.overlap.verdict == "no permutes"
     written, baseline, _ = compiled.variants
     assert baseline.collectives["reduce-scatter"] == 1 and written.collectives["reduce-scatter"] == 0
-    assert len(compiled.sites.applied) == 2 and not compiled.sites.groups and compiled.compile_options == {}
+    assert len(compiled.sites.applied) == 2 and not compiled.sites.groups and compiled.device_options == {}
 
 
 def test_a_variant_that_does_not_compile_is_a_record_with_the_reason():
