@@ -16,7 +16,10 @@ import typer
 
 from cmtune import demo, gpus, serving, submit, tuning, worker
 
-app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True)
+# markdown: the help's paragraphs reflow to the terminal (Rich markup mode keeps the source's line breaks, and
+# takes "[gpu]" for a style)
+app = typer.Typer(help="Tune collective matmul decompositions on real devices.", no_args_is_help=True,
+                  rich_markup_mode="markdown")
 for group in (demo, submit, tuning, worker, serving, gpus):
     app.add_typer(group.app)
 

@@ -245,11 +245,11 @@ def _where_the_time_went(api: ApiClient) -> str:
 
 
 def _paired(variant, reference) -> str:
-    import statistics
+    """The variant's speedup over the reference, paired by round: median (IQR)."""
+    from collective_matmul.wire.stats import paired_quartiles
 
-    ratios = [r / v for r, v in zip(reference.timing.samples_s, variant.timing.samples_s, strict=False)]
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-    return f"{statistics.median(ratios):.2f}x ({q[0]:.2f}-{q[2]:.2f})"
+    q1, median, q3 = paired_quartiles(reference.timing.samples_s, variant.timing.samples_s)
+    return f"{median:.2f}x ({q1:.2f}-{q3:.2f})"
 
 
 def _interrupt(signum, frame) -> None:

@@ -260,20 +260,26 @@ def compiled_table(results, *, title: str) -> Table:
     return table
 
 
-def compiled_steps_table(rows, *, title: str) -> Table:
-    """Whole steps compiled and never run: ``(name, compile s, memory bytes, collective counts, Overlap, error)``."""
+def compiled_steps_table(variants, *, title: str) -> Table:
+    """Whole steps compiled and never run (`cmtune.workers.aot.CompiledVariant`s)."""
+    from cmtune.tuner.variants import REFERENCE
+
     table = Table(title=title, caption="compiled, not timed: memory per device, the collectives of the step and "
                                        "whether a product is scheduled while each permute is in flight")
     for name, justify in (("step", "left"), ("compile", "right"), ("memory / device", "right"),
                           ("all-gathers", "right"), ("reduce-scatters", "right"), ("all-reduces", "right"),
                           ("permutes", "right"), ("overlap", "left")):
         table.add_column(name, justify=justify)
-    for name, seconds, memory, counts, verdict, error in rows:
-        if error:
-            table.add_row(name, "[red]failed[/red]", error, "", "", "", "", "")
+    for v in variants:
+        name = "as written" if v.label == REFERENCE else v.label
+        if v.windowed_einsum is not None:
+            name += f" (XLA windowed einsum {v.windowed_einsum})"
+        if v.error:
+            table.add_row(name, "[red]failed[/red]", v.error, "", "", "", "", "")
             continue
-        table.add_row(name, fmt_seconds(seconds), "-" if memory is None else f"{memory / 2**20:.1f} MiB",
-                      *(str(counts[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
-                                                   "collective-permute")),
-                      verdict.summary() if verdict.windows else verdict.verdict)
+        table.add_row(name, fmt_seconds(v.compile_s), "-" if v.memory_bytes is None else
+                      f"{v.memory_bytes / 2**20:.1f} MiB",
+                      *(str(v.collectives[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
+                                                          "collective-permute")),
+                      v.overlap.summary() if v.overlap.windows else v.overlap.verdict)
     return table

@@ -153,26 +153,28 @@ def tune(step: str, devices: str, tune_problems) -> None:
         tune_problems(unique, built.mesh, axis)
 
 
-def verified_client(server: str | None, token: str | None, bundle: Path | None, model: str) -> Tuned:
+def verified_client(server: str | None, token: str | None, bundle: Path | None, model: str, *,
+                    share: bool = True) -> Tuned:
     """The `Tuned` client verify builds its tuned step with: the configs of a bundle or a server (a problem they
-    have not measured runs the baseline, as in training), or with neither the cost model's choices."""
+    have not measured runs the baseline, as in training), or with neither the cost model's choices; ``share``:
+    whether column calls of one activation share one gather."""
     from collective_matmul.client.tuned import Tuned
 
-    return Tuned(server, token=token, bundle=bundle, model=model,
-                 unmeasured="costmodel" if server is None and bundle is None else "baseline")
+    tuned = Tuned(server, token=token, bundle=bundle, model=model,
+                  unmeasured="costmodel" if server is None and bundle is None else "baseline")
+    tuned.share = share
+    return tuned
 
 
 def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
                     name: str | None, share: bool = True) -> None:
-    """`cmtune verify --step --compile-only` (what a TPU topology allows): the step as written (with XLA's windowed
-    einsum at its default, off and on, where the backend has it), through the drop-in at the baseline and with the
-    tuned configs, each compiled and checked: memory per device, its collectives and its schedule's overlap
-    verdict.  Nothing runs."""
+    """`cmtune verify --step --compile-only` (what a TPU topology allows): `cmtune.workers.aot.compile_user_step`,
+    its call sites and its table printed.  Nothing runs."""
     import jax
 
     from cmtune.report import compiled_steps_table
-    from cmtune.workers.userstep import Built, step_variants, unshared
-    from collective_matmul.planning.xla_options import windowed_einsum
+    from cmtune.workers.aot import compile_user_step
+    from collective_matmul.programs.gpus import deviceless_note
 
     spec = prepare(devices)
     if spec is None:
@@ -181,49 +183,16 @@ def verify_compiled(step: str, devices: str, *, bundle: Path | None, server: str
         raise typer.BadParameter("--compile-only compiles in one process: give virtual:N or tpu:TOPOLOGY",
                                  param_hint="--devices")
     ref, fn = load(step)
-    topology = spec.compiled_devices() if spec.compile_only else None
-    tuned = verified_client(server, token, bundle, name or ref.name)
-    tuned.share = share
+    tuned = verified_client(server, token, bundle, name or ref.name, share=share)
+    target = spec.compiled_devices() if spec.compile_only else None
     with spec_errors():
-        reference = Built.of(fn, None, spec=str(ref), devices=topology)
-        platform = reference.mesh.devices.flat[0].platform
-        settings = [(None, {})] + [(s, windowed_einsum(platform, s)) for s in ("off", "on")
-                                   if windowed_einsum(platform, s) is not None]
-        variants = [(f"as written (XLA windowed einsum {s or 'default'})" if len(settings) > 1 else "as written",
-                     reference, options) for s, options in settings]
-        variants += [(label, Built.of(fn, source, spec=str(ref), devices=topology), {})
-                     for label, source in step_variants(tuned).items() if source is not None]
-    rows = [_compiled_row(*variant) for variant in variants]
-    sites = tuned.report()  # the tuned step was traced by its compile: did it share a gather?
-    if sites.groups:
-        with spec_errors():
-            unshared_step = Built.of(fn, unshared(tuned), spec=str(ref), devices=topology)
-        rows.append(_compiled_row("tuned-no-share", unshared_step, {}))
-    show_sites(ref, sites)
-    where = spec.label if spec.compile_only else platform
-    mesh_text = ",".join(f"{n}={s}" for n, s in reference.mesh.shape.items())
-    console.print(compiled_steps_table(rows, title=f"{ref} compiled for {where} on {mesh_text}"))
-    deviceless(reference.mesh.devices.flat)
-
-
-def _compiled_row(label: str, built, options: dict) -> tuple:
-    """One row of `verify_compiled`: ``(label, compile s, memory bytes, collective counts, Overlap, error)``; a step
-    that does not compile is a row with the reason."""
-    from collective_matmul.programs.gpus import compile_options
-    from collective_matmul.programs.hlo import parse_module
-    from collective_matmul.programs.schedule import overlap
-
-    options = compile_options(built.mesh.devices.flat, options)
-    started = time.monotonic()
-    try:
-        compiled = built.step.lower(*built.args).compile(compiler_options=options or None)
-    except Exception as exc:  # noqa: BLE001 - a row with the reason
-        return label, None, None, {}, None, f"{type(exc).__name__}: {exc}"[:300]
-    text = compiled.as_text()
-    opcodes = [inst.opcode for comp in parse_module(text).computations.values() for inst in comp.instructions.values()]
-    counts = {op: opcodes.count(op) + opcodes.count(f"{op}-start") for op in
-              ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")}
-    return label, time.monotonic() - started, _memory(compiled), counts, overlap(text), ""
+        compiled = compile_user_step(fn, str(ref), tuned, devices=target)
+    show_sites(ref, compiled.sites)
+    where = spec.label if spec.compile_only else compiled.platform
+    mesh_text = ",".join(f"{n}={s}" for n, s in compiled.mesh.items())
+    console.print(compiled_steps_table(compiled.variants, title=f"{ref} compiled for {where} on {mesh_text}"))
+    if note := deviceless_note(compiled.device_options):
+        console.print(note)
 
 
 def show_sites(ref: SpecRef, sites) -> None:
@@ -236,12 +205,6 @@ def show_sites(ref: SpecRef, sites) -> None:
         console.print(sites.groups_line())
     for line in filter(None, (sites.unmatched_line(), *sites.advice())):
         console.print(f"[yellow]{line}[/yellow]")
-
-
-def _memory(compiled) -> int | None:
-    from cmtune.workers.measure import compiled_memory
-
-    return compiled_memory(compiled)
 
 
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,

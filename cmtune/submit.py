@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,8 +14,54 @@ from cmtune.common import SERVER, TOKEN_FILE, console, devices_option, problems_
 
 if TYPE_CHECKING:
     from collective_matmul.client.rest import ApiClient
+    from collective_matmul.planning.problem import Hardware
+    from collective_matmul.wire import HardwareIn
 
 app = typer.Typer(no_args_is_help=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareOptions:
+    """`cmtune submit`'s hardware options as given (None: left out)."""
+
+    platform: str | None = None
+    device_kind: str | None = None
+    device_count: int | None = None
+    process_count: int | None = None
+
+    @property
+    def given(self) -> bool:
+        return any(v is not None for v in (self.platform, self.device_kind, self.device_count, self.process_count))
+
+
+def study_hardware(options: HardwareOptions, devices: int, pool: HardwareIn | None = None) -> HardwareIn:
+    """The hardware a study of a problem or a model is submitted for.
+
+    Args:
+        options: the hardware options given.
+        devices: the problem's ring, or the model's mesh's devices: the device count where none is given.
+        pool: the hardware of the registered workers (or of the screened devices), used whole where no option is
+            given.
+
+    Returns:
+        ``pool`` where no option is given and it is known, else the options over CPU's defaults (one process).
+    """
+    from collective_matmul.wire import HardwareIn
+
+    if pool is not None and not options.given:
+        return pool
+    return HardwareIn(platform=options.platform or "cpu", device_kind=options.device_kind or "cpu",
+                      device_count=options.device_count or devices, process_count=options.process_count or 1)
+
+
+def step_hardware(options: HardwareOptions, ring: Hardware) -> HardwareIn:
+    """The hardware a step's problems are submitted for: the options over the ring the step's mesh has here (its
+    ``device_count`` the ring's; ``--device-count`` the slice's devices)."""
+    from collective_matmul.wire import HardwareIn
+
+    return HardwareIn(platform=options.platform or ring.platform, device_kind=options.device_kind or ring.device_kind,
+                      device_count=ring.device_count, process_count=options.process_count or ring.process_count,
+                      slice_devices=options.device_count or ring.slice_devices)
 
 
 @contextmanager
@@ -71,11 +118,14 @@ def submit(
 ) -> None:
     """Submit problems, a model + mesh, or your own step's problems, to a running service."""
     from collective_matmul.planning.models import MeshSpec, TransformerBlock
-    from collective_matmul.wire import Budget, HardwareIn, MeshIn, StudyCreate
+    from collective_matmul.wire import Budget, MeshIn, StudyCreate
 
     if screen and devices_option(devices).needs_group:
         raise typer.BadParameter(f"{devices!r}: the screen compiles on this host: give virtual:N, gpu:CARD:D or "
                                  "tpu:TOPOLOGY", param_hint="--devices")
+    options = HardwareOptions(platform=platform, device_kind=device_kind, device_count=device_count,
+                              process_count=process_count)
+    study = dict(budget=Budget(trials=trials), force=force, warm_start=warm_start)
 
     if step is not None:
         if problem or model or mesh:
@@ -88,12 +138,8 @@ def submit(
         found, ring = steps.discovered_body(step, name)
         if found is None:  # a process other than 0 of a group
             return
-        hardware = HardwareIn(platform=platform or ring.platform, device_kind=device_kind or ring.device_kind,
-                              device_count=ring.device_count, process_count=process_count or ring.process_count,
-                              slice_devices=device_count or ring.slice_devices)
         screens = _screens([p.problem for p in found.problems], spec) if screen else []
-        bodies = [StudyCreate(discovered=found, hardware=hardware, budget=Budget(trials=trials), force=force,
-                              warm_start=warm_start, screens=screens)]
+        bodies = [StudyCreate(discovered=found, hardware=step_hardware(options, ring), screens=screens, **study)]
         return _post(server, token, token_file, bodies)
     screens, pool = [], None
     if screen:  # the problems are derived here too (the service derives a model's again, and checks the screens)
@@ -104,13 +150,8 @@ def submit(
             return
         screens = _screens(problems_from_options(problem, model, mesh, tensor_axis), spec)
         screened_on = _screened_hardware(spec)
-    if platform is None and device_kind is None and device_count is None and process_count is None:
+    if not options.given:
         pool = screened_on if screen else _pool_hardware(server, token, token_file)
-
-    def on(devices: int) -> dict:
-        hardware = pool or HardwareIn(platform=platform or "cpu", device_kind=device_kind or "cpu",
-                                      device_count=device_count or devices, process_count=process_count or 1)
-        return dict(hardware=hardware, budget=Budget(trials=trials), force=force, warm_start=warm_start)
 
     if model and not problem:  # the service derives the model's problems (and says what does not fit)
         if not mesh:
@@ -122,39 +163,31 @@ def submit(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         bodies = [StudyCreate(model=shape, mesh=MeshIn(axes=spec.axes, tensor_axis=spec.tensor_axis),
-                              screens=screens, **on(spec.device_count))]
+                              hardware=study_hardware(options, spec.device_count, pool), screens=screens, **study)]
     else:
         by_key = {s.problem: s for s in screens}
-        bodies = [StudyCreate(problem=p, screens=[by_key[p.key]] if p.key in by_key else [], **on(p.axis_size))
+        bodies = [StudyCreate(problem=p, hardware=study_hardware(options, p.axis_size, pool),
+                              screens=[by_key[p.key]] if p.key in by_key else [], **study)
                   for p in problems_from_options(problem, model, mesh, tensor_axis)]
     _post(server, token, token_file, bodies)
 
 
 def _screens(problems, spec) -> list:
-    """The compile screen of each unique problem with a ring (`cmtune.workers.aot.screen`), compiled for the devices
-    set up here, a line each: what the studies will time first."""
+    """The compile screen of each unique problem with a ring (`cmtune.workers.aot.screen_problems`), compiled for the
+    devices set up here, a line each: what the studies will time first."""
     from cmtune.report import screen_summary
     from cmtune.steps import deviceless
-    from cmtune.workers.aot import screen
-    from cmtune.workers.measure import ring_mesh_of
-    from collective_matmul.planning.space import has_ring
-    from collective_matmul.wire import ProblemScreen
+    from cmtune.workers.aot import screen_problems
 
     devices = _screen_devices(spec)
     deviceless(devices)
-    kind, screens = devices[0].device_kind, {}
-    for problem in problems:
-        if problem.key in screens or not has_ring(problem):  # the service says "nothing to tune"
-            continue
-        try:
-            mesh = ring_mesh_of(devices, problem.axis_size)
-        except ValueError as exc:
-            raise typer.BadParameter(f"{problem.key}: {exc} of the {len(devices)} devices",
-                                     param_hint="--devices") from None
-        screened = screen(problem, mesh)
-        console.print(f"{problem.key} on {kind}: {screen_summary(screened)}")
-        screens[problem.key] = ProblemScreen(problem=problem.key, device_kind=kind, screen=list(screened))
-    return list(screens.values())
+    try:
+        screens = screen_problems(problems, devices)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+    for screened in screens:
+        console.print(f"{screened.problem} on {screened.device_kind}: {screen_summary(screened.screen)}")
+    return screens
 
 
 def _screen_devices(spec) -> list:

@@ -26,6 +26,9 @@ from cmtune.workers.cluster import DEVICES_HELP, is_compile_only
 from collective_matmul.wire import STEP_ROUND_VARIANTS, STEP_SEARCH_ROUNDS
 
 app = typer.Typer(no_args_is_help=True)
+# verify's option panels: the two ways to give a step, the configs, and the two measured modes' settings
+BLOCK, STEP, CONFIGS = "The reference block (--model)", "Your own step (--step)", "Tuned configs"
+TIMING, SEARCH = "Timing (not with --compile-only)", "Step search (--decide)"
 COMPILE_ONLY_HELP = ("compile each candidate and read its memory and its schedule's overlap verdict, timing nothing "
                      "(what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")
 
@@ -42,10 +45,12 @@ def bench(
     num_processes: Annotated[int | None, NUM_PROCESSES] = None,
     process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
-    """Time every valid decomposition of one problem against the baseline, then its bounds (the local matmul
-    alone, the collective alone); with --compile-only, or on a TPU topology (--devices tpu:v5p:2x2x2), compile each
-    instead: its memory and its schedule's overlap verdict, beside the product as written with XLA's windowed
-    einsum off and on."""
+    """Time every valid decomposition of one problem against the baseline, then its bounds.
+
+    The bounds: the local matmul alone, the collective alone.  With --compile-only, or on a TPU topology
+    (--devices tpu:v5p:2x2x2), compile each instead: its memory and its schedule's overlap verdict, beside the
+    product as written with XLA's windowed einsum off and on.
+    """
     from collective_matmul import Problem
 
     join_options(coordinator, num_processes, process_id)
@@ -167,8 +172,10 @@ def tune(
     num_processes: Annotated[int | None, NUM_PROCESSES] = None,
     process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
-    """Tune the decompositions of one or more problems, a model's or your own step's, on local devices (with
-    --compile-only, or on a TPU topology: compile every candidate of each and check it, timing nothing)."""
+    """Tune the decompositions of one or more problems, a model's or your own step's, on local devices.
+
+    With --compile-only, or on a TPU topology: compile every candidate of each and check it, timing nothing.
+    """
     join_options(coordinator, num_processes, process_id)
     if sampler not in ("auto", "enumerate", "tpe", "random"):
         raise typer.BadParameter(f"{sampler!r}: expected auto, enumerate, tpe or random", param_hint="--sampler")
@@ -295,49 +302,65 @@ def problems(
 
 @app.command()
 def verify(
-    model: Annotated[str | None, typer.Option(help="model preset or JSON file")] = None,
-    mesh: Annotated[str | None, typer.Option(help="the mesh the configs were tuned for, e.g. data=16,model=8")] = None,
-    bundle: Annotated[Path | None, typer.Option(help="tuned configs from a bundle file")] = None,
-    server: Annotated[str | None, typer.Option(help="tuned configs from a cmtune service at this URL")] = None,
+    model: Annotated[str | None, typer.Option(help="model preset or JSON file", rich_help_panel=BLOCK)] = None,
+    mesh: Annotated[str | None, typer.Option(
+        help="the mesh the configs were tuned for, e.g. data=16,model=8", rich_help_panel=BLOCK)] = None,
+    bundle: Annotated[Path | None, typer.Option(
+        help="tuned configs from a bundle file", rich_help_panel=CONFIGS)] = None,
+    server: Annotated[str | None, typer.Option(
+        help="tuned configs from a cmtune service at this URL", rich_help_panel=CONFIGS)] = None,
     token: Annotated[str | None, typer.Option(
-        envvar="CMTUNE_TOKEN", help="a reader token for --server (CMTUNE_TOKEN keeps it out of ps)")] = None,
-    tensor_axis: Annotated[str | None, typer.Option(help="tensor-parallel axis (default: model)")] = None,
+        envvar="CMTUNE_TOKEN", help="a reader token for --server (CMTUNE_TOKEN keeps it out of ps)",
+        rich_help_panel=CONFIGS)] = None,
+    tensor_axis: Annotated[str | None, typer.Option(
+        help="tensor-parallel axis (default: model)", rich_help_panel=BLOCK)] = None,
     devices: Annotated[
         str, typer.Option(help=DEVICES_HELP + "; auto = virtual CPU devices, one per ring member")
     ] = "auto",
-    repeats: Annotated[int, typer.Option(min=1, help="rounds: timed runs of every variant")] = 7,
-    warmup: Annotated[int, typer.Option(min=0, help="untimed runs of every variant first")] = 2,
-    seed: Annotated[int, typer.Option(min=0, help="seed of the parameters and inputs")] = 0,
-    timeout: Annotated[float, typer.Option(min=1, help="stop timing after this many seconds")] = 600.0,
-    ablation: Annotated[bool, typer.Option(help="also time the tuned step with each tuned role set back")] = True,
-    json_out: Annotated[Path | None, typer.Option("--json", help="write the step measurement as JSON")] = None,
+    repeats: Annotated[int, typer.Option(
+        min=1, help="rounds: timed runs of every variant", rich_help_panel=TIMING)] = 7,
+    warmup: Annotated[int, typer.Option(min=0, help="untimed runs of every variant first", rich_help_panel=TIMING)] = 2,
+    seed: Annotated[int, typer.Option(min=0, help="seed of the parameters and inputs", rich_help_panel=TIMING)] = 0,
+    timeout: Annotated[float, typer.Option(
+        min=1, help="stop timing after this many seconds", rich_help_panel=TIMING)] = 600.0,
+    ablation: Annotated[bool, typer.Option(
+        help="also time the tuned step with each tuned role set back", rich_help_panel=BLOCK)] = True,
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="write the step measurement as JSON", rich_help_panel=TIMING)] = None,
     step: Annotated[str | None, typer.Option(
         help="a step spec, path/to/file.py:NAME or package.module:NAME: time your own step as written against "
-             "the drop-in (devices: virtual:N or processes:PxD, default virtual:8)")] = None,
+             "the drop-in (devices: virtual:N or processes:PxD, default virtual:8)", rich_help_panel=STEP)] = None,
     name: Annotated[str | None, typer.Option(
-        help="with --step: the name its overrides are stored under (default: NAME; Tuned(model=...) in training)")
-    ] = None,
+        help="with --step: the name its overrides are stored under (default: NAME; Tuned(model=...) in training)",
+        rich_help_panel=STEP)] = None,
     decide: Annotated[bool, typer.Option(
         help="run the step search (the op-level winners, the whole-step alternatives, then role by role over "
-             "each role's candidates) and write the per-role overrides of its choice into --bundle")] = False,
+             "each role's candidates) and write the per-role overrides of its choice into --bundle",
+        rich_help_panel=SEARCH)] = False,
     search_rounds: Annotated[int, typer.Option(
         min=0, max=50, help="with --decide: rounds of the step search, the seeds' included, before the choice is "
-                            "graded in fresh rounds (0 or 1: one round of the standard menu)")] = STEP_SEARCH_ROUNDS,
+                            "graded in fresh rounds (0 or 1: one round of the standard menu)",
+        rich_help_panel=SEARCH)] = STEP_SEARCH_ROUNDS,
     round_variants: Annotated[int, typer.Option(
-        min=1, max=16, help="with --decide: changes of one role a search round times")] = STEP_ROUND_VARIANTS,
+        min=1, max=16, help="with --decide: changes of one role a search round times",
+        rich_help_panel=SEARCH)] = STEP_ROUND_VARIANTS,
     compile_only: Annotated[bool, typer.Option(
         help="with --step: compile the step as written (XLA's windowed einsum at its default, off and on, where the "
              "backend has it) and through the drop-in, and check each (memory, collectives, overlap), timing "
-             "nothing (what a TPU topology, --devices tpu:v5p:2x2x1, can only do)")] = False,
+             "nothing (what a TPU topology, --devices tpu:v5p:2x2x1, can only do)", rich_help_panel=STEP)] = False,
     share: Annotated[bool, typer.Option(
         help="with --step: column calls of one activation share one gather (q/k/v, gate/up: "
              "collective_matmul.ops.share), and the step is also timed without (tuned-no-share); --no-share: every "
-             "call gathers for itself")] = True,
+             "call gathers for itself", rich_help_panel=STEP)] = True,
     coordinator: Annotated[str | None, COORDINATOR] = None,
     num_processes: Annotated[int | None, NUM_PROCESSES] = None,
     process_id: Annotated[int | None, PROCESS_ID] = None,
 ) -> None:
-    """Time the whole training step with the tuned configs against the step as written (and the ablations)."""
+    """Time the whole training step with the tuned configs against the step as written (and the ablations).
+
+    The reference block (--model, --mesh) or your own step (--step).  With --step and --compile-only, or on a TPU
+    topology: compile the step as written and through the drop-in, and check each, timing nothing.
+    """
     join_options(coordinator, num_processes, process_id)
     from cmtune.workers.overrides import SearchBudget
     from collective_matmul import Bundle

@@ -47,8 +47,10 @@ def worker(
     trial_grace_seconds: Annotated[float, typer.Option(
         min=1, help="a trial may take 2 x its candidates' timeout_s plus this before it counts as hung")] = 120.0,
 ) -> None:
-    """Run a worker daemon: lease trials that match this host's hardware, or a ring whose size divides its devices
-    (all such rings timed at once), time them, report."""
+    """Run a worker daemon: lease the trials this host can run, time them, report.
+
+    A trial matches this host's hardware, or a ring whose size divides its devices (all such rings timed at once).
+    """
     import logging
 
     from cmtune.workers.cluster import configure, launch

@@ -6,19 +6,22 @@ abstract inputs laid out as the problem says, compiled by the backend's real com
 (``Compiled.memory_analysis()``) and the compiled schedule's overlap verdict (`collective_matmul.programs.schedule`).
 Beside cmtune's candidates it compiles the product as a user writes it, with XLA's own windowed einsum off
 and on (`collective_matmul.planning.xla_options`), where the backend has one: what a ring is up against there.
-Nothing runs; nothing here is a time.
+`compile_user_step` does the same for a user's whole step (`cmtune verify --step --compile-only`): the step as
+written and through the drop-in, each a `CompiledVariant`.  Nothing runs; nothing here is a time.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cmtune.tuner.variants import REFERENCE
 from cmtune.workers.measure import (
     classify_failure,
     compiled_memory,
@@ -26,16 +29,20 @@ from cmtune.workers.measure import (
     default_program,
     error_message,
     operand_shapes,
+    ring_mesh_of,
 )
+from cmtune.workers.userstep import Built, step_variants, unshared
+from collective_matmul.client.report import Report
 from collective_matmul.ops.collective import input_shardings
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Problem
 from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
-from collective_matmul.programs.gpus import compile_options
-from collective_matmul.programs.schedule import overlap
-from collective_matmul.wire import CompiledCandidate, Screened
+from collective_matmul.programs.gpus import compile_options, deviceless_options
+from collective_matmul.programs.hlo import parse_module
+from collective_matmul.programs.schedule import Overlap, overlap
+from collective_matmul.wire import CompiledCandidate, ProblemScreen, Screened
 
 
 class CompileSession:
@@ -122,3 +129,101 @@ def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Scree
         screened.append(Screened(decomposition=config, overlap=compiled.overlap if ok else None,
                                  note=compiled.overlap_note if ok else as_message(compiled.message, 200)))
     return tuple(screened)
+
+
+def screen_problems(problems: Sequence[Problem], devices: Sequence) -> list[ProblemScreen]:
+    """The compile screen (`screen`) of each unique problem of ``problems`` with a ring, on rings of ``devices``:
+    what `cmtune submit --screen` sends (a problem without a ring has none: the service says there is nothing to
+    tune).
+
+    Raises:
+        ValueError: where a problem's ring does not divide the devices (the message names the problem).
+    """
+    from collective_matmul.planning.space import has_ring
+
+    kind, screens = devices[0].device_kind, {}
+    for problem in problems:
+        if problem.key in screens or not has_ring(problem):
+            continue
+        try:
+            mesh = ring_mesh_of(devices, problem.axis_size)
+        except ValueError as exc:
+            raise ValueError(f"{problem.key}: {exc} of the {len(devices)} devices") from None
+        screens[problem.key] = ProblemScreen(problem=problem.key, device_kind=kind, screen=list(screen(problem, mesh)))
+    return list(screens.values())
+
+
+COUNTED = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")  # a step's collectives, as counted
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompiledVariant:
+    """One variant of a step compiled for its mesh, never run; a variant that does not compile has its ``error``."""
+
+    label: str  # `REFERENCE` (as written), baseline, tuned, tuned-no-share (`cmtune.workers.userstep.step_variants`)
+    windowed_einsum: str | None = None  # as written: XLA's windowed einsum default, off or on (where it has one)
+    compile_s: float | None = None
+    memory_bytes: int | None = None  # per device (``Compiled.memory_analysis()``)
+    collectives: Mapping[str, int] = field(default_factory=dict)  # each of `COUNTED`: its ops, async or not
+    overlap: Overlap | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompiledStep:
+    """A user's step compiled as written and through the drop-in (`compile_user_step`)."""
+
+    mesh: Mapping[str, int]
+    platform: str
+    variants: tuple[CompiledVariant, ...]
+    sites: Report  # the call sites the tuned variant traced (`collective_matmul.Tuned.report`)
+    device_options: Mapping[str, object]  # the options every compile for these devices set (deviceless GPUs')
+
+
+def compile_user_step(fn: Callable, spec: str, tuned, *, devices=None) -> CompiledStep:
+    """NAME's step compiled, never run: as written (with XLA's windowed einsum at its default, off and on, where the
+    backend has it), through the drop-in at the baseline and with ``tuned``'s configs, and, where the tuned step
+    shared a gather, with every call gathering for itself.
+
+    Args:
+        fn: the spec's NAME (`cmtune.workers.userstep.SpecRef.load`).
+        spec: the spec as given, for its messages.
+        tuned: the `collective_matmul.Tuned` client of the tuned variant (its ``share`` as asked).
+        devices: a compile-only target's devices (a TPU slice's, a GPU node's); None: this process's.
+
+    Returns:
+        The `CompiledStep`: one `CompiledVariant` per variant (a compile that fails is one with its error).
+
+    Raises:
+        cmtune.workers.userstep.SpecError: where NAME breaks the step spec's contract.
+    """
+    reference = Built.of(fn, None, spec=spec, devices=devices)
+    platform = reference.mesh.devices.flat[0].platform
+    settings = [s for s in ("off", "on") if windowed_einsum(platform, s) is not None]
+    variants = [(REFERENCE, None, reference, {})] if not settings else [
+        (REFERENCE, s or "default", reference, windowed_einsum(platform, s) if s else {}) for s in (None, *settings)]
+    variants += [(label, None, Built.of(fn, source, spec=spec, devices=devices), {})
+                 for label, source in step_variants(tuned).items() if source is not None]
+    compiled = [_compiled_variant(*variant) for variant in variants]
+    sites = tuned.report()  # the tuned step was traced by its compile: did it share a gather?
+    if sites.groups:
+        compiled.append(_compiled_variant("tuned-no-share", None, Built.of(fn, unshared(tuned), spec=spec,
+                                                                            devices=devices), {}))
+    return CompiledStep(mesh={str(n): int(s) for n, s in reference.mesh.shape.items()}, platform=platform,
+                        variants=tuple(compiled), sites=sites,
+                        device_options=deviceless_options(reference.mesh.devices.flat))
+
+
+def _compiled_variant(label: str, windowed: str | None, built: Built, options: dict) -> CompiledVariant:
+    """One variant of `compile_user_step`; a step that does not compile is a variant with the reason."""
+    options = compile_options(built.mesh.devices.flat, options)
+    started = time.monotonic()
+    try:
+        compiled = built.step.lower(*built.args).compile(compiler_options=options or None)
+    except Exception as exc:  # noqa: BLE001 - a variant with the reason
+        return CompiledVariant(label=label, windowed_einsum=windowed, error=f"{type(exc).__name__}: {exc}"[:300])
+    seconds, text = time.monotonic() - started, compiled.as_text()
+    opcodes = [inst.opcode for comp in parse_module(text).computations.values() for inst in comp.instructions.values()]
+    return CompiledVariant(label=label, windowed_einsum=windowed, compile_s=seconds,
+                           memory_bytes=compiled_memory(compiled), overlap=overlap(text),
+                           collectives={op: opcodes.count(op) + opcodes.count(f"{op}-start") for op in COUNTED})

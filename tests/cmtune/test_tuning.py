@@ -178,3 +178,18 @@ def test_a_table_in_a_log_cuts_no_key():
     row = next(line for line in run.stdout.splitlines() if "forward" in line)
     assert [cell.strip() for cell in row.strip("│ ").split("│")][:5] == [ROLE, "forward", PROBLEM, "1", AXIS]
     assert "…" not in run.stdout
+
+
+def test_verify_compile_only_compiles_a_users_step_as_written_and_through_the_drop_in():
+    """`cmtune verify --step --compile-only` on CPU devices: the call sites the tuned step traced, then a row for
+    the step as written, at the baseline and tuned, each compiled (memory, collectives, overlap), nothing timed."""
+    run = cmtune("verify", "--step", "tests/steps/gspmd_mlp.py:mlp_step", "--compile-only", "--devices", "virtual:8",
+                 timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert says(run, "call sites of tests/steps/gspmd_mlp.py:mlp_step through the drop-in (2 applied, 0 fell back)")
+    assert says(run, "tests/steps/gspmd_mlp.py:mlp_step compiled for cpu on data=2,model=4")
+    rows = {cells[0]: cells[2:] for line in run.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 8}
+    assert rows["as written"] == ["0.2 MiB", "2", "0", "3", "0", "no permutes"], rows
+    assert rows["baseline"] == rows["tuned"] == ["0.2 MiB", "2", "1", "2", "0", "no permutes"], rows
+    assert says(run, "compiled, not timed") and not says(run, "reference: the step as written")  # not timed
