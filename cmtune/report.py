@@ -217,20 +217,20 @@ def sites_table(sites, *, title: str) -> Table:
         table.add_column(name)
     for site in sites:
         if not site.applied:
-            table.add_row(site.role, site.source, "[yellow]lax.dot_general[/yellow]", site.reason, "", "")
+            table.add_row(site.role, site.site, "[yellow]lax.dot_general[/yellow]", site.reason, "", "")
             continue
         if site.gathered_by:  # its product is local; its backward is the gathering call's
-            table.add_row(site.role, site.source, site.problems["forward"].key,
+            table.add_row(site.role, site.site, site.problems["forward"].key,
                           f"[cyan]reuses {site.gathered_by}'s gather[/cyan]", "in its reduce-scatter", "local")
             continue
         if site.members:  # a group's summed input gradient: the gathering call's one reduce-scatter ring
             found = site.found["grad_input"]
-            table.add_row(site.role, site.source, site.problems["grad_input"].key, "[cyan]the group's[/cyan]",
+            table.add_row(site.role, site.site, site.problems["grad_input"].key, "[cyan]the group's[/cyan]",
                           f"{found.decomposition.id} ({found.match})", "")
             continue
         cells = [f"{f.decomposition.id} ({f.match})" for f in (site.found[s] for s in
                                                               ("forward", "grad_input", "grad_weight"))]
-        table.add_row(site.role, site.source, site.problems["forward"].key, *cells)
+        table.add_row(site.role, site.site, site.problems["forward"].key, *cells)
     return table
 
 

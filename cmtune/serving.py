@@ -130,7 +130,7 @@ def token_create(
         envvar="CMTUNE_NEW_TOKEN", help="store this token (e.g. from a secret) instead of a random one")] = None,
 ) -> None:
     """Create a token and print it (only its hash is stored); an existing ``--value`` is kept."""
-    from cmtune.service.models import Role
+    from cmtune.service.models import TokenRole
 
     if role not in ROLES:
         raise typer.BadParameter(f"{role!r}: expected admin, worker or reader", param_hint="--role")
@@ -140,7 +140,7 @@ def token_create(
         if value is not None and tx.tokens.find(value) is not None:
             console.print(f"token {name!r} already exists", style="dim")
             return
-        _, plain = tx.tokens.add(name=name, role=Role(role), value=value)
+        _, plain = tx.tokens.add(name=name, role=TokenRole(role), value=value)
     print(plain)
 
 

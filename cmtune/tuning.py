@@ -112,14 +112,14 @@ def _run_sweep(problem, *, repeats: int, warmup: int, out: Path | None) -> None:
     from rich.progress import Progress
 
     from cmtune.report import sweep_table
-    from cmtune.workers.measure import Session
+    from cmtune.workers.measure import OpSession
     from cmtune.workers.sweep import sweep
     from collective_matmul.planning.space import candidates
     from collective_matmul.wire import MeasurementProtocol
 
     leader = jax.process_index() == 0
     protocol = MeasurementProtocol(repeats=repeats, warmup=warmup)
-    session = Session(problem, protocol=protocol)
+    session = OpSession(problem, protocol=protocol)
     with Progress(console=console, transient=True, disable=not leader) as progress:
         task = progress.add_task(f"timing {problem.key}", total=len(candidates(problem)) + 1)
         results = sweep(problem, protocol=protocol, on_result=lambda m: progress.advance(task), session=session)
