@@ -19,7 +19,9 @@ from cmtune.workers.cluster import DeviceSpec
 from cmtune.workers.userstep import SpecError, SpecRef
 
 if TYPE_CHECKING:
+    from cmtune.workers.overrides import SearchBudget
     from collective_matmul.client.tuned import Tuned
+    from collective_matmul.wire import MeasurementProtocol
 
 DEFAULT_DEVICES = "virtual:8"
 
@@ -208,17 +210,16 @@ def show_sites(ref: SpecRef, sites) -> None:
 
 
 def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, token: str | None,
-           name: str | None, repeats: int, warmup: int, seed: int, timeout: float, decide: bool,
-           json_out: Path | None, search_rounds: int = 3, round_variants: int = 3, share: bool = True) -> None:
-    """`cmtune verify --step`: `cmtune.workers.verify.verify_step` of a `UserVerify`, process 0 printing."""
+           name: str | None, protocol: MeasurementProtocol, budget: SearchBudget | None, json_out: Path | None,
+           share: bool = True) -> None:
+    """`cmtune verify --step`: `cmtune.workers.verify.verify_step` of a `UserVerify`, process 0 printing
+    (``budget``: with ``--decide``, the step search's)."""
     import jax
 
-    from cmtune.workers.overrides import SearchBudget
     from cmtune.workers.userstep import NoDropInCall, UserVerify
     from cmtune.workers.verify import verify_step
-    from collective_matmul.wire import MeasurementProtocol
 
-    if decide and bundle is None:
+    if budget is not None and bundle is None:
         raise typer.BadParameter("--decide writes the per-role overrides into the bundle: give --bundle FILE")
     if prepare(devices) is None:
         return
@@ -226,13 +227,11 @@ def verify(step: str, devices: str, *, bundle: Path | None, server: str | None, 
     ref, fn = load(step)
     model = name or ref.name
     say = console.print if jax.process_index() == 0 else (lambda *_: None)
-    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
     target = UserVerify(fn, str(ref), lambda: verified_client(server, token, bundle, model), model=model,
                         protocol=protocol, share=share)
     try:
         with spec_errors():
-            result = verify_step(target, budget=SearchBudget(search_rounds, round_variants) if decide else None,
-                                 bundle=bundle, say=lambda event: show_progress(event, ref=ref))
+            result = verify_step(target, budget=budget, bundle=bundle, say=lambda event: show_progress(event, ref=ref))
     except NoDropInCall as exc:
         say(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None

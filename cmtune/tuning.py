@@ -366,7 +366,10 @@ def verify(
     from collective_matmul import Bundle
     from collective_matmul.block import check_block
     from collective_matmul.planning.models import MeshSpec, TransformerBlock, model_problems
+    from collective_matmul.wire import MeasurementProtocol
 
+    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
+    budget = SearchBudget(search_rounds, round_variants) if decide else None  # with --decide: the step search's
     given = (bundle is not None) + (server is not None)  # a step may take neither: the cost model's choices
     if given > 1 or (step is None and given == 0):
         raise typer.BadParameter("give the tuned configs with --bundle FILE or --server URL (one of them)")
@@ -381,9 +384,7 @@ def verify(
             return steps.verify_compiled(step, devices, bundle=bundle, server=server, token=token, name=name,
                                          share=share)
         return steps.verify(step, devices, bundle=bundle, server=server, token=token, name=name,
-                            repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, decide=decide,
-                            json_out=json_out, search_rounds=search_rounds, round_variants=round_variants,
-                            share=share)
+                            protocol=protocol, budget=budget, json_out=json_out, share=share)
     if model is None or mesh is None:
         raise typer.BadParameter("give --model and --mesh (or --step SPEC for your own step)")
     if is_compile_only(devices, compile_only):
@@ -414,13 +415,11 @@ def verify(
                                  f"use processes:N with N dividing {ring}")
     if not set_up_devices(device_spec, local_devices=ring // max(device_spec.count, 1), auto_virtual=ring):
         return
-    _verify(block, spec, bundle=bundle, server=server, token=token, repeats=repeats, warmup=warmup, seed=seed,
-            timeout=timeout, ablation=ablation, json_out=json_out,
-            budget=SearchBudget(search_rounds, round_variants) if decide else None)
+    _verify(block, spec, bundle=bundle, server=server, token=token, protocol=protocol, budget=budget,
+            ablation=ablation, json_out=json_out)
 
 
-def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeout, ablation, json_out,
-            budget=None) -> None:
+def _verify(block, spec, *, bundle, server, token, protocol, budget, ablation, json_out) -> None:
     """`cmtune.workers.verify.verify_step` of a `BlockVerify`, process 0 printing."""
     import time
 
@@ -429,14 +428,12 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     from cmtune.steps import show_progress
     from cmtune.workers.step import BlockVerify, step_layout
     from cmtune.workers.verify import verify_step
-    from collective_matmul.wire import MeasurementProtocol
 
     started = time.monotonic()
     try:
         layout = step_layout(block, spec, jax.devices())
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    protocol = MeasurementProtocol(repeats=repeats, warmup=warmup, seed=seed, timeout_s=timeout)
     target = BlockVerify(block, spec, layout, bundle=bundle, server=server, token=token, protocol=protocol,
                          ablation=ablation)
     result = verify_step(target, budget=budget, bundle=bundle, say=show_progress)
