@@ -36,7 +36,7 @@ from collective_matmul.client.report import Report
 from collective_matmul.ops.collective import input_shardings
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
-from collective_matmul.planning.problem import Problem
+from collective_matmul.planning.problem import Collective, Problem
 from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
 from collective_matmul.programs.gpus import compile_options, deviceless_options
@@ -96,10 +96,10 @@ class CompileSession:
 def plain_program(problem: Problem, mesh: Mesh, axis: str):
     """The problem's product as a user writes it: one ``jnp`` product of the sharded operands, its result laid out
     as the problem's op lays it (XLA's partitioner places the collective, and may decompose it itself)."""
-    out = {"allgather_matmul": P(None, axis), "matmul_reduce_scatter": P(axis, None),
-           "allgather_grad_weight": P(None, axis)}.get(problem.collective, P(axis, None))  # FSDP's: rows kept
+    out = {Collective.ALLGATHER_MATMUL: P(None, axis), Collective.MATMUL_REDUCE_SCATTER: P(axis, None),
+           Collective.ALLGATHER_GRAD_WEIGHT: P(None, axis)}.get(problem.collective, P(axis, None))  # FSDP's: rows kept
     sharding = NamedSharding(mesh, out)
-    if problem.collective in ("allgather_grad_weight", "reduce_scatter_grad_weight"):
+    if problem.collective in (Collective.ALLGATHER_GRAD_WEIGHT, Collective.REDUCE_SCATTER_GRAD_WEIGHT):
         return lambda u, v: jax.lax.with_sharding_constraint(jnp.tensordot(u, v, axes=((0,), (0,))), sharding)
     return lambda x, w: jax.lax.with_sharding_constraint(x @ w, sharding)
 

@@ -45,7 +45,7 @@ from collective_matmul.ops.collective import (
 )
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
-from collective_matmul.planning.problem import Hardware, Problem
+from collective_matmul.planning.problem import Collective, Hardware, Problem
 from collective_matmul.planning.text import as_message
 from collective_matmul.programs.schedule import overlap
 from collective_matmul.programs.topology import mesh_of
@@ -58,11 +58,11 @@ RINGS_AXIS = "rings"  # the rings of a problem smaller than the devices, side by
 # Builds the program for a candidate: (x, w) -> out, over the given mesh and axis.
 Program = Callable[[jax.Array, jax.Array], jax.Array]
 ProgramBuilder = Callable[[Problem, Decomposition, Mesh, str], Program]
-OPS = {**MATMULS, "allgather_grad_weight": allgather_grad_weight,
-       "weight_allgather_matmul_k": partial(weight_allgather_matmul, weight_dim="k"),
-       "weight_allgather_matmul_n": partial(weight_allgather_matmul, weight_dim="n"),
-       "reduce_scatter_grad_weight": reduce_scatter_grad_weight}
-_CONTRACTING_ROWS = ("allgather_grad_weight", "reduce_scatter_grad_weight")  # u [m, k] and v [m, n]
+OPS = {**MATMULS, Collective.ALLGATHER_GRAD_WEIGHT: allgather_grad_weight,
+       Collective.WEIGHT_ALLGATHER_MATMUL_K: partial(weight_allgather_matmul, weight_dim="k"),
+       Collective.WEIGHT_ALLGATHER_MATMUL_N: partial(weight_allgather_matmul, weight_dim="n"),
+       Collective.REDUCE_SCATTER_GRAD_WEIGHT: reduce_scatter_grad_weight}
+_CONTRACTING_ROWS = (Collective.ALLGATHER_GRAD_WEIGHT, Collective.REDUCE_SCATTER_GRAD_WEIGHT)  # u [m, k] and v [m, n]
 
 
 def default_program(problem: Problem, config: Decomposition, mesh: Mesh, axis: str) -> Program:
@@ -129,25 +129,25 @@ def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundPr
     def scatter(y):
         return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
 
-    if problem.collective == "allgather_matmul":
+    if problem.collective == Collective.ALLGATHER_MATMUL:
         compute = BoundProgram(jnp.matmul, [((m, k), P(None, None)), ((k, n), P(None, axis))], P(None, axis), mesh)
         communication = BoundProgram(gather, [((m, k), P(axis, None))], P(axis, None), mesh)
-    elif problem.collective == "matmul_reduce_scatter":
+    elif problem.collective == Collective.MATMUL_REDUCE_SCATTER:
         compute = BoundProgram(jnp.matmul, [((m, k), P(None, axis)), ((k, n), P(axis, None))], P(axis, None), mesh)
         communication = BoundProgram(scatter, [((size * m, n), P(axis, None))], P(axis, None), mesh)
-    elif problem.collective == "allgather_grad_weight":
+    elif problem.collective == Collective.ALLGATHER_GRAD_WEIGHT:
         def contract(u, v):
             return jnp.tensordot(u, v, axes=((0,), (0,)))
 
         compute = BoundProgram(contract, [((m, k), P(None, None)), ((m, n), P(None, axis))], P(None, axis), mesh)
         communication = BoundProgram(gather, [((m, k), P(axis, None))], P(axis, None), mesh)
-    elif problem.collective in ("weight_allgather_matmul_k", "weight_allgather_matmul_n"):
+    elif problem.collective in (Collective.WEIGHT_ALLGATHER_MATMUL_K, Collective.WEIGHT_ALLGATHER_MATMUL_N):
         dim = 0 if problem.collective.endswith("_k") else 1
         compute = BoundProgram(jnp.matmul, [((m, k), P(axis, None)), ((k, n), P(None, None))], P(axis, None), mesh)
         w_spec = P(axis, None) if dim == 0 else P(None, axis)
         communication = BoundProgram(lambda w: lax.all_gather(w, axis, axis=dim, tiled=True), [((k, n), w_spec)],
                                      w_spec, mesh)
-    elif problem.collective == "reduce_scatter_grad_weight":
+    elif problem.collective == Collective.REDUCE_SCATTER_GRAD_WEIGHT:
         def partial_sum(u, v):
             return jnp.tensordot(u, v, axes=((0,), (0,)))
 
