@@ -302,23 +302,6 @@ def test_verify_decide_on_two_processes_process_0_deciding(files, tmp_path):
     assert all(o.hardware.process_count == 2 for o in Bundle.load(bundle).overrides if o.model == "small")
 
 
-def synthetic_step(samples: dict[str, list[float]]) -> StepMeasurement:
-    """A step measurement with these samples per variant (configs as the worker would record them)."""
-    from cmtune.tuner.variants import variant_configs
-    from collective_matmul.wire import StepVariant, Timing, quartiles
-
-    configs = variant_configs(TUNED)
-    reference = samples["as-written"]
-    variants = []
-    for name, times in samples.items():
-        q1, median, q3 = quartiles([t / r for t, r in zip(times, reference, strict=True)])
-        variants.append(StepVariant(name=name, status="ok", configs=configs[name] or {}, timing=Timing.of(times),
-                                    ratio=median, ratio_iqr=q3 - q1))
-    return StepMeasurement(block=BLOCK, mesh={"model": 8}, tensor_axis="model",
-                           hardware=Hardware(platform="cpu", device_kind="cpu", device_count=8),
-                           protocol=MeasurementProtocol(repeats=4), variants=variants)
-
-
 def test_when_the_reference_fails_while_timing_no_ratio_is_made_up():
     """Ratios are against the reference's samples, paired by round: without them there is none (before:
     the other variants' ratios were computed from the reference's partial rounds, which a service that
