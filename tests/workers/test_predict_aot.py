@@ -1,0 +1,59 @@
+"""The predictor on programs XLA compiled for a GPU node and a TPU slice that are not here (nothing runs).
+
+A ring that overlaps is predicted faster than the same schedule serialised, and the product as written scales
+with its shape.  Marked ``gpu_aot`` / ``tpu_aot``: skipped, saying what to install, without the compilers.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from cmtune.workers.aot import CompileSession, plain_program
+from cmtune.workers.measure import compiler_options_of, default_program, ring_mesh_of
+from collective_matmul import Decomposition, Problem
+from collective_matmul.planning.costmodel import profile_of_kind
+from collective_matmul.programs import gpus
+from collective_matmul.programs.predict import predict
+from collective_matmul.programs.topology import tpu_devices
+
+RING = Decomposition.from_id("ring-uni-c1-full-dus")
+
+
+def compiled_text(devices, key: str, config: Decomposition | None = None) -> str:
+    problem = Problem.parse(key)
+    mesh = ring_mesh_of(devices, problem.axis_size)
+    session = CompileSession(problem, mesh)
+    if config is None:
+        program, options = plain_program(problem, mesh, session.axis), {}
+    else:
+        program = default_program(problem, config, mesh, session.axis)
+        options = compiler_options_of(config, mesh) or {}
+    options = gpus.compile_options(mesh.devices.flat, options)
+    return jax.jit(program).lower(*session.args).compile(compiler_options=options or None).as_text()
+
+
+def check(devices, dtype: str, model: str):
+    profile = profile_of_kind(devices[0].device_kind)
+    small = predict(compiled_text(devices, f"ag:4096x4096x4096:{dtype}:4"), profile)
+    large = predict(compiled_text(devices, f"ag:8192x4096x4096:{dtype}:4"), profile)
+    assert small.cost_model == f"cmtune-roofline/{model}" and not small.unpriced
+    assert small.comm_s > 0 and small.hidden_fraction == 0.0  # as written: the gather, then the product
+    assert large.compute_s / small.compute_s == pytest.approx(2, rel=0.01)  # twice the rows: twice the product
+    assert 1.6 < large.seconds / small.seconds < 2  # and twice the bytes gathered, the latencies unchanged
+    text = compiled_text(devices, f"ag:4096x4096x4096:{dtype}:4", RING)
+    ring, serial = predict(text, profile), predict(text, profile, serial=True)
+    assert ring.hidden_fraction > 0.2 and ring.seconds < serial.seconds
+    assert serial.exposed_comm_s == pytest.approx(serial.comm_s, rel=1e-9)
+    return small, ring
+
+
+@pytest.mark.gpu_aot
+def test_a_gpu_node_ring_that_overlaps_is_predicted_faster_than_serialised():
+    written, ring = check(gpus.gpu_devices("h100", 1, 4), "float16", "h100-nvlink")
+    assert ring.seconds < written.seconds  # the gather is as dear as the product: hiding it wins
+
+
+@pytest.mark.tpu_aot
+def test_a_tpu_slice_ring_that_overlaps_is_predicted_faster_than_serialised():
+    check(tpu_devices("v5e:2x2"), "bfloat16", "tpu-v5e")
