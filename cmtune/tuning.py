@@ -79,7 +79,7 @@ def _compile_sweep(problems, spec, devices=None) -> list:
 
     from cmtune.report import compiled_table
     from cmtune.steps import deviceless
-    from cmtune.workers.aot import compile_all
+    from cmtune.workers.aot import compile_all_predicted
     from cmtune.workers.measure import ring_mesh_of
     from collective_matmul.planning.space import candidates
 
@@ -96,10 +96,12 @@ def _compile_sweep(problems, spec, devices=None) -> list:
         configs = candidates(problem, platform=devices[0].platform)
         with Progress(console=console, transient=True, disable=not leader) as progress:
             progress.add_task(f"compiling {len(configs) + 2} programs of {problem.key} for {where}")
-            results = compile_all(problem, mesh, configs)
+            predicted = compile_all_predicted(problem, mesh, configs)
+        results = [p.candidate for p in predicted]
         if leader:
             console.print(compiled_table(results, title=f"{problem.key} compiled for {where} ({len(devices)} "
-                                                        f"devices, rings of {problem.axis_size})"))
+                                                        f"devices, rings of {problem.axis_size})",
+                                         predictions=[p.prediction for p in predicted]))
         everything += results
     if leader:
         console.print("compiled only: no tuned config was written (times need the hardware; run `cmtune tune` or a "

@@ -34,6 +34,7 @@ from cmtune.workers.measure import (
 from cmtune.workers.userstep import Built, step_variants, unshared
 from collective_matmul.client.report import Report
 from collective_matmul.ops.collective import input_shardings
+from collective_matmul.planning.costmodel import profile_of_kind
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Problem
@@ -41,6 +42,7 @@ from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
 from collective_matmul.programs.gpus import compile_options, deviceless_options
 from collective_matmul.programs.hlo import parse_module
+from collective_matmul.programs.predict import Prediction, predict
 from collective_matmul.programs.schedule import Overlap, overlap
 from collective_matmul.wire import CompiledCandidate, ProblemScreen, Screened
 
@@ -63,34 +65,57 @@ class CompileSession:
 
     def compile(self, config: Decomposition) -> CompiledCandidate:
         """Compile ``config``'s program; a failure is the record's status, never an exception."""
-        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware)
-        try:
-            self.problem.check(config)
-        except ValueError as exc:
-            return CompiledCandidate(**record, status="compile_error", message=f"invalid decomposition: {exc}")
-        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis),
-                              compiler_options_of(config, self.mesh) or {})
+        return self.compile_predicted(config).candidate
 
     def as_written(self, windowed: str | None = None) -> CompiledCandidate:
         """The product as a user writes it (a plain ``jnp`` product, GSPMD placing the collective), with XLA's
         windowed einsum ``off`` or ``on`` (None: the backend's default, its size threshold)."""
+        return self.as_written_predicted(windowed).candidate
+
+    def compile_predicted(self, config: Decomposition) -> PredictedCandidate:
+        """`compile`, with the compiled schedule's predicted time (`collective_matmul.programs.predict`)."""
+        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware)
+        try:
+            self.problem.check(config)
+        except ValueError as exc:
+            return PredictedCandidate(CompiledCandidate(**record, status="compile_error",
+                                                        message=f"invalid decomposition: {exc}"))
+        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis),
+                              compiler_options_of(config, self.mesh) or {})
+
+    def as_written_predicted(self, windowed: str | None = None) -> PredictedCandidate:
+        """`as_written`, with the compiled schedule's predicted time."""
         options = windowed_einsum(self.platform, windowed) if windowed else {}
         record = dict(problem=self.problem, decomposition=Decomposition.baseline(), hardware=self.hardware)
         return self._compiled(record, plain_program(self.problem, self.mesh, self.axis), options or {})
 
-    def _compiled(self, record: dict, program, options: dict) -> CompiledCandidate:
+    def _compiled(self, record: dict, program, options: dict) -> PredictedCandidate:
         options = compile_options(self.mesh.devices.flat, options)
         started = time.perf_counter()
         try:
             compiled = jax.jit(program).lower(*self.args).compile(compiler_options=options or None)
         except Exception as exc:  # noqa: BLE001 - any compile failure is a result
             oom = classify_failure(exc) == "oom"
-            return CompiledCandidate(**record, status="oom" if oom else "compile_error",
-                                     message=as_message(error_message(exc), 2000), xla_options=options)
+            return PredictedCandidate(CompiledCandidate(**record, status="oom" if oom else "compile_error",
+                                                        message=as_message(error_message(exc), 2000),
+                                                        xla_options=options))
         seconds = time.perf_counter() - started
-        verdict = overlap(compiled.as_text())
-        return CompiledCandidate(**record, status="compiled", compile_s=seconds, memory_bytes=compiled_memory(compiled),
-                                 overlap=verdict.verdict, overlap_note=verdict.summary(), xla_options=options)
+        text = compiled.as_text()
+        verdict = overlap(text)
+        profile = profile_of_kind(self.hardware.device_kind)
+        candidate = CompiledCandidate(**record, status="compiled", compile_s=seconds,
+                                      memory_bytes=compiled_memory(compiled), overlap=verdict.verdict,
+                                      overlap_note=verdict.summary(), xla_options=options)
+        return PredictedCandidate(candidate, predict(text, profile) if profile is not None else None)
+
+
+@dataclass(frozen=True)
+class PredictedCandidate:
+    """A compiled candidate and its predicted time (None: it did not compile, or no profile has figures for its
+    device kind).  The prediction is the cost model's, never a measurement; it stays off the wire."""
+
+    candidate: CompiledCandidate
+    prediction: Prediction | None = None
 
 
 def plain_program(problem: Problem, mesh: Mesh, axis: str):
@@ -107,11 +132,16 @@ def plain_program(problem: Problem, mesh: Mesh, axis: str):
 def compile_all(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[CompiledCandidate]:
     """The product as written (at XLA's default, and with its windowed einsum off where the backend has one), then
     every one of ``configs`` (``method="xla"`` among them: the windowed einsum on), compiled for ``mesh``."""
+    return [p.candidate for p in compile_all_predicted(problem, mesh, configs)]
+
+
+def compile_all_predicted(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[PredictedCandidate]:
+    """`compile_all`, each with its compiled schedule's predicted time."""
     session = CompileSession(problem, mesh)
-    written = [session.as_written()]
+    written = [session.as_written_predicted()]
     if windowed_einsum(session.platform, "off") is not None:
-        written.append(session.as_written("off"))  # "on" is the candidate method="xla"
-    return written + [session.compile(config) for config in configs]
+        written.append(session.as_written_predicted("off"))  # "on" is the candidate method="xla"
+    return written + [session.compile_predicted(config) for config in configs]
 
 
 def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Screened, ...]:

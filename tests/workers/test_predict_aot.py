@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from cmtune.workers.aot import CompileSession, plain_program
+from cmtune.workers.aot import CompileSession, compile_all_predicted, plain_program
 from cmtune.workers.measure import compiler_options_of, default_program, ring_mesh_of
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.costmodel import profile_of_kind
@@ -57,3 +57,17 @@ def test_a_gpu_node_ring_that_overlaps_is_predicted_faster_than_serialised():
 @pytest.mark.tpu_aot
 def test_a_tpu_slice_ring_that_overlaps_is_predicted_faster_than_serialised():
     check(tpu_devices("v5e:2x2"), "bfloat16", "tpu-v5e")
+
+
+@pytest.mark.gpu_aot
+def test_every_program_compiled_for_a_gpu_node_has_its_predicted_time():
+    """The product as written (windowed einsum at its default and off), XLA's windowed einsum on and a ring: each
+    compiled and predicted; nothing lands on the wire record."""
+    problem = Problem.parse("ag:4096x4096x16384:float16:4")
+    mesh = ring_mesh_of(gpus.gpu_devices("h100", 1, 4), 4)
+    default, off, xla, ring = compile_all_predicted(problem, mesh, [Decomposition.xla(), RING])
+    assert off.candidate.xla_options and xla.candidate.decomposition.method == "xla"
+    assert all(p.prediction is not None and p.prediction.cost_model == "cmtune-roofline/h100-nvlink"
+               for p in (default, off, xla, ring))
+    assert ring.prediction.seconds < off.prediction.seconds and ring.prediction.hidden_fraction > 0.5
+    assert "predict" not in ring.candidate.model_dump_json()
