@@ -12,7 +12,8 @@ source):
   all-reduce is a reduce-scatter and an all-gather; an all-to-all moves ``(P-1)/P`` of its bytes over one link;
 - a collective-permute: ``op_s + latency_s + bytes / link_bytes_per_s`` (one block over one link);
 - any other instruction: the bytes it reads and writes over the memory bandwidth (a slice reads what it keeps,
-  an update in place writes what it updates; bitcasts, tuples and parameters are free).
+  an update in place writes what it updates; bitcasts, tuples and parameters are free); a fusion holding a
+  collective is that collective (XLA's TPU compiler fuses a reduce-scatter as an all-reduce each device slices).
 
 A custom call that is no GEMM is a kernel nothing here can see into: it costs nothing and is reported unpriced.
 Pure text and numbers: no JAX.
@@ -90,6 +91,9 @@ class Pricer:
             return Cost(self.roofline(self._dot_flops(comp, product), self._moved(comp, inst), product, comp),
                         "product")
         if op == "fusion":
+            fused = self._fused_collectives(inst)
+            if fused is not None:
+                return Cost(fused, "comm")
             flops, dtype = self._fused_flops(inst)
             moved = self._moved(comp, inst)
             if flops:
@@ -152,6 +156,22 @@ class Pricer:
         if body is None:
             return None
         return next((i for i in body.instructions.values() if i.opcode not in FREE), body.root)
+
+    def _fused_collectives(self, fusion: Instruction) -> float | None:
+        """The collectives a fusion holds (XLA's TPU compiler fuses a reduce-scatter as an all-reduce whose result
+        each device slices: priced as the reduce-scatter it is), or None when it holds none."""
+        body = self.module.computations.get(next(iter(called(fusion)), ""))
+        if body is None:
+            return None
+        found = [i for i in body.instructions.values() if i.opcode in COLLECTIVES]
+        if not found:
+            return None
+        total = 0.0
+        for inst in found:
+            sliced = any(u.opcode == "dynamic-slice" for u in body.users.get(inst.name, ()))
+            kind = "reduce-scatter" if inst.opcode == "all-reduce" and sliced else inst.opcode
+            total += self.collective(body, inst, kind)
+        return total
 
     def _fused_flops(self, fusion: Instruction, depth: int = 0) -> tuple[float, str | None]:
         body = self.module.computations.get(next(iter(called(fusion)), ""))

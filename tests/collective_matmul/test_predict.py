@@ -153,3 +153,27 @@ def test_bytes_of_every_dtype_and_the_published_profiles_carry_their_sources():
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "h100-nvlink", "h200-nvlink"):
         profile = PROFILES[name]
         assert profile.matmul_efficiency and profile.efficiency_source and profile.links_source and profile.source
+
+
+def test_a_reduce_scatter_tpu_fuses_as_a_sliced_all_reduce_is_priced_as_the_reduce_scatter():
+    extra = """
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+
+all-reduce-scatter {
+  p = f32[400,50]{1,0} parameter(0)
+  ar = f32[400,50]{1,0} all-reduce(p), replica_groups={{0,1,2,3}}, to_apply=add
+  i = u32[] partition-id()
+  zero = u32[] constant(0)
+  ROOT ds = f32[100,50]{1,0} dynamic-slice(ar, i, zero), dynamic_slice_sizes={100,50}
+}
+"""
+    text = module("""
+  y = f32[400,50]{1,0} parameter(0)
+  ROOT f = f32[100,50]{1,0} fusion(y), kind=kCustom, calls=all-reduce-scatter""", 4, extra)
+    ring = 3 * 1e-6 + 400 * 50 * 4 * 3 / 4 / 1e9
+    got = predict(text, ROUND)
+    assert got.comm_s == pytest.approx(ring, rel=1e-12) and got.seconds == got.exposed_comm_s == got.comm_s
