@@ -279,25 +279,36 @@ def compiled_table(results, *, title: str, predictions=None) -> Table:
 
 
 def compiled_steps_table(variants, *, title: str) -> Table:
-    """Whole steps compiled and never run (`cmtune.workers.aot.CompiledVariant`s)."""
+    """Whole steps compiled and never run (`cmtune.workers.aot.CompiledVariant`s), each with its compiled
+    schedule's predicted time where its device kind has figures."""
     from cmtune.tuner.variants import REFERENCE
 
-    table = Table(title=title, caption="compiled, not timed: memory per device, the collectives of the step and "
-                                       "whether a product is scheduled while each permute is in flight")
-    for name, justify in (("step", "left"), ("compile", "right"), ("memory / device", "right"),
-                          ("all-gathers", "right"), ("reduce-scatters", "right"), ("all-reduces", "right"),
-                          ("permutes", "right"), ("overlap", "left")):
+    caption = ("compiled, not timed: memory per device, the collectives of the step and whether a product is "
+               "scheduled while each permute is in flight")
+    models = sorted({v.prediction.cost_model for v in variants if getattr(v, "prediction", None) is not None})
+    if models:
+        caption += (f"; predicted: the compiled schedule replayed with published figures ({', '.join(models)}), "
+                    "a prediction, not a measurement")
+    table = Table(title=title, caption=caption)
+    columns = [("step", "left"), ("compile", "right"), ("memory / device", "right"), ("all-gathers", "right"),
+               ("reduce-scatters", "right"), ("all-reduces", "right"), ("permutes", "right")]
+    columns += [("predicted", "right")] if models else []
+    for name, justify in columns + [("overlap", "left")]:
         table.add_column(name, justify=justify)
     for v in variants:
         name = "as written" if v.label == REFERENCE else v.label
         if v.windowed_einsum is not None:
             name += f" (XLA windowed einsum {v.windowed_einsum})"
         if v.error:
-            table.add_row(name, "[red]failed[/red]", v.error, "", "", "", "", "")
+            table.add_row(name, "[red]failed[/red]", v.error, *[""] * (len(columns) - 2))
             continue
-        table.add_row(name, fmt_seconds(v.compile_s), "-" if v.memory_bytes is None else
-                      f"{v.memory_bytes / 2**20:.1f} MiB",
-                      *(str(v.collectives[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
-                                                          "collective-permute")),
-                      v.overlap.summary() if v.overlap.windows else v.overlap.verdict)
+        cells = [name, fmt_seconds(v.compile_s), "-" if v.memory_bytes is None else
+                 f"{v.memory_bytes / 2**20:.1f} MiB",
+                 *(str(v.collectives[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
+                                                     "collective-permute"))]
+        if models:
+            p = v.prediction
+            cells.append("-" if p is None else f"{fmt_seconds(p.seconds)} predicted"
+                         + (f", {len(p.unpriced)} unpriced" if p.unpriced else ""))
+        table.add_row(*cells, v.overlap.summary() if v.overlap.windows else v.overlap.verdict)
     return table

@@ -34,7 +34,7 @@ from cmtune.workers.measure import (
 from cmtune.workers.userstep import Built, step_variants, unshared
 from collective_matmul.client.report import Report
 from collective_matmul.ops.collective import input_shardings
-from collective_matmul.planning.costmodel import profile_of_kind
+from collective_matmul.planning.costmodel import HardwareProfile, profile_of_kind
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Problem
@@ -102,11 +102,17 @@ class CompileSession:
         seconds = time.perf_counter() - started
         text = compiled.as_text()
         verdict = overlap(text)
-        profile = profile_of_kind(self.hardware.device_kind)
+        profile = accelerator_profile(self.mesh.devices.flat[0])
         candidate = CompiledCandidate(**record, status="compiled", compile_s=seconds,
                                       memory_bytes=compiled_memory(compiled), overlap=verdict.verdict,
                                       overlap_note=verdict.summary(), xla_options=options)
         return PredictedCandidate(candidate, predict(text, profile) if profile is not None else None)
+
+
+def accelerator_profile(device) -> HardwareProfile | None:
+    """The published figures a prediction for ``device``'s kind uses (None: a kind without figures, or virtual CPU
+    devices, whose profile orders candidates but predicts nothing worth printing)."""
+    return None if device.platform == "cpu" else profile_of_kind(device.device_kind)
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,7 @@ class CompiledVariant:
     memory_bytes: int | None = None  # per device (``Compiled.memory_analysis()``)
     collectives: Mapping[str, int] = field(default_factory=dict)  # each of `COUNTED`: its ops, async or not
     overlap: Overlap | None = None
+    prediction: Prediction | None = None  # the compiled schedule's predicted time (None: no figures for its kind)
     error: str = ""
 
 
@@ -253,7 +260,10 @@ def _compiled_variant(label: str, windowed: str | None, built: Built, options: d
     except Exception as exc:  # noqa: BLE001 - a variant with the reason
         return CompiledVariant(label=label, windowed_einsum=windowed, error=f"{type(exc).__name__}: {exc}"[:300])
     seconds, text = time.monotonic() - started, compiled.as_text()
-    opcodes = [inst.opcode for comp in parse_module(text).computations.values() for inst in comp.instructions.values()]
+    module = parse_module(text)
+    opcodes = [inst.opcode for comp in module.computations.values() for inst in comp.instructions.values()]
+    profile = accelerator_profile(built.mesh.devices.flat[0])
     return CompiledVariant(label=label, windowed_einsum=windowed, compile_s=seconds,
-                           memory_bytes=compiled_memory(compiled), overlap=overlap(text),
+                           memory_bytes=compiled_memory(compiled), overlap=overlap(module),
+                           prediction=predict(module, profile) if profile is not None else None,
                            collectives={op: opcodes.count(op) + opcodes.count(f"{op}-start") for op in COUNTED})

@@ -128,15 +128,14 @@ class Pricer:
         profile = self.profile
         groups = inst.replica_groups(self.module.num_partitions)
         size = max((len(g) for g in groups), default=1) if groups else self.module.num_partitions
+        # a combined collective (several operands, a tuple result) moves them all
+        result = nbytes(_result(inst)) if inst.opcode.endswith("-start") else nbytes(inst.shape)
         if kind == "collective-permute":
-            return profile.op_s + profile.latency_s + nbytes(_result(inst)) / profile.link_bytes_per_s
+            return profile.op_s + profile.latency_s + result / profile.link_bytes_per_s
         if size <= 1:
             return 0.0
-        operand = comp.instructions.get(inst.operands[0]) if inst.operands else None
-        if kind == "all-gather":
-            whole = nbytes(_result(inst))
-        else:
-            whole = nbytes(operand.shape) if operand is not None else nbytes(_result(inst)) * size
+        operands = [comp.instructions[o].shape for o in inst.operands if o in comp.instructions]
+        whole = result if kind == "all-gather" or not operands else sum(nbytes(s) for s in operands)
         bandwidth = self.links(size) * profile.link_bytes_per_s
         ring = profile.op_s + (size - 1) * profile.latency_s + whole * (size - 1) / size / bandwidth
         if kind == "all-reduce":

@@ -177,3 +177,20 @@ all-reduce-scatter {
     ring = 3 * 1e-6 + 400 * 50 * 4 * 3 / 4 / 1e9
     got = predict(text, ROUND)
     assert got.comm_s == pytest.approx(ring, rel=1e-12) and got.seconds == got.exposed_comm_s == got.comm_s
+
+
+def test_a_combined_all_reduce_moves_every_operand():
+    extra = """
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+"""
+    text = module("""
+  x = f32[100,50]{1,0} parameter(0)
+  y = f32[300,50]{1,0} parameter(1)
+  ROOT r = (f32[100,50]{1,0}, f32[300,50]{1,0}) all-reduce(x, y), replica_groups={{0,1,2,3}}, to_apply=add""",
+                  4, extra)
+    ring = 3 * 1e-6 + 400 * 50 * 4 * 3 / 4 / 1e9  # a reduce-scatter and an all-gather of both operands
+    assert predict(text, ROUND).comm_s == pytest.approx(2 * ring, rel=1e-12)

@@ -16,6 +16,7 @@ from collective_matmul.planning.costmodel import profile_of_kind
 from collective_matmul.programs import gpus
 from collective_matmul.programs.predict import predict
 from collective_matmul.programs.topology import tpu_devices
+from tests.cli import cmtune
 
 RING = Decomposition.from_id("ring-uni-c1-full-dus")
 
@@ -71,3 +72,13 @@ def test_every_program_compiled_for_a_gpu_node_has_its_predicted_time():
                for p in (default, off, xla, ring))
     assert ring.prediction.seconds < off.prediction.seconds and ring.prediction.hidden_fraction > 0.5
     assert "predict" not in ring.candidate.model_dump_json()
+
+
+@pytest.mark.slow  # six compiles of a whole step, about 50 s here
+@pytest.mark.gpu_aot
+def test_a_users_step_compiled_for_a_gpu_node_is_predicted_as_written_and_through_the_drop_in():
+    run = cmtune("verify", "--step", "examples/flax_linen_llama.py:tiny_bf16_llama_step", "--compile-only",
+                 "--devices", "gpu:h100:8", timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = " ".join(run.stdout.split())
+    assert out.count(" predicted ") >= 6 and "(cmtune-roofline/h100-nvlink), a prediction, not a measurement" in out
