@@ -32,7 +32,7 @@ from collective_matmul.programs.products import as_product, called, convolution_
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all",
                "collective-broadcast", "ragged-all-to-all")
 FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
-                  "after-all", "opt-barrier", "add-dependency", "iota", "domain"})
+                  "after-all", "opt-barrier", "add-dependency", "iota", "domain", "async-update"})
 # custom calls that move no data (layout and sharding markers)
 FREE_TARGETS = ("ConcatBitcast", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "AllocateBuffer",
                 "LayoutConstraint")
@@ -198,6 +198,8 @@ class Pricer:
 
     def _moved(self, comp: Computation, inst: Instruction) -> float:
         """Bytes ``inst`` reads and writes (a GEMM's workspace and a fusion's untouched buffers left out)."""
+        if inst.opcode.endswith("-start"):  # an asynchronous copy or slice: what it copies, read and written
+            return 2 * nbytes(_result(inst))
         out = _result(inst) if inst.opcode == "custom-call" else inst.shape
         operands = [comp.instructions[o].shape for o in inst.operands if o in comp.instructions]
         root = inst

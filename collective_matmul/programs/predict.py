@@ -141,7 +141,8 @@ class _Replay:
             trips = module.trip_count(inst)
             if trips is None:
                 out.unpriced.append(f"while {inst.name} (trip count unknown: one trip priced)")
-            for comp, times in ((body, trips if trips is not None else 1), (cond, (trips or 1) + 1)):
+            runs = trips if trips is not None else 1
+            for comp, times in ((body, runs), (cond, runs + 1)):
                 if comp is not None:
                     out.add(self.computation(comp, depth + 1), times)
             return out

@@ -194,3 +194,21 @@ add {
                   4, extra)
     ring = 3 * 1e-6 + 400 * 50 * 4 * 3 / 4 / 1e9  # a reduce-scatter and an all-gather of both operands
     assert predict(text, ROUND).comm_s == pytest.approx(2 * ring, rel=1e-12)
+
+
+def test_an_asynchronous_copy_overlaps_as_memory_not_communication():
+    """TPU's DMAs (``copy-start`` / ``copy-done``): what they copy, read and written, hidden behind what runs
+    meanwhile, and never counted as communication."""
+    text = module("""
+  x = f32[100,200]{1,0} parameter(0)
+  w = f32[200,50]{1,0} parameter(1)
+  s = (f32[100,200]{1,0}, f32[100,200]{1,0}, u32[]) copy-start(x)
+  d = f32[100,50]{1,0} dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  c = f32[100,200]{1,0} copy-done(s)
+  ROOT t = (f32[100,50]{1,0}, f32[100,200]{1,0}) tuple(d, c)""", 1)
+    copy = 2 * 100 * 200 * 4 / 1e11  # 1.6 µs: hidden behind the 2 µs product
+    got = predict(text, ROUND)
+    assert copy < DOT and got.seconds == pytest.approx(DOT, rel=1e-12) and got.comm_s == 0.0
+    slow = ROUND.model_copy(update={"memory_bytes_per_s": 1e10})  # now 16 µs, the product memory-bound at 14 µs
+    assert predict(text, slow).seconds == pytest.approx(2 * 100 * 200 * 4 / 1e10, rel=1e-12)
+    assert predict(text, slow).compute_s == predict(text, slow).seconds
