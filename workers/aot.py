@@ -189,6 +189,49 @@ def screen_problems(problems: Sequence[Problem], devices: Sequence) -> list[Prob
     return list(screens.values())
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProductPrediction:
+    """One problem's programs compiled and predicted (seconds, predicted, never measured): the product as written
+    (XLA's windowed einsum at its default, off where the backend has it, on as ``method="xla"``) and the ring
+    candidate the prediction puts first."""
+
+    problem: Problem
+    cost_model: str
+    as_written_s: float
+    windowed_off_s: float | None  # None: the backend has no windowed einsum to turn off
+    windowed_einsum_s: float | None  # method="xla": None where the backend has none, or it did not compile
+    best: Decomposition | None  # the fastest ring predicted (None: no ring compiled)
+    best_s: float | None
+    compiled: int  # programs compiled and predicted, of those tried
+    tried: int
+
+
+def predict_problem(problem: Problem, mesh: Mesh) -> ProductPrediction | None:
+    """Every candidate of ``problem`` and the product as written compiled for ``mesh`` and predicted (None: no
+    figures for the devices' kind, or the product as written did not compile)."""
+    from collective_matmul.planning.space import candidates
+
+    if accelerator_profile(mesh.devices.flat[0]) is None:
+        return None
+    platform = mesh.devices.flat[0].platform
+    results = compile_all_predicted(problem, mesh, candidates(problem, platform=platform))
+    written = results[0].prediction
+    if written is None:
+        return None
+    has_off = windowed_einsum(platform, "off") is not None
+    off = results[1].prediction if has_off else None
+    configs = results[2 if has_off else 1:]
+    xla = next((r.prediction for r in configs if r.candidate.decomposition.method == "xla"), None)
+    rings = [r for r in configs if r.candidate.decomposition.method == "ring" and r.prediction is not None]
+    best = min(rings, key=lambda r: r.prediction.seconds, default=None)
+    return ProductPrediction(problem=problem, cost_model=written.cost_model, as_written_s=written.seconds,
+                             windowed_off_s=off.seconds if off else None,
+                             windowed_einsum_s=xla.seconds if xla else None,
+                             best=best.candidate.decomposition if best else None,
+                             best_s=best.prediction.seconds if best else None,
+                             compiled=sum(r.prediction is not None for r in results), tried=len(results))
+
+
 COUNTED = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")  # a step's collectives, as counted
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from cmtune.workers.aot import CompileSession, compile_all_predicted, plain_program
+from cmtune.workers.aot import CompileSession, compile_all_predicted, plain_program, predict_problem
 from cmtune.workers.measure import compiler_options_of, default_program, ring_mesh_of
 from collective_matmul import Decomposition, Problem
 from collective_matmul.planning.costmodel import profile_of_kind
@@ -82,3 +82,25 @@ def test_a_users_step_compiled_for_a_gpu_node_is_predicted_as_written_and_throug
     assert run.returncode == 0, run.stdout + run.stderr
     out = " ".join(run.stdout.split())
     assert out.count(" predicted ") >= 6 and "(cmtune-roofline/h100-nvlink), a prediction, not a measurement" in out
+
+
+@pytest.mark.slow  # 33 candidates compiled by XLA's TPU compiler: about 100 s here
+@pytest.mark.tpu_aot
+def test_a_problem_predicted_on_a_tpu_slice_names_its_predicted_best_ring():
+    """Every candidate of a problem compiled for a v5p slice and predicted: the product as written, XLA's windowed
+    einsum off and on, and the ring the prediction puts first, faster than the product as written."""
+    problem = Problem.parse("ag:8192x4096x8192:bfloat16:4")
+    got = predict_problem(problem, ring_mesh_of(tpu_devices("v5p:2x2x1"), 4))
+    assert got.cost_model == "cmtune-roofline/tpu-v5p" and got.compiled == got.tried > 10
+    assert got.windowed_off_s is not None and got.windowed_einsum_s is not None
+    assert got.best.method == "ring" and got.best_s < got.as_written_s
+    assert predict_problem(problem, ring_mesh_of(jax.devices()[:4], 4)) is None  # CPU devices: no figures
+
+
+@pytest.mark.gpu_aot
+def test_a_problem_predicted_on_a_gpu_node_names_its_predicted_best_ring():
+    problem = Problem.parse("ag:4096x1024x4096:float16:4")
+    got = predict_problem(problem, ring_mesh_of(gpus.gpu_devices("h100", 1, 4), 4))
+    assert got.cost_model == "cmtune-roofline/h100-nvlink" and got.compiled == got.tried > 10
+    assert got.windowed_off_s is not None and got.windowed_einsum_s is not None
+    assert got.best.method == "ring" and got.best_s == min(got.best_s, got.as_written_s, got.windowed_einsum_s)
