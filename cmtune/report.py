@@ -312,3 +312,19 @@ def compiled_steps_table(variants, *, title: str) -> Table:
                          + (f", {len(p.unpriced)} unpriced" if p.unpriced else ""))
         table.add_row(*cells, v.overlap.summary() if v.overlap.windows else v.overlap.verdict)
     return table
+
+
+def predicted_products_table(found, *, title: str) -> Table:
+    """Each discovered product's programs predicted (``(roles, cmtune.workers.aot.ProductPrediction)`` pairs): as
+    written, XLA's windowed einsum off and on, the ring predicted fastest."""
+    models = sorted({got.cost_model for _, got in found})
+    table = Table(title=title, caption=f"predicted ({', '.join(models)}): compiled schedules replayed with "
+                                       "published figures, not measurements")
+    for name, justify in (("roles", "left"), ("problem", "left"), ("as written", "right"),
+                          ("windowed einsum off", "right"), ("windowed einsum on", "right"),
+                          ("predicted best ring", "left"), ("its time", "right")):
+        table.add_column(name, justify=justify)
+    for roles, got in found:
+        table.add_row(roles, got.problem.key, fmt_seconds(got.as_written_s), fmt_seconds(got.windowed_off_s),
+                      fmt_seconds(got.windowed_einsum_s), got.best.id if got.best else "-", fmt_seconds(got.best_s))
+    return table

@@ -447,3 +447,22 @@ def _verify(block, spec, *, bundle, server, token, repeats, warmup, seed, timeou
     mesh_text = ",".join(f"{name}={size}" for name, size in result.mesh.items())
     show_step(result, title=f"training step of {block.name} on {mesh_text}, {result.hardware.key} "
                             f"(jax {result.hardware.jax_version})", started=started, json_out=json_out)
+
+
+@app.command()
+def predict(
+    step: Annotated[str, typer.Option(help="a step spec, path/to/file.py:NAME or package.module:NAME")],
+    devices: Annotated[str, typer.Option(help="a TPU slice or a GPU node that is not here: tpu:TOPOLOGY or "
+                                             "gpu:CARD:D")],
+    bundle: Annotated[Path | None, typer.Option(
+        help="cmtune's choices from a bundle file (default: the cost model's)")] = None,
+    products: Annotated[bool, typer.Option(
+        help="also compile and predict each discovered product's candidates (minutes on a large step)")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Predict a step's time on a TPU slice or GPU node from this host: as written, with cmtune's choices, and
+    each product's predicted-best ring.  Compiled, never run: every figure is predicted by the cost model it
+    names, never measured."""
+    from cmtune import steps
+
+    steps.predict(step, devices, bundle=bundle, as_json=as_json, products=products)

@@ -104,3 +104,24 @@ def test_a_problem_predicted_on_a_gpu_node_names_its_predicted_best_ring():
     assert got.cost_model == "cmtune-roofline/h100-nvlink" and got.compiled == got.tried > 10
     assert got.windowed_off_s is not None and got.windowed_einsum_s is not None
     assert got.best.method == "ring" and got.best_s == min(got.best_s, got.as_written_s, got.windowed_einsum_s)
+
+
+def test_a_prediction_is_refused_for_devices_that_are_here():
+    run = cmtune("predict", "--step", "examples/flax_nnx_gpt.py:one_layer_gpt_step", "--devices", "virtual:8",
+                 timeout=120)
+    assert run.returncode != 0 and "a prediction compiles for devices that are not" in run.stdout + run.stderr
+
+
+@pytest.mark.slow  # the step compiled six ways for an H100 node, about 30 s here (with its products, minutes)
+@pytest.mark.gpu_aot
+def test_cmtune_predict_gives_the_step_as_written_and_with_cmtunes_choices():
+    run = cmtune("predict", "--step", "examples/flax_nnx_gpt.py:one_layer_gpt_step", "--devices", "gpu:h100:8",
+                 "--json", "--no-products", timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    import json
+
+    got = json.loads(run.stdout)
+    assert got["devices"] == "gpu:h100:1x8" and got["cost_model"] == "cmtune-roofline/h100-nvlink" and got["predicted"]
+    step = got["step"]
+    assert step["as_written_s"] > 0 and step["cmtune_s"] > 0 and step["windowed_einsum_s"] > 0
+    assert step["cmtune_configs"] == "costmodel" and got["products"] == []
