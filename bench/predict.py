@@ -1,7 +1,7 @@
 """The predictor of compiled programs (`collective_matmul.programs.predict`) against published hardware measurements.
 
     .venv/bin/pip install -e '.[gpu,tpu]'
-    .venv/bin/python bench/predict.py          # about a minute here: a few compiles, nothing run
+    .venv/bin/python bench/predict.py          # seconds here: five compiles, nothing run
 
 Each row compiles a program for devices that are not here (an H100 node by XLA's GPU compiler, a v5e slice by
 XLA's TPU compiler), predicts its time from the compiled schedule, and sets it beside a time someone measured on
