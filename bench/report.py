@@ -51,8 +51,8 @@ def render(entries: list[dict]) -> str:
         title = entry.get("title") or entry["bench"]
         script = entry.get("script") or f"{entry['bench']}.py"
         out.append(f"**{title}** (`bench/{script}`)\n")
-        out.append(f"- machine: {entry['machine']}; software: {entry['software']}")
-        out.append(f"- date: {entry['date']}; commit: {entry['commit']}")
+        out.append(f"- machine: {entry['machine']}; software: {entry['software']}; date: {entry['date']}; "
+                   f"commit: {entry['commit']}")
         out.append(f"- runs: {entry['runs']}")
         out.append(f"- command: `{entry['command']}`\n")
         out.append("| " + " | ".join(_cell(c) for c in entry["columns"]) + " |")

@@ -33,6 +33,7 @@ QUESTIONS = {
     "service": "the service's rates",
     "tpu_compile": "TPU compiles (compiled, not measured)",
     "gpu_compile": "GPU compiles (compiled, not measured)",
+    "predict": "predicted times against published measurements (predicted, not measured here)",
 }
 
 

@@ -234,17 +234,31 @@ def sites_table(sites, *, title: str) -> Table:
     return table
 
 
-def compiled_table(results, *, title: str) -> Table:
-    """Candidates compiled and never run: compile seconds, memory per device and the schedule's overlap verdict.
-    The first rows are the product as written (XLA's windowed einsum at its default, then off)."""
-    table = Table(title=title, caption="compiled, not timed: a verdict says whether a product is scheduled while "
-                                       "each permute is in flight; times need the hardware")
-    for name, justify in (("program", "left"), ("status", "left"), ("compile", "right"), ("memory / device", "right"),
-                          ("overlap", "left"), ("why", "left")):
+def compiled_table(results, *, title: str, predictions=None) -> Table:
+    """Candidates compiled and never run: compile seconds, memory per device, the schedule's overlap verdict and,
+    with ``predictions`` (one `collective_matmul.programs.predict.Prediction` or None per result), the time the
+    compiled schedule predicts.  The first rows are the product as written (XLA's windowed einsum at its default,
+    then off)."""
+    caption = ("compiled, not timed: a verdict says whether a product is scheduled while each permute is in flight; "
+               "measured times need the hardware")
+    models = sorted({p.cost_model for p in predictions or () if p is not None})
+    if models:
+        caption += (f"; predicted: the compiled schedule replayed with published figures ({', '.join(models)}), "
+                    "a prediction, not a measurement")
+        if any(r.hardware.platform == "gpu" and r.xla_options.get("xla_gpu_multi_streamed_windowed_einsum") is False
+               for r in results):
+            caption += " (compiled without a GPU: XLA's windowed einsum on one stream, multi-streamed on a real node)"
+    elif predictions is not None:
+        caption += "; no predicted times: no cost-model figures for this device kind"
+    table = Table(title=title, caption=caption)
+    columns = [("program", "left"), ("status", "left"), ("compile", "right"), ("memory / device", "right"),
+               ("overlap", "left")] + ([("predicted", "right")] if models else []) + [("why", "left")]
+    for name, justify in columns:
         table.add_column(name, justify=justify)
+    predictions = list(predictions) if predictions is not None else [None] * len(results)
     from collective_matmul.planning.xla_options import windowed_einsum
 
-    for r in results:
+    for r, predicted in zip(results, predictions, strict=True):
         name = r.decomposition.id
         off = windowed_einsum(r.hardware.platform, "off") or {}
         is_off = bool(off) and off.items() <= r.xla_options.items()
@@ -254,32 +268,63 @@ def compiled_table(results, *, title: str) -> Table:
             name = "xla (the product as written, XLA's windowed einsum on)"
         colour = {"overlaps": "green", "serialised": "red", "partly": "yellow"}.get(r.overlap or "", "")
         verdict = f"[{colour}]{r.overlap}[/{colour}]" if colour else (r.overlap or "-")
-        table.add_row(name, r.status, fmt_seconds(r.compile_s),
-                      "-" if r.memory_bytes is None else f"{r.memory_bytes / 2**20:.1f} MiB", verdict,
-                      r.overlap_note if r.status == "compiled" else r.message[:200])
+        cells = [name, r.status, fmt_seconds(r.compile_s),
+                 "-" if r.memory_bytes is None else f"{r.memory_bytes / 2**20:.1f} MiB", verdict]
+        if models:
+            hidden = predicted.hidden_fraction if predicted is not None else None
+            cells.append("-" if predicted is None else f"{fmt_seconds(predicted.seconds)} predicted"
+                         + (f" ({hidden:.0%} hidden)" if hidden is not None else ""))
+        table.add_row(*cells, r.overlap_note if r.status == "compiled" else r.message[:200])
     return table
 
 
 def compiled_steps_table(variants, *, title: str) -> Table:
-    """Whole steps compiled and never run (`cmtune.workers.aot.CompiledVariant`s)."""
+    """Whole steps compiled and never run (`cmtune.workers.aot.CompiledVariant`s), each with its compiled
+    schedule's predicted time where its device kind has figures."""
     from cmtune.tuner.variants import REFERENCE
 
-    table = Table(title=title, caption="compiled, not timed: memory per device, the collectives of the step and "
-                                       "whether a product is scheduled while each permute is in flight")
-    for name, justify in (("step", "left"), ("compile", "right"), ("memory / device", "right"),
-                          ("all-gathers", "right"), ("reduce-scatters", "right"), ("all-reduces", "right"),
-                          ("permutes", "right"), ("overlap", "left")):
+    caption = ("compiled, not timed: memory per device, the collectives of the step and whether a product is "
+               "scheduled while each permute is in flight")
+    models = sorted({v.prediction.cost_model for v in variants if getattr(v, "prediction", None) is not None})
+    if models:
+        caption += (f"; predicted: the compiled schedule replayed with published figures ({', '.join(models)}), "
+                    "a prediction, not a measurement")
+    table = Table(title=title, caption=caption)
+    columns = [("step", "left"), ("compile", "right"), ("memory / device", "right"), ("all-gathers", "right"),
+               ("reduce-scatters", "right"), ("all-reduces", "right"), ("permutes", "right")]
+    columns += [("predicted", "right")] if models else []
+    for name, justify in columns + [("overlap", "left")]:
         table.add_column(name, justify=justify)
     for v in variants:
         name = "as written" if v.label == REFERENCE else v.label
         if v.windowed_einsum is not None:
             name += f" (XLA windowed einsum {v.windowed_einsum})"
         if v.error:
-            table.add_row(name, "[red]failed[/red]", v.error, "", "", "", "", "")
+            table.add_row(name, "[red]failed[/red]", v.error, *[""] * (len(columns) - 2))
             continue
-        table.add_row(name, fmt_seconds(v.compile_s), "-" if v.memory_bytes is None else
-                      f"{v.memory_bytes / 2**20:.1f} MiB",
-                      *(str(v.collectives[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
-                                                          "collective-permute")),
-                      v.overlap.summary() if v.overlap.windows else v.overlap.verdict)
+        cells = [name, fmt_seconds(v.compile_s), "-" if v.memory_bytes is None else
+                 f"{v.memory_bytes / 2**20:.1f} MiB",
+                 *(str(v.collectives[op]) for op in ("all-gather", "reduce-scatter", "all-reduce",
+                                                     "collective-permute"))]
+        if models:
+            p = v.prediction
+            cells.append("-" if p is None else f"{fmt_seconds(p.seconds)} predicted"
+                         + (f", {len(p.unpriced)} unpriced" if p.unpriced else ""))
+        table.add_row(*cells, v.overlap.summary() if v.overlap.windows else v.overlap.verdict)
+    return table
+
+
+def predicted_products_table(found, *, title: str) -> Table:
+    """Each discovered product's programs predicted (``(roles, cmtune.workers.aot.ProductPrediction)`` pairs): as
+    written, XLA's windowed einsum off and on, the ring predicted fastest."""
+    models = sorted({got.cost_model for _, got in found})
+    table = Table(title=title, caption=f"predicted ({', '.join(models)}): compiled schedules replayed with "
+                                       "published figures, not measurements")
+    for name, justify in (("roles", "left"), ("problem", "left"), ("as written", "right"),
+                          ("windowed einsum off", "right"), ("windowed einsum on", "right"),
+                          ("predicted best ring", "left"), ("its time", "right")):
+        table.add_column(name, justify=justify)
+    for roles, got in found:
+        table.add_row(roles, got.problem.key, fmt_seconds(got.as_written_s), fmt_seconds(got.windowed_off_s),
+                      fmt_seconds(got.windowed_einsum_s), got.best.id if got.best else "-", fmt_seconds(got.best_s))
     return table

@@ -278,3 +278,72 @@ def discovered_body(step: str, name: str | None):
     return body, ring_hardware(built.mesh, axis)
 
 
+
+
+def predict(step: str, devices: str, *, bundle: Path | None, as_json: bool, products: bool) -> None:
+    """`cmtune predict --step`: the step compiled for ``devices`` and predicted, as written and with cmtune's choices
+    (the bundle's configs, else the cost model's), and each discovered product's programs predicted.  Nothing
+    runs: every figure is the cost model's prediction."""
+    import json
+
+    import jax
+
+    from cmtune.report import compiled_steps_table, predicted_products_table
+    from cmtune.tuner.variants import REFERENCE
+    from cmtune.workers.aot import compile_user_step, predict_problem
+    from cmtune.workers.measure import ring_mesh_of
+    from collective_matmul.programs.gpus import deviceless_note
+
+    spec = prepare(devices)
+    if spec is None:
+        return
+    if jax.process_count() > 1 or not spec.compile_only:
+        raise typer.BadParameter("a prediction compiles for devices that are not here: give tpu:TOPOLOGY or "
+                                 "gpu:CARD:D", param_hint="--devices")
+    ref, fn = load(step)
+    tuned = verified_client(None, None, bundle, ref.name)
+    with spec_errors():
+        compiled = compile_user_step(fn, str(ref), tuned, devices=spec.compiled_devices())
+    by_label = {(v.label, v.windowed_einsum): v for v in compiled.variants}
+    written = by_label.get((REFERENCE, "default")) or by_label.get((REFERENCE, None))
+    if written is None or written.prediction is None:
+        raise typer.BadParameter(f"no prediction for {spec.label}: the step as written did not compile, or cmtune "
+                                 "has no figures for its device kind", param_hint="--devices")
+    on = by_label.get((REFERENCE, "on"))
+    choices = by_label.get(("tuned", None))
+    found = []
+    if products:
+        built, discovery = discover_step(ref, fn, spec)
+        roles: dict[str, list[str]] = {}
+        for p in discovery.problems:
+            roles.setdefault(p.problem.key, [])
+            if f"{p.role} ({p.slot})" not in roles[p.problem.key]:
+                roles[p.problem.key].append(f"{p.role} ({p.slot})")
+        problems = {p.problem.key: p.problem for p in discovery.problems}
+        for key, problem in problems.items():
+            with spec_errors():
+                got = predict_problem(problem, ring_mesh_of(list(built.mesh.devices.flat), problem.axis_size))
+            if got is not None:
+                found.append((", ".join(roles[key]), got))
+
+    def seconds(variant):
+        return variant.prediction.seconds if variant is not None and variant.prediction is not None else None
+
+    models = sorted({v.prediction.cost_model for v in compiled.variants if v.prediction is not None})
+    note = deviceless_note(compiled.device_options)
+    if as_json:
+        print(json.dumps({
+            "devices": spec.label, "cost_model": ", ".join(models), "predicted": True, "note": note,
+            "step": {"as_written_s": seconds(written), "cmtune_s": seconds(choices), "windowed_einsum_s": seconds(on),
+                     "cmtune_configs": "bundle" if bundle is not None else "costmodel"},
+            "products": [{"role": role, "key": got.problem.key, "as_written_s": got.as_written_s,
+                          "best": got.best.id if got.best else None, "best_s": got.best_s,
+                          "windowed_einsum_s": got.windowed_einsum_s} for role, got in found],
+        }, indent=2))
+        return
+    mesh_text = ",".join(f"{n}={s}" for n, s in compiled.mesh.items())
+    console.print(compiled_steps_table(compiled.variants, title=f"{ref} compiled for {spec.label} on {mesh_text}"))
+    if found:
+        console.print(predicted_products_table(found, title=f"the products of {ref}, each compiled and predicted"))
+    if note:
+        console.print(note)

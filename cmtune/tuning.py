@@ -79,7 +79,7 @@ def _compile_sweep(problems, spec, devices=None) -> list:
 
     from cmtune.report import compiled_table
     from cmtune.steps import deviceless
-    from cmtune.workers.aot import compile_all
+    from cmtune.workers.aot import compile_all_predicted
     from cmtune.workers.measure import ring_mesh_of
     from collective_matmul.planning.space import candidates
 
@@ -96,10 +96,12 @@ def _compile_sweep(problems, spec, devices=None) -> list:
         configs = candidates(problem, platform=devices[0].platform)
         with Progress(console=console, transient=True, disable=not leader) as progress:
             progress.add_task(f"compiling {len(configs) + 2} programs of {problem.key} for {where}")
-            results = compile_all(problem, mesh, configs)
+            predicted = compile_all_predicted(problem, mesh, configs)
+        results = [p.candidate for p in predicted]
         if leader:
             console.print(compiled_table(results, title=f"{problem.key} compiled for {where} ({len(devices)} "
-                                                        f"devices, rings of {problem.axis_size})"))
+                                                        f"devices, rings of {problem.axis_size})",
+                                         predictions=[p.prediction for p in predicted]))
         everything += results
     if leader:
         console.print("compiled only: no tuned config was written (times need the hardware; run `cmtune tune` or a "
@@ -442,3 +444,22 @@ def _verify(block, spec, *, bundle, server, token, protocol, budget, ablation, j
     mesh_text = ",".join(f"{name}={size}" for name, size in result.mesh.items())
     show_step(result, title=f"training step of {block.name} on {mesh_text}, {result.hardware.key} "
                             f"(jax {result.hardware.jax_version})", started=started, json_out=json_out)
+
+
+@app.command()
+def predict(
+    step: Annotated[str, typer.Option(help="a step spec, path/to/file.py:NAME or package.module:NAME")],
+    devices: Annotated[str, typer.Option(help="a TPU slice or a GPU node that is not here: tpu:TOPOLOGY or "
+                                             "gpu:CARD:D")],
+    bundle: Annotated[Path | None, typer.Option(
+        help="cmtune's choices from a bundle file (default: the cost model's)")] = None,
+    products: Annotated[bool, typer.Option(
+        help="also compile and predict each discovered product's candidates (minutes on a large step)")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Predict a step's time on a TPU slice or GPU node from this host: as written, with cmtune's choices, and
+    each product's predicted-best ring.  Compiled, never run: every figure is predicted by the cost model it
+    names, never measured."""
+    from cmtune import steps
+
+    steps.predict(step, devices, bundle=bundle, as_json=as_json, products=products)

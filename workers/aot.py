@@ -34,6 +34,7 @@ from cmtune.workers.measure import (
 from cmtune.workers.userstep import Built, step_variants, unshared
 from collective_matmul.client.report import Report
 from collective_matmul.ops.collective import input_shardings
+from collective_matmul.planning.costmodel import HardwareProfile, profile_of_kind
 from collective_matmul.planning.decomposition import Decomposition
 from collective_matmul.planning.models import ring_hardware
 from collective_matmul.planning.problem import Collective, Problem
@@ -41,6 +42,7 @@ from collective_matmul.planning.text import as_message
 from collective_matmul.planning.xla_options import windowed_einsum
 from collective_matmul.programs.gpus import compile_options, deviceless_options
 from collective_matmul.programs.hlo import parse_module
+from collective_matmul.programs.predict import Prediction, predict
 from collective_matmul.programs.schedule import Overlap, overlap
 from collective_matmul.wire import CompiledCandidate, ProblemScreen, Screened
 
@@ -63,34 +65,63 @@ class CompileSession:
 
     def compile(self, config: Decomposition) -> CompiledCandidate:
         """Compile ``config``'s program; a failure is the record's status, never an exception."""
-        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware)
-        try:
-            self.problem.check(config)
-        except ValueError as exc:
-            return CompiledCandidate(**record, status="compile_error", message=f"invalid decomposition: {exc}")
-        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis),
-                              compiler_options_of(config, self.mesh) or {})
+        return self.compile_predicted(config).candidate
 
     def as_written(self, windowed: str | None = None) -> CompiledCandidate:
         """The product as a user writes it (a plain ``jnp`` product, GSPMD placing the collective), with XLA's
         windowed einsum ``off`` or ``on`` (None: the backend's default, its size threshold)."""
+        return self.as_written_predicted(windowed).candidate
+
+    def compile_predicted(self, config: Decomposition) -> PredictedCandidate:
+        """`compile`, with the compiled schedule's predicted time (`collective_matmul.programs.predict`)."""
+        record = dict(problem=self.problem, decomposition=config, hardware=self.hardware)
+        try:
+            self.problem.check(config)
+        except ValueError as exc:
+            return PredictedCandidate(CompiledCandidate(**record, status="compile_error",
+                                                        message=f"invalid decomposition: {exc}"))
+        return self._compiled(record, default_program(self.problem, config, self.mesh, self.axis),
+                              compiler_options_of(config, self.mesh) or {})
+
+    def as_written_predicted(self, windowed: str | None = None) -> PredictedCandidate:
+        """`as_written`, with the compiled schedule's predicted time."""
         options = windowed_einsum(self.platform, windowed) if windowed else {}
         record = dict(problem=self.problem, decomposition=Decomposition.baseline(), hardware=self.hardware)
         return self._compiled(record, plain_program(self.problem, self.mesh, self.axis), options or {})
 
-    def _compiled(self, record: dict, program, options: dict) -> CompiledCandidate:
+    def _compiled(self, record: dict, program, options: dict) -> PredictedCandidate:
         options = compile_options(self.mesh.devices.flat, options)
         started = time.perf_counter()
         try:
             compiled = jax.jit(program).lower(*self.args).compile(compiler_options=options or None)
         except Exception as exc:  # noqa: BLE001 - any compile failure is a result
             oom = classify_failure(exc) == "oom"
-            return CompiledCandidate(**record, status="oom" if oom else "compile_error",
-                                     message=as_message(error_message(exc), 2000), xla_options=options)
+            return PredictedCandidate(CompiledCandidate(**record, status="oom" if oom else "compile_error",
+                                                        message=as_message(error_message(exc), 2000),
+                                                        xla_options=options))
         seconds = time.perf_counter() - started
-        verdict = overlap(compiled.as_text())
-        return CompiledCandidate(**record, status="compiled", compile_s=seconds, memory_bytes=compiled_memory(compiled),
-                                 overlap=verdict.verdict, overlap_note=verdict.summary(), xla_options=options)
+        text = compiled.as_text()
+        verdict = overlap(text)
+        profile = accelerator_profile(self.mesh.devices.flat[0])
+        candidate = CompiledCandidate(**record, status="compiled", compile_s=seconds,
+                                      memory_bytes=compiled_memory(compiled), overlap=verdict.verdict,
+                                      overlap_note=verdict.summary(), xla_options=options)
+        return PredictedCandidate(candidate, predict(text, profile) if profile is not None else None)
+
+
+def accelerator_profile(device) -> HardwareProfile | None:
+    """The published figures a prediction for ``device``'s kind uses (None: a kind without figures, or virtual CPU
+    devices, whose profile orders candidates but predicts nothing worth printing)."""
+    return None if device.platform == "cpu" else profile_of_kind(device.device_kind)
+
+
+@dataclass(frozen=True)
+class PredictedCandidate:
+    """A compiled candidate and its predicted time (None: it did not compile, or no profile has figures for its
+    device kind).  The prediction is the cost model's, never a measurement; it stays off the wire."""
+
+    candidate: CompiledCandidate
+    prediction: Prediction | None = None
 
 
 def plain_program(problem: Problem, mesh: Mesh, axis: str):
@@ -107,11 +138,16 @@ def plain_program(problem: Problem, mesh: Mesh, axis: str):
 def compile_all(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[CompiledCandidate]:
     """The product as written (at XLA's default, and with its windowed einsum off where the backend has one), then
     every one of ``configs`` (``method="xla"`` among them: the windowed einsum on), compiled for ``mesh``."""
+    return [p.candidate for p in compile_all_predicted(problem, mesh, configs)]
+
+
+def compile_all_predicted(problem: Problem, mesh: Mesh, configs: Sequence[Decomposition]) -> list[PredictedCandidate]:
+    """`compile_all`, each with its compiled schedule's predicted time."""
     session = CompileSession(problem, mesh)
-    written = [session.as_written()]
+    written = [session.as_written_predicted()]
     if windowed_einsum(session.platform, "off") is not None:
-        written.append(session.as_written("off"))  # "on" is the candidate method="xla"
-    return written + [session.compile(config) for config in configs]
+        written.append(session.as_written_predicted("off"))  # "on" is the candidate method="xla"
+    return written + [session.compile_predicted(config) for config in configs]
 
 
 def screen(problem: Problem, mesh: Mesh, axis: str | None = None) -> tuple[Screened, ...]:
@@ -153,6 +189,49 @@ def screen_problems(problems: Sequence[Problem], devices: Sequence) -> list[Prob
     return list(screens.values())
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProductPrediction:
+    """One problem's programs compiled and predicted (seconds, predicted, never measured): the product as written
+    (XLA's windowed einsum at its default, off where the backend has it, on as ``method="xla"``) and the ring
+    candidate the prediction puts first."""
+
+    problem: Problem
+    cost_model: str
+    as_written_s: float
+    windowed_off_s: float | None  # None: the backend has no windowed einsum to turn off
+    windowed_einsum_s: float | None  # method="xla": None where the backend has none, or it did not compile
+    best: Decomposition | None  # the fastest ring predicted (None: no ring compiled)
+    best_s: float | None
+    compiled: int  # programs compiled and predicted, of those tried
+    tried: int
+
+
+def predict_problem(problem: Problem, mesh: Mesh) -> ProductPrediction | None:
+    """Every candidate of ``problem`` and the product as written compiled for ``mesh`` and predicted (None: no
+    figures for the devices' kind, or the product as written did not compile)."""
+    from collective_matmul.planning.space import candidates
+
+    if accelerator_profile(mesh.devices.flat[0]) is None:
+        return None
+    platform = mesh.devices.flat[0].platform
+    results = compile_all_predicted(problem, mesh, candidates(problem, platform=platform))
+    written = results[0].prediction
+    if written is None:
+        return None
+    has_off = windowed_einsum(platform, "off") is not None
+    off = results[1].prediction if has_off else None
+    configs = results[2 if has_off else 1:]
+    xla = next((r.prediction for r in configs if r.candidate.decomposition.method == "xla"), None)
+    rings = [r for r in configs if r.candidate.decomposition.method == "ring" and r.prediction is not None]
+    best = min(rings, key=lambda r: r.prediction.seconds, default=None)
+    return ProductPrediction(problem=problem, cost_model=written.cost_model, as_written_s=written.seconds,
+                             windowed_off_s=off.seconds if off else None,
+                             windowed_einsum_s=xla.seconds if xla else None,
+                             best=best.candidate.decomposition if best else None,
+                             best_s=best.prediction.seconds if best else None,
+                             compiled=sum(r.prediction is not None for r in results), tried=len(results))
+
+
 COUNTED = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")  # a step's collectives, as counted
 
 
@@ -166,6 +245,7 @@ class CompiledVariant:
     memory_bytes: int | None = None  # per device (``Compiled.memory_analysis()``)
     collectives: Mapping[str, int] = field(default_factory=dict)  # each of `COUNTED`: its ops, async or not
     overlap: Overlap | None = None
+    prediction: Prediction | None = None  # the compiled schedule's predicted time (None: no figures for its kind)
     error: str = ""
 
 
@@ -223,7 +303,10 @@ def _compiled_variant(label: str, windowed: str | None, built: Built, options: d
     except Exception as exc:  # noqa: BLE001 - a variant with the reason
         return CompiledVariant(label=label, windowed_einsum=windowed, error=f"{type(exc).__name__}: {exc}"[:300])
     seconds, text = time.monotonic() - started, compiled.as_text()
-    opcodes = [inst.opcode for comp in parse_module(text).computations.values() for inst in comp.instructions.values()]
+    module = parse_module(text)
+    opcodes = [inst.opcode for comp in module.computations.values() for inst in comp.instructions.values()]
+    profile = accelerator_profile(built.mesh.devices.flat[0])
     return CompiledVariant(label=label, windowed_einsum=windowed, compile_s=seconds,
-                           memory_bytes=compiled_memory(compiled), overlap=overlap(text),
+                           memory_bytes=compiled_memory(compiled), overlap=overlap(module),
+                           prediction=predict(module, profile) if profile is not None else None,
                            collectives={op: opcodes.count(op) + opcodes.count(f"{op}-start") for op in COUNTED})

@@ -53,7 +53,24 @@ class HardwareProfile(BaseModel):
     launch_s: float = Field(default=2e-6, ge=0, description="per-op launch/schedule overhead")
     loop_s: float = Field(default=5e-6, ge=0, description="per fori_loop iteration overhead")
     source: str = ""
+    # what the predictor of compiled programs (`collective_matmul.programs.predict`) needs besides the above
+    matmul_efficiency: dict[str, float] = Field(
+        default_factory=dict, description="fraction of the peak a large product reaches, by dtype name (1 if absent)")
+    efficiency_source: str = ""
+    wraparound_from: int | None = Field(
+        default=None, ge=2, description="the smallest ring whose ends are linked (a torus axis of that many "
+        "devices or more has two links into each device, one from each side; a shorter one is a line, whose ends "
+        "have one); None: a switch (NVLink), ``link_bytes_per_s`` being a device's whole one-way bandwidth")
+    links_source: str = ""
 
+
+# What fraction of the dense peak a large product reaches: general figures, never fitted to one benchmark.
+_GPU_EFFICIENCY = {"bfloat16": 0.75, "float16": 0.75, "float32": 0.75}
+_GPU_EFFICIENCY_SOURCE = ("a round general figure: large FP16/BF16 cuBLAS GEMMs on Hopper run at roughly three "
+                          "quarters of the dense tensor-core peak in public GEMM benchmarks; not fitted here")
+_TPU_EFFICIENCY = {"bfloat16": 0.9, "float32": 0.9}
+_TPU_EFFICIENCY_SOURCE = ("a round general figure: a large bf16 product keeps the MXUs nearly busy (How to Scale "
+                          "Your Model's rooflines assume the peak); not measured here")
 
 # Published peak figures (dense, per chip); link = one direction of one neighbour link.
 PROFILES: dict[str, HardwareProfile] = {
@@ -61,26 +78,40 @@ PROFILES: dict[str, HardwareProfile] = {
         name="tpu-v4", flops_per_s={"bfloat16": 275e12, "float32": 275e12 / 4},
         link_bytes_per_s=50e9, latency_s=5e-6, memory_bytes_per_s=1.2e12,
         source="Google Cloud TPU v4 docs: 275 TFLOPS bf16, 1.2 TB/s HBM, 6 ICI links",
+        matmul_efficiency=_TPU_EFFICIENCY, efficiency_source=_TPU_EFFICIENCY_SOURCE, wraparound_from=4,
+        links_source="How to Scale Your Model (scaling-book): v4 and v5p are 3D tori, an axis of 4 or more (a full "
+                     "cube's) has wraparound links",
     ),
     "tpu-v5e": HardwareProfile(
         name="tpu-v5e", flops_per_s={"bfloat16": 197e12, "float32": 197e12 / 4},
-        link_bytes_per_s=50e9, latency_s=5e-6, memory_bytes_per_s=0.82e12,
+        link_bytes_per_s=45e9, latency_s=5e-6, memory_bytes_per_s=0.81e12,
         source="Google Cloud TPU v5e docs: 197 TFLOPS bf16, 819 GB/s HBM, 1600 Gbps ICI",
+        matmul_efficiency=_TPU_EFFICIENCY, efficiency_source=_TPU_EFFICIENCY_SOURCE, wraparound_from=16,
+        links_source="How to Scale Your Model (jax-ml scaling-book, rooflines and sharding chapters): v5e ICI "
+                     "4.5e10 B/s one way per link, 8.1e11 B/s HBM; a 2D torus with wraparound only on a full axis "
+                     "of 16",
     ),
     "tpu-v5p": HardwareProfile(
         name="tpu-v5p", flops_per_s={"bfloat16": 459e12, "float32": 459e12 / 4},
         link_bytes_per_s=100e9, latency_s=5e-6, memory_bytes_per_s=2.76e12,
         source="Google Cloud TPU v5p docs: 459 TFLOPS bf16, 2.76 TB/s HBM, 4800 Gbps ICI",
+        matmul_efficiency=_TPU_EFFICIENCY, efficiency_source=_TPU_EFFICIENCY_SOURCE, wraparound_from=4,
+        links_source="How to Scale Your Model (scaling-book): v4 and v5p are 3D tori, an axis of 4 or more (a full "
+                     "cube's) has wraparound links",
     ),
     "h100-nvlink": HardwareProfile(
         name="h100-nvlink", flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
         link_bytes_per_s=450e9, latency_s=8e-6, memory_bytes_per_s=3.35e12, half_rows=128,
         source="NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense, 3.35 TB/s, NVLink 900 GB/s",
+        matmul_efficiency=_GPU_EFFICIENCY, efficiency_source=_GPU_EFFICIENCY_SOURCE,
+        links_source="NVIDIA datasheet: NVLink 4 through NVSwitch, 900 GB/s per GPU both ways (450 GB/s one way)",
     ),
     "h200-nvlink": HardwareProfile(
         name="h200-nvlink", flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
         link_bytes_per_s=450e9, latency_s=8e-6, memory_bytes_per_s=4.8e12, half_rows=128,
         source="NVIDIA H200 SXM datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s, NVLink 900 GB/s",
+        matmul_efficiency=_GPU_EFFICIENCY, efficiency_source=_GPU_EFFICIENCY_SOURCE,
+        links_source="NVIDIA datasheet: NVLink 4 through NVSwitch, 900 GB/s per GPU both ways (450 GB/s one way)",
     ),
     # Virtual CPU devices share the host's cores: transfers are memory copies that compete with
     # the matmuls, so nothing overlaps.  `calibrate_cpu` measures these rates on the spot (for
@@ -122,7 +153,11 @@ DEVICE_KIND_PREFIXES: tuple[tuple[str, str], ...] = (
 def profile_for(hardware: Hardware) -> HardwareProfile | None:
     """The profile of ``hardware``'s device kind (`DEVICE_KINDS`, then `DEVICE_KIND_PREFIXES`), or None for a
     kind without figures (say so with `no_figures`)."""
-    kind = hardware.device_kind
+    return profile_of_kind(hardware.device_kind)
+
+
+def profile_of_kind(kind: str) -> HardwareProfile | None:
+    """The profile of a device kind as JAX reports it (``TPU v5 lite``, ``NVIDIA H100 80GB HBM3``), or None."""
     name = DEVICE_KINDS.get(kind) or next((n for prefix, n in DEVICE_KIND_PREFIXES if kind.startswith(prefix)), None)
     return PROFILES[name] if name is not None else None
 

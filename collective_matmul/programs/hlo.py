@@ -201,7 +201,10 @@ class Module:
         init = self.computations[loop.computation].instructions.get(loop.operands[0]) if loop.operands else None
         if limit is None or index is None or init is None or init.opcode != "tuple":
             return None
-        start_inst = self.computations[loop.computation].instructions.get(init.operands[int(index)])
+        outer = self.computations[loop.computation].instructions
+        start_inst = outer.get(init.operands[int(index)])
+        while start_inst is not None and start_inst.opcode == "copy" and start_inst.operands:  # TPU copies it first
+            start_inst = outer.get(start_inst.operands[0])
         start = _constant(start_inst) if start_inst is not None and start_inst.opcode == "constant" else None
         return None if start is None else max(limit - start, 0)
 
@@ -342,7 +345,7 @@ def _tuple_elements(comp: Computation) -> None:
 
 def _operand_name(part: str) -> str:
     """An operand as the instruction names it: ``f32[2]{0} %a``, ``%a`` or ``a`` are all ``a``."""
-    return part.strip().split()[-1].lstrip("%")
+    return re.sub(r"/\*.*?\*/", "", part).strip().split()[-1].lstrip("%")
 
 
 def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[Frame, int | None]]:

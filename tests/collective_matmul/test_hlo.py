@@ -172,3 +172,33 @@ ENTRY main (x: f32[4]) -> (s32[], f32[4]) {
     assert element.shape.dtype == "s32" and module.computations["body"].instructions["param.2#1"].shape.dims == (4,)
     assert module.trip_count(module.entry.instructions["loop"]) == 3
     assert module.executions["body"] == (3, True)
+
+
+def test_a_trip_count_through_a_copied_counter_and_operands_after_an_index_comment():
+    """XLA's TPU compiler copies the loop counter's initial constant and writes ``/*index=5*/`` before the sixth
+    operand of a tuple: the counter is still read from the constant, the operand by its name."""
+    module = parse_module("""
+HloModule m, is_scheduled=true
+
+cond {
+  p = (s32[], s32[], s32[], s32[], s32[], s32[]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  three = s32[] constant(3)
+  ROOT lt = pred[] compare(i, three), direction=LT
+}
+
+body {
+  p = (s32[], s32[], s32[], s32[], s32[], s32[]) parameter(0)
+  ROOT t = (s32[], s32[], s32[], s32[], s32[], s32[]) tuple(p)
+}
+
+ENTRY e {
+  zero = s32[] constant(0)
+  start = s32[] copy(zero)
+  x = s32[] parameter(0)
+  init = (s32[], s32[], s32[], s32[], s32[], s32[]) tuple(start, x, x, x, x, /*index=5*/x)
+  ROOT w = (s32[], s32[], s32[], s32[], s32[], s32[]) while(init), condition=cond, body=body
+}
+""")
+    loop = module.entry.instructions["w"]
+    assert module.trip_count(loop) == 3 and module.entry.instructions["init"].operands[5] == "x"

@@ -20,6 +20,7 @@ def test_a_users_step_compiles_as_written_and_through_the_drop_in_each_a_record(
         assert not variant.error and variant.windowed_einsum is None, variant
         assert variant.compile_s > 0 and variant.memory_bytes > 0 and set(variant.collectives) == set(COUNTED)
         assert variant.overlap.verdict == "no permutes"
+        assert variant.prediction is None  # virtual CPU devices: no figures worth a prediction
     written, baseline, _ = compiled.variants
     assert baseline.collectives["reduce-scatter"] == 1 and written.collectives["reduce-scatter"] == 0
     assert len(compiled.sites.applied) == 2 and not compiled.sites.groups and compiled.device_options == {}
@@ -62,3 +63,24 @@ def test_a_submissions_screen_is_one_per_unique_problem_with_a_ring():
     assert len(screened.screen) == 16 and {s.overlap for s in screened.screen} == {"synchronous"}
     with pytest.raises(ValueError, match="allgather_matmul:256x64x128:float32:8: a ring of 8 does not divide"):
         screen_problems([Problem.parse("ag:256x64x128:float32:8")], devices)
+
+
+def test_a_compiled_steps_table_shows_a_predicted_time_labelled_with_its_cost_model():
+    from rich.console import Console
+
+    from cmtune.report import compiled_steps_table
+    from cmtune.workers.aot import CompiledVariant
+    from collective_matmul.programs.predict import Prediction
+    from collective_matmul.programs.schedule import Overlap
+
+    counts = dict.fromkeys(COUNTED, 1)
+    predicted = Prediction(seconds=770e-6, exposed_comm_s=1e-4, comm_s=2e-4, compute_s=6e-4,
+                           cost_model="cmtune-roofline/h100-nvlink", unpriced=("custom-call k (mine)",))
+    variants = [CompiledVariant(label=REFERENCE, compile_s=1.0, memory_bytes=2**20, collectives=counts,
+                                overlap=Overlap((), 0), prediction=predicted),
+                CompiledVariant(label="tuned", error="RuntimeError: no program")]
+    console = Console(width=250, record=True)
+    console.print(compiled_steps_table(variants, title="t"))
+    text = " ".join(console.export_text().split())
+    assert "770 µs predicted, 1 unpriced" in text and "(cmtune-roofline/h100-nvlink), a prediction, not a measurement" \
+        in text and "RuntimeError: no program" in text

@@ -197,6 +197,9 @@ def test_bench_compile_only_on_a_gpu_node_says_what_it_set():
     out = " ".join(run.stdout.split())
     assert "compiled for gpu:h100:1x4" in out and "compiled without a GPU: GEMMs as cuBLAS calls" in out
     assert "overlaps" in out and "no tuned config was written" in out
+    # every program's predicted time, said to be one (the cost model named), the deviceless form single-streamed
+    assert out.count("predicted (") >= 30 and "(cmtune-roofline/h100-nvlink), a prediction, not a measurement" in out
+    assert "XLA's windowed einsum on one stream, multi-streamed on a real node" in out
 
 
 @pytest.mark.parametrize("spec, listed_problems", [("examples/flax_nnx_gpt.py:tiny_gpt_step", 12),
