@@ -111,14 +111,14 @@ def main() -> None:
     rows.append((f"{MOSAIC}: one H100, local fp16 1024x4096x4096 product", local_product, "h100-nvlink", 43e-6))
     rows.append((f"{SCALING}: v5e ({args.tpu_topology}), all-gather bf16[2048,8192] over Y=4 of {{X:8, Y:4}}",
                  lambda: tpu_gather(args.tpu_topology), "tpu-v5e", 680e-6))
-    print("| program | cost model | predicted (µs) | communication / hidden (µs, predicted) | published (µs) "
+    print("| program | cost model | predicted (µs) | communication / overlapped (µs, predicted) | published (µs) "
           f"| error | within {GOAL:.0%} |")
     print("|---|---|---|---|---|---|---|")
     for label, compile_, profile, published in rows:
         started = time.perf_counter()
         got = predict(compile_(), PROFILES[profile])
         error = got.seconds / published - 1
-        hidden = got.hidden_fraction
+        hidden = got.overlapped_share
         comm = f"{got.comm_s * 1e6:,.0f} / {hidden:.0%}" if hidden is not None else "none"
         print(f"| {label} | {got.cost_model} | {got.seconds * 1e6:,.0f} | {comm} | {published * 1e6:,.0f} "
               f"| {error:+.1%} | {'yes' if abs(error) <= GOAL else 'no'} |", flush=True)

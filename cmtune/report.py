@@ -271,9 +271,9 @@ def compiled_table(results, *, title: str, predictions=None) -> Table:
         cells = [name, r.status, fmt_seconds(r.compile_s),
                  "-" if r.memory_bytes is None else f"{r.memory_bytes / 2**20:.1f} MiB", verdict]
         if models:
-            hidden = predicted.hidden_fraction if predicted is not None else None
+            hidden = predicted.overlapped_share if predicted is not None else None
             cells.append("-" if predicted is None else f"{fmt_seconds(predicted.seconds)} predicted"
-                         + (f" ({hidden:.0%} hidden)" if hidden is not None else ""))
+                         + (f" ({hidden:.0%} overlapped)" if hidden is not None else ""))
         table.add_row(*cells, r.overlap_note if r.status == "compiled" else r.message[:200])
     return table
 

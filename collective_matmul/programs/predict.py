@@ -40,16 +40,17 @@ class Prediction:
     unpriced: tuple[str, ...] = ()  # instructions priced at nothing: kernels the schedule cannot see into
 
     @property
-    def hidden_fraction(self) -> float | None:
-        """The share of the communication hidden behind other work (None: no communication)."""
+    def overlapped_share(self) -> float | None:
+        """The share of the communication that overlapped other work (None: no communication); not the bounds' hidden
+        fraction, which compares a tuned time with its baseline and bound (`collective_matmul.wire.bounds`)."""
         return 1.0 - self.exposed_comm_s / self.comm_s if self.comm_s > 0 else None
 
     def summary(self) -> str:
-        hidden = self.hidden_fraction
+        hidden = self.overlapped_share
         text = (f"predicted {self.seconds * 1e6:,.1f} µs ({self.cost_model}): compute {self.compute_s * 1e6:,.1f} µs, "
                 f"communication {self.comm_s * 1e6:,.1f} µs")
         if hidden is not None:
-            text += f", {hidden:.0%} hidden"
+            text += f", {hidden:.0%} of it overlapped"
         if self.unpriced:
             text += f"; unpriced: {', '.join(self.unpriced[:4])}" + (" ..." if len(self.unpriced) > 4 else "")
         return text

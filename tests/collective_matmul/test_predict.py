@@ -31,7 +31,7 @@ def test_a_product_alone_is_its_roofline():
     got = predict(text, ROUND)
     assert got == Prediction(seconds=DOT, exposed_comm_s=0.0, comm_s=0.0, compute_s=DOT,
                              cost_model="cmtune-roofline/round")
-    assert got.hidden_fraction is None
+    assert got.overlapped_share is None
     slow_memory = ROUND.model_copy(update={"memory_bytes_per_s": 1e9})  # now 140 kB take 140 µs: memory-bound
     assert predict(text, slow_memory).seconds == pytest.approx((100 * 200 + 200 * 50 + 100 * 50) * 4 / 1e9, rel=1e-12)
 
@@ -46,7 +46,7 @@ def test_an_all_gather_then_a_product_is_their_sum_and_nothing_hidden():
     got = predict(text, ROUND)
     assert got.comm_s == pytest.approx(gather, rel=1e-12) and got.exposed_comm_s == got.comm_s
     assert got.compute_s == pytest.approx(4 * DOT, rel=1e-12)
-    assert got.seconds == pytest.approx(gather + 4 * DOT, rel=1e-12) and got.hidden_fraction == 0.0
+    assert got.seconds == pytest.approx(gather + 4 * DOT, rel=1e-12) and got.overlapped_share == 0.0
     torus = ROUND.model_copy(update={"wraparound_from": 4})  # a torus axis of 4: two links into each device
     assert predict(text, torus).comm_s == pytest.approx(3 * 1e-6 + 400 * 200 * 4 * 3 / 4 / 2e9, rel=1e-12)
 
@@ -72,7 +72,7 @@ def test_a_permute_hides_the_product_it_brackets_and_not_one_after_it():
     assert bracketing.comm_s == after.comm_s == pytest.approx(PERMUTE, rel=1e-12)
     assert bracketing.seconds == pytest.approx(PERMUTE, rel=1e-12)  # the done waits for the transfer's end
     assert bracketing.exposed_comm_s == pytest.approx(PERMUTE - DOT, rel=1e-12)
-    assert bracketing.hidden_fraction == pytest.approx(DOT / PERMUTE, rel=1e-12)
+    assert bracketing.overlapped_share == pytest.approx(DOT / PERMUTE, rel=1e-12)
     assert after.seconds == pytest.approx(PERMUTE + DOT, rel=1e-12) and after.exposed_comm_s == after.comm_s
     assert predict(permuted(PRODUCT, ""), ROUND, serial=True).seconds == \
         pytest.approx(PERMUTE + DOT, rel=1e-12)  # the same schedule with nothing overlapped

@@ -39,12 +39,12 @@ def check(devices, dtype: str, model: str):
     small = predict(compiled_text(devices, f"ag:4096x4096x4096:{dtype}:4"), profile)
     large = predict(compiled_text(devices, f"ag:8192x4096x4096:{dtype}:4"), profile)
     assert small.cost_model == f"cmtune-roofline/{model}" and not small.unpriced
-    assert small.comm_s > 0 and small.hidden_fraction == 0.0  # as written: the gather, then the product
+    assert small.comm_s > 0 and small.overlapped_share == 0.0  # as written: the gather, then the product
     assert large.compute_s / small.compute_s == pytest.approx(2, rel=0.01)  # twice the rows: twice the product
     assert 1.6 < large.seconds / small.seconds < 2  # and twice the bytes gathered, the latencies unchanged
     text = compiled_text(devices, f"ag:4096x4096x4096:{dtype}:4", RING)
     ring, serial = predict(text, profile), predict(text, profile, serial=True)
-    assert ring.hidden_fraction > 0.2 and ring.seconds < serial.seconds
+    assert ring.overlapped_share > 0.2 and ring.seconds < serial.seconds
     assert serial.exposed_comm_s == pytest.approx(serial.comm_s, rel=1e-9)
     return small, ring
 
@@ -70,7 +70,7 @@ def test_every_program_compiled_for_a_gpu_node_has_its_predicted_time():
     assert off.candidate.xla_options and xla.candidate.decomposition.method == "xla"
     assert all(p.prediction is not None and p.prediction.cost_model == "cmtune-roofline/h100-nvlink"
                for p in (default, off, xla, ring))
-    assert ring.prediction.seconds < off.prediction.seconds and ring.prediction.hidden_fraction > 0.5
+    assert ring.prediction.seconds < off.prediction.seconds and ring.prediction.overlapped_share > 0.5
     assert "predict" not in ring.candidate.model_dump_json()
 
 
