@@ -35,7 +35,7 @@ def call_problems(collective: str, x, w, *, mesh: Mesh, axis: str, batch_axis: B
         ValueError: if ``collective`` is not one of the forward collectives or the shapes do not fit.
     """
     if collective not in COLLECTIVES:
-        raise ValueError(f"configs: collective must be one of {sorted(COLLECTIVES)}, got {collective!r}")
+        raise ValueError(f"configs: collective must be one of {sorted(map(str, COLLECTIVES))}, got {collective!r}")
     forward = problem_of(collective, x, w, mesh=mesh, axis=axis, batch_axis=batch_axis, tensor_axis=tensor_axis)
     return slot_problems(collective, m=forward.m, k=forward.k, n=forward.n, dtype=forward.dtype,
                          axis_size=forward.axis_size)

@@ -172,7 +172,7 @@ def slot_collective(collective: Collective, slot: str) -> Collective:
         ValueError: if ``collective`` is not one of the forward collectives, or ``slot`` not one of `SLOTS`.
     """
     if collective not in DUAL:
-        raise ValueError(f"collective must be one of {sorted(DUAL)}, got {collective!r}")
+        raise ValueError(f"collective must be one of {sorted(map(str, DUAL))}, got {collective!r}")
     if slot not in SLOTS:
         raise ValueError(f"slot must be one of {list(SLOTS)}, got {slot!r}")
     return {"forward": collective, "grad_input": DUAL[collective], "grad_weight": _GRAD_WEIGHTS[collective]}[slot]

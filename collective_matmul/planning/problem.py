@@ -259,7 +259,8 @@ def check_decomposition(
         ValueError: naming the field and the reason.
     """
     if collective not in ACTIVATION_COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {ACTIVATION_COLLECTIVES}")
+        known = [str(c) for c in ACTIVATION_COLLECTIVES]
+        raise ValueError(f"unknown collective {collective!r}; expected one of {known}")
     if config.fuse and collective != Collective.ALLGATHER_GRAD_WEIGHT:
         raise ValueError(
             f"fuse=True is not for {collective}: it belongs to the weight-gradient config "
