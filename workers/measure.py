@@ -154,7 +154,7 @@ def bound_programs(problem: Problem, mesh: Mesh, axis: str) -> dict[str, BoundPr
         compute = BoundProgram(partial_sum, [((m, k), P(axis, None)), ((m, n), P(axis, None))], P(axis, None), mesh)
         communication = BoundProgram(scatter, [((size * k, n), P(axis, None))], P(axis, None), mesh)
     else:
-        raise ValueError(f"no bound programs for the collective {problem.collective!r}")
+        raise ValueError(f"no bound programs for the collective {str(problem.collective)!r}")
     return {"compute": compute, "communication": communication}
 
 
