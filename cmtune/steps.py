@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.console import Console
 
 from cmtune.common import console, devices_option, set_up_devices, show_step
 from cmtune.workers.cluster import DeviceSpec
@@ -99,13 +100,15 @@ def deviceless(devices) -> None:
         console.print(note)
 
 
-def no_problems(ref: SpecRef, discovery) -> None:
+def no_problems(ref: SpecRef, discovery, *, out: Console | None = None) -> None:
+    """Say that the step has nothing to tune (on ``out``: standard error under ``--json``) and exit 1."""
     from cmtune.report import seen_line
 
-    console.print(f"[red]{ref}: the step has no collective matmul cmtune decomposes"
-                  + (f" ({len(discovery.skipped)} collective(s) skipped above)" if discovery.skipped else "")
-                  + ": nothing to tune[/red]")
-    console.print(seen_line(discovery))
+    out = out or console
+    out.print(f"[red]{ref}: the step has no collective matmul cmtune decomposes"
+              + (f" ({len(discovery.skipped)} collective(s) skipped above)" if discovery.skipped else "")
+              + ": nothing to tune[/red]")
+    out.print(seen_line(discovery))
     raise typer.Exit(1)
 
 
@@ -118,12 +121,12 @@ def problems(step: str, devices: str, as_json: bool) -> None:
     built, discovery = discover_step(ref, fn, spec)
     if not _leader():
         return
-    if as_json:
+    if as_json:  # standard output is the JSON object alone; sentences go to standard error
         print(discovery.model_dump_json(indent=2))
     else:
         show_discovery(ref, built, discovery)
     if not discovery.problems:
-        no_problems(ref, discovery)
+        no_problems(ref, discovery, out=Console(stderr=True) if as_json else None)
 
 
 def tune(step: str, devices: str, tune_problems) -> None:

@@ -193,3 +193,15 @@ def test_verify_compile_only_compiles_a_users_step_as_written_and_through_the_dr
     assert rows["as written"] == ["0.2 MiB", "2", "0", "3", "0", "no permutes"], rows
     assert rows["baseline"] == rows["tuned"] == ["0.2 MiB", "2", "1", "2", "0", "no permutes"], rows
     assert says(run, "compiled, not timed") and not says(run, "reference: the step as written")  # not timed
+
+
+def test_problems_json_is_json_alone_when_the_step_has_nothing_to_tune():
+    """`--json` prints the discovery's JSON object alone on standard output, whatever the step; the sentences
+    (nothing to tune, what was seen) go to standard error."""
+    import json
+
+    run = cmtune("problems", "--step", "tests/steps/data_parallel.py:step", "--devices", "virtual:8", "--json")
+    assert run.returncode == 1, run.stdout + run.stderr
+    found = json.loads(run.stdout)
+    assert found["problems"] == []
+    assert says(run.stderr, "nothing to tune")
