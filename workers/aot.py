@@ -100,13 +100,13 @@ class CompileSession:
                                                         message=as_message(error_message(exc), 2000),
                                                         xla_options=options))
         seconds = time.perf_counter() - started
-        text = compiled.as_text()
-        verdict = overlap(text)
+        module = parse_module(compiled.as_text())  # read once: the verdict and the prediction share it
+        verdict = overlap(module)
         profile = accelerator_profile(self.mesh.devices.flat[0])
         candidate = CompiledCandidate(**record, status="compiled", compile_s=seconds,
                                       memory_bytes=compiled_memory(compiled), overlap=verdict.verdict,
                                       overlap_note=verdict.summary(), xla_options=options)
-        return PredictedCandidate(candidate, predict(text, profile) if profile is not None else None)
+        return PredictedCandidate(candidate, predict(module, profile) if profile is not None else None)
 
 
 def accelerator_profile(device) -> HardwareProfile | None:

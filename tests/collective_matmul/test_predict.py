@@ -17,6 +17,13 @@ ROUND = HardwareProfile(name="round", flops_per_s={"float32": 1e12}, link_bytes_
                         memory_bytes_per_s=1e11, matmul_efficiency={"float32": 1.0})
 DOT = 2 * 100 * 50 * 200 / 1e12  # f32[100,200] x f32[200,50]: compute-bound (140 kB over 100 GB/s is 1.4 µs)
 PERMUTE = 1e-6 + 100 * 200 * 4 / 1e9  # one f32[100,200] block over one link, with its latency
+ADD = """
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+"""  # a reduction's computation
 
 
 def module(body: str, partitions: int = 4, extra: str = "") -> str:
@@ -156,13 +163,7 @@ def test_bytes_of_every_dtype_and_the_published_profiles_carry_their_sources():
 
 
 def test_a_reduce_scatter_tpu_fuses_as_a_sliced_all_reduce_is_priced_as_the_reduce_scatter():
-    extra = """
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}
-
+    extra = ADD + """
 all-reduce-scatter {
   p = f32[400,50]{1,0} parameter(0)
   ar = f32[400,50]{1,0} all-reduce(p), replica_groups={{0,1,2,3}}, to_apply=add
@@ -180,13 +181,7 @@ all-reduce-scatter {
 
 
 def test_a_combined_all_reduce_moves_every_operand():
-    extra = """
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT s = f32[] add(a, b)
-}
-"""
+    extra = ADD
     text = module("""
   x = f32[100,50]{1,0} parameter(0)
   y = f32[300,50]{1,0} parameter(1)
