@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from collective_matmul.planning.costmodel import HardwareProfile
 from collective_matmul.programs.costs import Pricer
 from collective_matmul.programs.hlo import Computation, Module, parse_module
+from collective_matmul.programs.products import called
 
 MODEL = "cmtune-roofline"
 
@@ -63,6 +64,16 @@ class _Tally:
     comm: float = 0.0
     compute: float = 0.0
     unpriced: list[str] = field(default_factory=list)
+
+    def wait(self, clock: float, end: float, is_comm: bool) -> float:
+        """The clock after waiting for a transfer that ends at ``end``: the wait is exposed communication, or
+        compute (a copy's DMA)."""
+        wait = max(0.0, end - clock)
+        if is_comm:
+            self.exposed += wait
+        else:
+            self.compute += wait
+        return clock + wait
 
     def add(self, other: _Tally, times: float) -> None:
         self.seconds += other.seconds * times
@@ -104,11 +115,7 @@ class _Replay:
             if op.endswith("-done"):
                 start = inst.operands[0] if inst.operands else ""
                 if start in pending:
-                    end, is_comm = pending.pop(start)
-                    wait = max(0.0, end - clock)
-                    clock += wait
-                    tally.exposed += wait if is_comm else 0.0
-                    tally.compute += 0.0 if is_comm else wait
+                    clock = tally.wait(clock, *pending.pop(start))
                 continue
             cost = self.pricer.instruction(comp, inst)
             if cost.kind == "unpriced":
@@ -125,9 +132,7 @@ class _Replay:
             else:
                 tally.compute += cost.seconds
         for end, is_comm in pending.values():  # a transfer never waited for here: the computation ends after it
-            wait = max(0.0, end - clock)
-            clock += wait
-            tally.exposed += wait if is_comm else 0.0
+            clock = tally.wait(clock, end, is_comm)
         tally.seconds = clock
         self.memo[comp.name] = tally
         return tally
@@ -148,10 +153,10 @@ class _Replay:
                     out.add(self.computation(comp, depth + 1), times)
             return out
         if inst.opcode == "call":
-            target = inst.attribute("to_apply") or next(iter(_names(inst.attributes, "calls")), "")
+            target = inst.attribute("to_apply") or next(iter(called(inst)), "")
             comp = module.computations.get(target)
             return self.computation(comp, depth + 1) if comp is not None else out
-        branches = [module.computations[n] for n in _branches(inst.attributes) if n in module.computations]
+        branches = [module.computations[n] for n in _branches(inst) if n in module.computations]
         tallies = [self.computation(b, depth + 1) for b in branches]
         return max(tallies, key=lambda t: t.seconds, default=out)
 
@@ -166,13 +171,9 @@ def _target(attributes: str) -> str:
     return f" ({match.group(1)})" if match else ""
 
 
-def _names(attributes: str, key: str) -> list[str]:
-    return re.findall(rf"{key}=%?([\w.\-]+)", attributes)
-
-
-def _branches(attributes: str) -> list[str]:
-    found = re.search(r"branch_computations=\{([^}]*)\}", attributes)
+def _branches(inst) -> list[str]:
+    """A conditional's branches: ``branch_computations={...}``, or its true and false computations."""
+    found = re.search(r"branch_computations=\{([^}]*)\}", inst.attributes)
     if found:
         return [n.strip().lstrip("%") for n in found.group(1).split(",") if n.strip()]
-    return _names(attributes, "true_computation") + _names(attributes, "false_computation")
-
+    return [n for n in (inst.attribute("true_computation"), inst.attribute("false_computation")) if n]
